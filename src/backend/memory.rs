@@ -1,0 +1,328 @@
+//! Locks in this process's memory, with the same semantics as the Redis backend.
+
+use std::{
+    collections::HashMap,
+    hash::BuildHasher,
+    sync::{Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+
+use super::{Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken};
+
+/// Enough shards that small batches on different keys rarely share a mutex on two cores
+/// or twenty, few enough that a batch of thousands locks them all cheaply.
+const SHARDS: usize = 64;
+
+/// A shard sweeps its expired entries when it has grown to this many, and then again
+/// whenever it has doubled since the last sweep, so sweeping stays amortized O(1).
+const FIRST_SWEEP_AT: usize = 1024;
+
+pub(crate) struct MemoryBackend {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: std::hash::RandomState,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    entries: HashMap<String, Entry>,
+    sweep_at: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    owner: OwnerToken,
+    expires_at: Instant,
+}
+
+impl Entry {
+    /// Held by someone else who has not expired.
+    fn blocks(&self, owner: OwnerToken, now: Instant) -> bool {
+        self.owner != owner && self.expires_at > now
+    }
+}
+
+impl std::fmt::Debug for MemoryBackend {
+    // By hand: the derived form would print every lock held.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryBackend")
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryBackend {
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    }
+
+    /// Locks the shards of `slots` in ascending order (every batch takes them in the same
+    /// order, so two batches never wait on each other), indexed by shard number.
+    fn lock_shards(&self, slots: &[usize]) -> Vec<Option<MutexGuard<'_, Shard>>> {
+        let mut wanted = [false; SHARDS];
+        for &slot in slots {
+            wanted[slot] = true;
+        }
+        (0..SHARDS)
+            // A panic cannot leave a shard half-written (every write is one insert or
+            // remove), so a poisoned shard is still consistent.
+            .map(|i| {
+                wanted[i].then(|| {
+                    self.shards[i]
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                })
+            })
+            .collect()
+    }
+
+    fn try_acquire(
+        &self,
+        keys: &[String],
+        owner: OwnerToken,
+        ttl: Duration,
+        report: usize,
+    ) -> Acquire {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        // Check every key before writing any, so a refused batch leaves no trace.
+        let mut contention = Contention {
+            keys: Vec::new(),
+            total: 0,
+            earliest_expiry: None,
+        };
+        for (key, &slot) in keys.iter().zip(&slots) {
+            let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+                continue;
+            };
+            if entry.blocks(owner, now) {
+                contention.total += 1;
+                if contention.keys.len() < report {
+                    contention.keys.push(key.clone());
+                }
+                let left = entry.expires_at - now;
+                contention.earliest_expiry =
+                    Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
+            }
+        }
+        if contention.total > 0 {
+            return Acquire::Held(contention);
+        }
+
+        let expires_at = now + ttl;
+        for (key, &slot) in keys.iter().zip(&slots) {
+            locked(&mut shards, slot)
+                .entries
+                .insert(key.clone(), Entry { owner, expires_at });
+        }
+        for shard in shards.iter_mut().flatten() {
+            shard.sweep_if_grown(now);
+        }
+        Acquire::Granted
+    }
+
+    fn release_owned(&self, keys: &[String], owner: OwnerToken) -> usize {
+        // Release needs no cross-shard atomicity: a competitor that sees some keys free
+        // and others still held is refused, which is what it would see a moment earlier.
+        let mut released = 0;
+        for key in keys {
+            let mut shard = self.shards[self.shard_of(key)]
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if shard
+                .entries
+                .get(key.as_str())
+                .is_some_and(|e| e.owner == owner)
+            {
+                shard.entries.remove(key.as_str());
+                released += 1;
+            }
+        }
+        released
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                s.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entries
+                    .len()
+            })
+            .sum()
+    }
+}
+
+/// The shard `slot` out of the shards [`MemoryBackend::lock_shards`] locked for a batch.
+fn locked<'s, 'g>(shards: &'s mut [Option<MutexGuard<'g, Shard>>], slot: usize) -> &'s mut Shard {
+    shards[slot]
+        .as_deref_mut()
+        .expect("every shard of the batch is locked")
+}
+
+impl Shard {
+    /// Drops expired entries that nobody released (their holder crashed or its release
+    /// was lost), so that the map does not grow without bound.
+    fn sweep_if_grown(&mut self, now: Instant) {
+        if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
+            self.entries.retain(|_, e| e.expires_at > now);
+            self.sweep_at = self.entries.len() * 2;
+        }
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn acquire<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+        ttl: Duration,
+        report: usize,
+    ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
+        Box::pin(std::future::ready(Ok(
+            self.try_acquire(keys, owner, ttl, report)
+        )))
+    }
+
+    fn release<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.release_owned(keys, owner))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(names: &[&str]) -> Vec<String> {
+        let mut keys: Vec<String> = names.iter().map(|n| format!("lock:{n}")).collect();
+        keys.sort();
+        keys
+    }
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn overlapping_batch_is_refused_and_writes_nothing() {
+        let backend = MemoryBackend::new();
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        assert_eq!(
+            backend.try_acquire(&keys(&["1", "2"]), a, TTL, 20),
+            Acquire::Granted
+        );
+
+        let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20) else {
+            panic!("an overlapping batch was granted");
+        };
+        assert_eq!(c.keys, keys(&["2"]));
+        assert_eq!(c.total, 1);
+        assert!(c.earliest_expiry.is_some_and(|e| e <= TTL));
+        // All or nothing: the free keys of the refused batch were not taken.
+        assert_eq!(backend.len(), 2);
+        assert_eq!(
+            backend.try_acquire(&keys(&["3", "4"]), b, TTL, 20),
+            Acquire::Granted
+        );
+    }
+
+    #[test]
+    fn release_only_deletes_the_owners_keys() {
+        let backend = MemoryBackend::new();
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        assert_eq!(
+            backend.try_acquire(&keys(&["1"]), a, TTL, 20),
+            Acquire::Granted
+        );
+        assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
+        assert!(matches!(
+            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
+            Acquire::Held(_)
+        ));
+        assert_eq!(backend.release_owned(&keys(&["1"]), a), 1);
+        assert_eq!(
+            backend.release_owned(&keys(&["1"]), a),
+            0,
+            "release is idempotent"
+        );
+        assert_eq!(
+            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
+            Acquire::Granted
+        );
+    }
+
+    #[test]
+    fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
+        let backend = MemoryBackend::new();
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let short = Duration::from_millis(20);
+        assert_eq!(
+            backend.try_acquire(&keys(&["1"]), a, short, 20),
+            Acquire::Granted
+        );
+        std::thread::sleep(short * 2);
+        assert_eq!(
+            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
+            Acquire::Granted
+        );
+        assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
+        assert!(matches!(
+            backend.try_acquire(&keys(&["1"]), a, TTL, 20),
+            Acquire::Held(_)
+        ));
+    }
+
+    #[test]
+    fn contention_names_at_most_the_report_limit_but_counts_all() {
+        let backend = MemoryBackend::new();
+        let names: Vec<String> = (0..50).map(|i| i.to_string()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let batch = keys(&names);
+        assert_eq!(
+            backend.try_acquire(&batch, OwnerToken::random(), TTL, 20),
+            Acquire::Granted
+        );
+        let Acquire::Held(c) = backend.try_acquire(&batch, OwnerToken::random(), TTL, 3) else {
+            panic!("granted twice");
+        };
+        assert_eq!((c.keys.len(), c.total), (3, 50));
+    }
+
+    #[test]
+    fn expired_entries_are_swept_as_the_map_grows() {
+        let backend = MemoryBackend::new();
+        let short = Duration::from_millis(1);
+        for i in 0..(SHARDS * FIRST_SWEEP_AT) {
+            let key = vec![format!("lock:{i}")];
+            assert_eq!(
+                backend.try_acquire(&key, OwnerToken::random(), short, 0),
+                Acquire::Granted
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        for i in 0..(SHARDS * FIRST_SWEEP_AT) {
+            let key = vec![format!("again:{i}")];
+            assert_eq!(
+                backend.try_acquire(&key, OwnerToken::random(), TTL, 0),
+                Acquire::Granted
+            );
+        }
+        // Without sweeping all 2 * 65,536 entries would remain.
+        assert!(
+            backend.len() < 2 * SHARDS * FIRST_SWEEP_AT * 3 / 4,
+            "{}",
+            backend.len()
+        );
+    }
+}

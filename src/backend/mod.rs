@@ -1,0 +1,122 @@
+//! Where locks live: one trait, one implementation per store.
+//!
+//! A backend locks a whole batch or nothing, and releases only the keys that still hold
+//! the caller's owner token. Keys arrive normalized (prefixed, sorted, deduplicated), so a
+//! backend never parses or namespaces them itself.
+
+use std::{fmt, future::Future, pin::Pin, time::Duration};
+
+use uuid::Uuid;
+
+pub(crate) mod memory;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Who holds a lock: 128 random bits from the OS generator, fresh for every acquisition.
+///
+/// It is a capability (whoever knows it can release the keys), so it never leaves the
+/// process except to the lock store, and it is never derived from a thread or process id.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OwnerToken(Uuid);
+
+impl OwnerToken {
+    pub(crate) fn random() -> Self {
+        Self(Uuid::new_v4())
+    }
+
+    /// The token as the lock store keeps it: 32 lowercase hex digits.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn as_hex(&self) -> String {
+        self.0.simple().to_string()
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    // The token is a secret: debug output must not leak it into logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnerToken(..)")
+    }
+}
+
+/// What an acquisition found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Acquire {
+    /// Every key of the batch now holds the caller's token.
+    Granted,
+    /// At least one key is held by another owner; nothing was written.
+    Held(Contention),
+}
+
+/// The keys that stopped a batch.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Contention {
+    /// Up to the requested number of conflicting keys, as stored (with the prefix).
+    pub(crate) keys: Vec<String>,
+    /// How many keys of the batch are held by others in all.
+    pub(crate) total: usize,
+    /// Time until the earliest of the conflicting keys expires, when the store knows it.
+    pub(crate) earliest_expiry: Option<Duration>,
+}
+
+/// A lock store that could not answer.
+#[derive(Debug)]
+pub(crate) struct BackendError {
+    /// Whether the store may have carried out the command before failing, so that the
+    /// caller has to clean up after itself.
+    pub(crate) may_have_applied: bool,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl BackendError {
+    /// The command never reached the store (for example, no connection could be made).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn not_sent(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self {
+            may_have_applied: false,
+            source: source.into(),
+        }
+    }
+
+    /// The command was sent, and its effect is unknown.
+    pub(crate) fn unknown(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self {
+            may_have_applied: true,
+            source: source.into(),
+        }
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lock store error: {}", self.source)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// A lock store. Both calls take the whole batch, so each costs one round trip.
+pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
+    /// Locks every key for `ttl`, or none of them. `report` bounds how many conflicting
+    /// keys a [`Contention`] names.
+    fn acquire<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+        ttl: Duration,
+        report: usize,
+    ) -> BoxFuture<'a, Result<Acquire, BackendError>>;
+
+    /// Deletes the keys that still hold `owner`, and returns how many it deleted. Keys that
+    /// expired or that another owner took since are left alone.
+    fn release<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+    ) -> BoxFuture<'a, Result<usize, BackendError>>;
+}

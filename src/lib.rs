@@ -1,0 +1,67 @@
+//! Lock every resource a request touches, as one all-or-nothing batch, before the handler
+//! runs.
+//!
+//! [`LockLayer`] reads lock keys out of each request with a [`KeyExtractor`] (path
+//! parameters, a header, ids in a JSON body), acquires all of them in one step or none of
+//! them, runs the inner service, and releases them when the response is ready or the
+//! request is dropped. A request whose keys are held elsewhere gets `409 Conflict` (or
+//! `423 Locked`) with a `Retry-After`, and never reaches the handler.
+//!
+//! ```
+//! use axum::{body::Body, routing::put, Router};
+//! use http::{Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tower_batch_lock::{keys, Locks};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let locks = Locks::memory();
+//! let app = Router::new().route(
+//!     "/orders/{id}",
+//!     put(|| async { "updated" }).layer(locks.layer(keys::path("order"))),
+//! );
+//!
+//! let response = app
+//!     .oneshot(Request::put("/orders/42").body(Body::empty()).unwrap())
+//!     .await
+//!     .unwrap();
+//! assert_eq!(response.status(), StatusCode::OK);
+//! # }
+//! ```
+//!
+//! # Stores
+//!
+//! - [`Locks::memory`] and [`Locks::global`] (what [`LockLayer::new`] uses): one process.
+//! - [`Locks::redis`] (feature `redis`, on by default): every process that shares a Redis.
+//!
+//! # Responses
+//!
+//! | situation | status |
+//! | --- | --- |
+//! | all keys acquired | the inner service's |
+//! | a key is held by another request | 409 ([`Locks::contention_status`]), `Retry-After` |
+//! | the store is unreachable or slow ([`Locks::backend_timeout`]) | 503, `Retry-After` |
+//! | the extractor refuses the request | its own 4xx (see [`keys::json`]) |
+//! | more keys than [`Locks::max_keys`] | 413 |
+//! | an empty key, or one longer than [`Locks::max_key_len`] | 400 |
+//!
+//! Every refusal is an `application/problem+json` document ([`Rejection`]).
+
+mod backend;
+mod body;
+mod future;
+mod guard;
+pub mod keys;
+mod layer;
+mod locks;
+mod rejection;
+mod service;
+
+pub use body::ResponseBody;
+pub use future::ResponseFuture;
+pub use guard::Lease;
+pub use keys::KeyExtractor;
+pub use layer::LockLayer;
+pub use locks::Locks;
+pub use rejection::Rejection;
+pub use service::LockService;

@@ -1,0 +1,188 @@
+//! The responses the layer gives instead of calling the inner service.
+
+use std::{borrow::Cow, fmt, time::Duration};
+
+use axum::response::{IntoResponse, Response};
+use http::{header, HeaderValue, StatusCode};
+
+/// Why a request was answered without running the inner service.
+///
+/// Every rejection knows its [`StatusCode`] and renders as `application/problem+json`
+/// ([RFC 9457]) with a `detail` a person can act on; where waiting helps (contention, an
+/// unavailable lock store) it also sets `Retry-After`. Extractors return it too:
+///
+/// ```
+/// use http::{request::Parts, StatusCode};
+/// use tower_batch_lock::Rejection;
+///
+/// fn idempotency_key(parts: &Parts) -> Result<Vec<String>, Rejection> {
+///     let key = parts
+///         .headers
+///         .get("idempotency-key")
+///         .and_then(|v| v.to_str().ok())
+///         .ok_or_else(|| Rejection::new(StatusCode::BAD_REQUEST, "send an Idempotency-Key header"))?;
+///     Ok(vec![format!("idem:{key}")])
+/// }
+/// # let _ = tower_batch_lock::LockLayer::new(idempotency_key);
+/// ```
+///
+/// [RFC 9457]: https://www.rfc-editor.org/rfc/rfc9457
+#[derive(Debug, Clone)]
+pub struct Rejection {
+    status: StatusCode,
+    detail: Cow<'static, str>,
+    retry_after: Option<Duration>,
+    extension: Option<(&'static str, serde_json::Value)>,
+}
+
+impl Rejection {
+    /// A rejection with this status and explanation.
+    pub fn new(status: StatusCode, detail: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            status,
+            detail: detail.into(),
+            retry_after: None,
+            extension: None,
+        }
+    }
+
+    /// Some of the request's keys are held by another owner.
+    pub(crate) fn contention(
+        status: StatusCode,
+        held: usize,
+        of: usize,
+        named: Vec<String>,
+        retry_after: Duration,
+    ) -> Self {
+        let detail = if held == of && of == 1 {
+            "the resource this request locks is held by another request".to_owned()
+        } else {
+            format!("{held} of the {of} resources this request locks are held by another request")
+        };
+        let mut rejection = Self::new(status, detail).retry_after(retry_after);
+        if !named.is_empty() {
+            rejection.extension = Some(("conflicting_keys", named.into()));
+        }
+        rejection
+    }
+
+    /// The lock store could not be reached in time. Says nothing of why: that is logged.
+    pub(crate) fn unavailable() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the lock service is unavailable; try again later",
+        )
+        .retry_after(Duration::from_secs(1))
+    }
+
+    /// The request broke one of the configured limits, named in the `limit` member.
+    pub(crate) fn limit(status: StatusCode, limit: &'static str, detail: String) -> Self {
+        Self {
+            extension: Some(("limit", limit.into())),
+            ..Self::new(status, detail)
+        }
+    }
+
+    fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// The status code of the response.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The explanation, as the `detail` member of the body.
+    pub fn body_text(&self) -> &str {
+        &self.detail
+    }
+
+    /// The problem document ([RFC 9457]) of the response body.
+    ///
+    /// [RFC 9457]: https://www.rfc-editor.org/rfc/rfc9457
+    fn problem(&self) -> serde_json::Value {
+        let mut problem = serde_json::json!({
+            "type": "about:blank",
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        if let (Some((name, value)), Some(members)) = (&self.extension, problem.as_object_mut()) {
+            members.insert((*name).to_owned(), value.clone());
+        }
+        problem
+    }
+}
+
+/// Whole seconds, rounded up, and at least one: `Retry-After: 0` invites a busy loop.
+fn retry_after_secs(after: Duration) -> u64 {
+    (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1)
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.status, self.detail)
+    }
+}
+
+impl std::error::Error for Rejection {}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.problem().to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs(after)),
+            );
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        let secs = |ms| retry_after_secs(Duration::from_millis(ms));
+        assert_eq!(
+            [secs(0), secs(1), secs(999), secs(1000), secs(1001)],
+            [1, 1, 1, 1, 2]
+        );
+    }
+
+    #[test]
+    fn problem_has_the_rfc_9457_members_and_the_extension() {
+        let rejection = Rejection::contention(
+            StatusCode::CONFLICT,
+            2,
+            5,
+            vec!["sku:1".into()],
+            Duration::from_secs(3),
+        );
+        assert_eq!(
+            rejection.problem(),
+            serde_json::json!({
+                "type": "about:blank",
+                "title": "Conflict",
+                "status": 409,
+                "detail": "2 of the 5 resources this request locks are held by another request",
+                "conflicting_keys": ["sku:1"],
+            })
+        );
+        let response = rejection.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
+}

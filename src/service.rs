@@ -1,0 +1,59 @@
+//! The middleware service.
+
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::{keys::KeyExtractor, Locks, ResponseBody, ResponseFuture};
+
+/// The service [`LockLayer`](crate::LockLayer) wraps around its inner service.
+#[derive(Debug, Clone)]
+pub struct LockService<S, E> {
+    inner: S,
+    locks: Locks,
+    extractor: E,
+}
+
+impl<S, E> LockService<S, E> {
+    pub(crate) fn new(inner: S, locks: Locks, extractor: E) -> Self {
+        Self {
+            inner,
+            locks,
+            extractor,
+        }
+    }
+}
+
+impl<S, E, B, ResBody> Service<Request<B>> for LockService<S, E>
+where
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
+    E: KeyExtractor<B>,
+    B: Send + 'static,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let span = tracing::debug_span!(
+            "lock",
+            keys = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            acquire_ms = tracing::field::Empty,
+        );
+        let locking = {
+            let _entered = span.enter();
+            self.locks.lock(&self.extractor, request, span.clone())
+        };
+        // The inner service was made ready by `poll_ready`; the locking happens later, in
+        // the future, so move the ready one there and keep a fresh clone here.
+        let clone = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(locking, ready, span)
+    }
+}
