@@ -19,10 +19,10 @@ use crate::Rejection;
 /// name. A `/` or `%` inside a value is percent-encoded, so two different paths never share
 /// a key.
 ///
-/// It reads the parameters axum's router found, so it works as a route's layer
+/// It reads the parameters axum's router found, so it works under any axum layering
 /// ([`MethodRouter::layer`](axum::routing::MethodRouter::layer),
-/// [`Router::route_layer`](axum::Router::route_layer)), not as a [`Router::layer`](axum::Router::layer)
-/// that runs before routing: there it answers 500 and logs why.
+/// [`Router::route_layer`](axum::Router::route_layer), [`Router::layer`](axum::Router::layer));
+/// on a service outside an axum router it answers 500 and logs why.
 ///
 /// ```
 /// use axum::{routing::put, Router};
@@ -81,8 +81,8 @@ impl PathKeys {
         tracing::error!(
             kind = %self.kind,
             param = self.param.as_deref(),
-            "keys::path found no path parameter to lock on; use it as the layer of a route \
-             with parameters, not as a Router::layer"
+            "keys::path found no path parameter to lock on; use it on a route with parameters, \
+             inside an axum Router"
         );
         Rejection::new(
             StatusCode::INTERNAL_SERVER_ERROR,
