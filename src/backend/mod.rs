@@ -69,6 +69,7 @@ pub(crate) struct BackendError {
     source: Box<dyn std::error::Error + Send + Sync>,
 }
 
+// The memory store never fails, so without the `redis` feature nothing builds these.
 impl BackendError {
     /// The command never reached the store (for example, no connection could be made).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -80,6 +81,7 @@ impl BackendError {
     }
 
     /// The command was sent, and its effect is unknown.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn unknown(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self {
             may_have_applied: true,
