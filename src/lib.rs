@@ -65,3 +65,8 @@ pub use layer::LockLayer;
 pub use locks::Locks;
 pub use rejection::Rejection;
 pub use service::LockService;
+
+// The README's examples compile as doctests, so its quickstart stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
