@@ -90,33 +90,41 @@ impl LockGuard {
         })
     }
 
-    /// Forgets the keys without releasing them: for a batch the store refused, which
-    /// wrote nothing to release.
+    /// Forgets the keys without releasing them: for a batch the store refused (it wrote
+    /// nothing), or one already released.
     pub(crate) fn disarm(mut self) {
         self.held = None;
     }
 
     /// Releases the keys now. The returned future logs failures instead of returning them:
     /// by the time it runs, nobody could do better than wait for the TTL.
-    pub(crate) fn release(mut self) -> BoxFuture<'static, ()> {
-        match self.held.take() {
-            Some(held) => Box::pin(held.release()),
-            None => Box::pin(std::future::ready(())),
-        }
+    ///
+    /// The future owns the guard, still armed, until the store has answered: if the future
+    /// is dropped midway (the client left just as the handler finished), the guard's drop
+    /// sends the release again. Releasing twice is harmless; releasing never is not.
+    pub(crate) fn release(self) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            if let Some(held) = &self.held {
+                held.release().await;
+            }
+            self.disarm();
+        })
     }
 }
 
 impl Held {
-    async fn release(self) {
+    async fn release(&self) {
         let released =
             tokio::time::timeout(self.timeout, self.backend.release(&self.keys, self.owner)).await;
         match released {
             Ok(Ok(count)) => {
                 tracing::trace!(keys = self.keys.len(), released = count, "released locks")
             }
-            Ok(Err(error)) => {
-                tracing::warn!(keys = self.keys.len(), %error, "could not release locks; they expire with their TTL")
-            }
+            Ok(Err(error)) => tracing::warn!(
+                keys = self.keys.len(),
+                %error,
+                "could not release locks; they expire with their TTL"
+            ),
             Err(_) => tracing::warn!(
                 keys = self.keys.len(),
                 timeout_ms = self.timeout.as_millis() as u64,
@@ -131,12 +139,77 @@ impl Drop for LockGuard {
         let Some(held) = self.held.take() else { return };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(held.release());
+                runtime.spawn(async move { held.release().await });
             }
             Err(_) => tracing::warn!(
                 keys = held.keys.len(),
                 "locks dropped outside a Tokio runtime; they expire with their TTL"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::backend::{memory::MemoryBackend, Acquire, BackendError};
+
+    /// The memory store, except that its next release never answers: a store that went
+    /// silent just as a response was finishing.
+    #[derive(Debug)]
+    struct StallingRelease {
+        store: MemoryBackend,
+        stall_next: AtomicBool,
+    }
+
+    impl Backend for StallingRelease {
+        fn acquire<'a>(
+            &'a self,
+            keys: &'a [String],
+            owner: OwnerToken,
+            ttl: Duration,
+            report: usize,
+        ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
+            self.store.acquire(keys, owner, ttl, report)
+        }
+
+        fn release<'a>(
+            &'a self,
+            keys: &'a [String],
+            owner: OwnerToken,
+        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+            if self.stall_next.swap(false, Ordering::SeqCst) {
+                return Box::pin(std::future::pending());
+            }
+            self.store.release(keys, owner)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_release_dropped_midway_is_sent_again() {
+        let backend = Arc::new(StallingRelease {
+            store: MemoryBackend::new(),
+            stall_next: AtomicBool::new(true),
+        });
+        let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+        let (owner, other) = (OwnerToken::random(), OwnerToken::random());
+        let ttl = Duration::from_secs(30);
+        let granted = backend.acquire(&keys, owner, ttl, 0).await.unwrap();
+        assert_eq!(granted, Acquire::Granted);
+
+        let guard = LockGuard::new(backend.clone(), keys.clone(), owner, ttl);
+        let stalled = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
+        assert!(stalled.is_err(), "the first release should have stalled");
+
+        // Dropping the stalled release spawned another one; let it run.
+        for _ in 0..100 {
+            if backend.acquire(&keys, other, ttl, 0).await.unwrap() == Acquire::Granted {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the keys were not released after the release future was dropped");
     }
 }
