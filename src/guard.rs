@@ -45,7 +45,8 @@ impl Lease {
 
 /// Releases a batch of keys when dropped, unless [released](Self::release) before.
 ///
-/// `Drop` cannot wait for the store, so a drop spawns the release onto the Tokio runtime;
+/// `Drop` cannot wait for the store, so a drop spawns the release onto the Tokio runtime,
+/// which retries while the store does not answer, until the keys would have expired anyway;
 /// the keys' TTL frees them if even that fails.
 #[derive(Debug)]
 pub(crate) struct LockGuard {
@@ -58,6 +59,9 @@ struct Held {
     keys: Arc<[String]>,
     owner: OwnerToken,
     timeout: Duration,
+    /// When the keys expire in the store if nobody releases them (never earlier): past
+    /// this, retrying a release has nothing left to free.
+    expires_at: Instant,
 }
 
 impl LockGuard {
@@ -69,6 +73,7 @@ impl LockGuard {
         keys: Arc<[String]>,
         owner: OwnerToken,
         timeout: Duration,
+        expires_at: Instant,
     ) -> Self {
         Self {
             held: Some(Held {
@@ -76,6 +81,7 @@ impl LockGuard {
                 keys,
                 owner,
                 timeout,
+                expires_at,
             }),
         }
     }
@@ -102,10 +108,14 @@ impl LockGuard {
     /// The future owns the guard, still armed, until the store has answered: if the future
     /// is dropped midway (the client left just as the handler finished), the guard's drop
     /// sends the release again. Releasing twice is harmless; releasing never is not.
+    /// Likewise when the store does not answer: the response goes out after one attempt,
+    /// and the guard's drop keeps retrying in the background.
     pub(crate) fn release(self) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             if let Some(held) = &self.held {
-                held.release().await;
+                if !held.release().await {
+                    return; // dropped armed: retried from `Drop`
+                }
             }
             self.disarm();
         })
@@ -113,23 +123,48 @@ impl LockGuard {
 }
 
 impl Held {
-    async fn release(&self) {
+    /// One attempt; whether the store answered.
+    async fn release(&self) -> bool {
         let released =
             tokio::time::timeout(self.timeout, self.backend.release(&self.keys, self.owner)).await;
         match released {
             Ok(Ok(count)) => {
-                tracing::trace!(keys = self.keys.len(), released = count, "released locks")
+                tracing::trace!(keys = self.keys.len(), released = count, "released locks");
+                true
             }
-            Ok(Err(error)) => tracing::warn!(
-                keys = self.keys.len(),
-                %error,
-                "could not release locks; they expire with their TTL"
-            ),
-            Err(_) => tracing::warn!(
-                keys = self.keys.len(),
-                timeout_ms = self.timeout.as_millis() as u64,
-                "releasing locks timed out; they expire with their TTL"
-            ),
+            Ok(Err(error)) => {
+                tracing::warn!(keys = self.keys.len(), %error, "could not release locks");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(
+                    keys = self.keys.len(),
+                    timeout_ms = self.timeout.as_millis() as u64,
+                    "releasing locks timed out"
+                );
+                false
+            }
+        }
+    }
+
+    /// Retries until the store answers, or until the keys would have expired anyway.
+    ///
+    /// One attempt is not enough after an acquisition whose outcome is unknown: the store
+    /// that was too slow to answer it is usually too slow for the release that follows
+    /// at once, and the acquisition may still run when it recovers. A release sent after
+    /// the store recovered runs after it, on any connection.
+    async fn release_until_answered(&self) {
+        let mut pause = Duration::from_millis(50);
+        while !self.release().await {
+            if Instant::now() + pause >= self.expires_at {
+                tracing::warn!(
+                    keys = self.keys.len(),
+                    "gave up releasing locks; they expire with their TTL"
+                );
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 }
@@ -139,7 +174,7 @@ impl Drop for LockGuard {
         let Some(held) = self.held.take() else { return };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move { held.release().await });
+                runtime.spawn(async move { held.release_until_answered().await });
             }
             Err(_) => tracing::warn!(
                 keys = held.keys.len(),
@@ -199,7 +234,13 @@ mod tests {
         let granted = backend.acquire(&keys, owner, ttl, 0).await.unwrap();
         assert_eq!(granted, Acquire::Granted);
 
-        let guard = LockGuard::new(backend.clone(), keys.clone(), owner, ttl);
+        let guard = LockGuard::new(
+            backend.clone(),
+            keys.clone(),
+            owner,
+            ttl,
+            Instant::now() + ttl,
+        );
         let stalled = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
         assert!(stalled.is_err(), "the first release should have stalled");
 

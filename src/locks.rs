@@ -224,13 +224,14 @@ impl Locks {
 
         let keys: Arc<[String]> = keys.into();
         let owner = OwnerToken::random();
+        let started = Instant::now();
         let guard = LockGuard::new(
             self.backend.clone(),
             keys.clone(),
             owner,
             policy.backend_timeout,
+            started + policy.ttl,
         );
-        let started = Instant::now();
         let acquired = tokio::time::timeout(
             policy.backend_timeout,
             self.backend
