@@ -1,0 +1,1487 @@
+#![cfg(feature = "redis")]
+//! The Redis backend, driven through the layer the way users drive it: an axum `Router`
+//! called with `oneshot` (or served over a real TCP listener), against real `redis-server`
+//! processes started by `support` on free loopback ports.
+//!
+//! Every test starts its own server, uses short TTLs, and bounds every wait.
+
+#[allow(unreachable_pub)] // `support` is shared by several test binaries
+mod support;
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    future::Future,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    body::Body,
+    routing::{post, put},
+    Extension, Router,
+};
+use bytes::Bytes;
+use http::{header, request::Parts, HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use support::RedisServer;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    sync::{Barrier, Notify},
+};
+use tower::{Service, ServiceExt};
+use tower_batch_lock::{keys, Lease, Locks, Rejection};
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// A route `POST /batch` that locks the JSON array of strings in the body.
+fn batch_router<H, T>(locks: &Locks, handler: H) -> Router
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    Router::new().route(
+        "/batch",
+        post(handler).layer(locks.layer(keys::json(|keys: Vec<String>| keys))),
+    )
+}
+
+/// `POST /batch` with `keys` as a JSON array.
+fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
+    let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
+    Request::post("/batch")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(serde_json::to_vec(&keys).unwrap()))
+        .unwrap()
+}
+
+/// Keys from the comma-separated `x-keys` header: a closure extractor over the head.
+fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
+    let value = parts
+        .headers
+        .get("x-keys")
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| Rejection::new(StatusCode::BAD_REQUEST, "send an x-keys header"))?;
+    Ok(value.split(',').map(str::to_owned).collect())
+}
+
+fn header_request(path: &str, keys: &[String]) -> Request<Body> {
+    Request::post(path)
+        .header("x-keys", keys.join(","))
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// A response, read to the end.
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    /// The problem+json document of a refusal.
+    fn problem(&self) -> serde_json::Value {
+        assert_eq!(
+            self.headers[header::CONTENT_TYPE],
+            "application/problem+json",
+            "a refusal is problem+json: {self:?}"
+        );
+        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(problem["status"], self.status.as_u16(), "{problem}");
+        problem
+    }
+
+    fn retry_after(&self) -> u64 {
+        self.headers
+            .get(header::RETRY_AFTER)
+            .unwrap_or_else(|| panic!("no Retry-After on {self:?}"))
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// `future`, or a panic naming `what` after `limit`.
+async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
+}
+
+/// Polls `check` every 5 ms until it holds; how long that took, or `None` after `limit`.
+async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if check() {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Looks at the server from outside the crate, with plain synchronous connections.
+#[derive(Clone)]
+struct Observer {
+    url: String,
+}
+
+impl Observer {
+    fn of(server: &RedisServer) -> Self {
+        Self { url: server.url() }
+    }
+
+    fn connection(&self) -> redis::Connection {
+        let client = redis::Client::open(self.url.as_str()).unwrap();
+        let connection = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect to the test redis-server");
+        connection
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        connection
+    }
+
+    fn cmd<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> T {
+        cmd.query(&mut self.connection()).unwrap()
+    }
+
+    /// Every key on the server, sorted. (`KEYS *` rather than a prefix pattern, so that
+    /// glob characters inside test keys cannot skew the answer.)
+    fn all_keys(&self) -> BTreeSet<String> {
+        self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
+            .into_iter()
+            .collect()
+    }
+
+    /// The keys under `prefix`.
+    fn under(&self, prefix: &str) -> BTreeSet<String> {
+        self.all_keys()
+            .into_iter()
+            .filter(|k| k.starts_with(prefix))
+            .collect()
+    }
+
+    fn locks(&self) -> BTreeSet<String> {
+        self.under("lock:")
+    }
+
+    fn get(&self, key: &str) -> Option<String> {
+        self.cmd(redis::cmd("GET").arg(key))
+    }
+
+    fn set(&self, key: &str, value: &str) {
+        self.cmd::<()>(redis::cmd("SET").arg(key).arg(value));
+    }
+
+    fn pttl(&self, key: &str) -> i64 {
+        self.cmd(redis::cmd("PTTL").arg(key))
+    }
+
+    fn dbsize(&self) -> u64 {
+        self.cmd(&mut redis::cmd("DBSIZE"))
+    }
+}
+
+/// A handler that says it entered and then waits until the test opens the gate.
+#[derive(Default)]
+struct Gate {
+    entered: Notify,
+    open: Notify,
+    runs: AtomicUsize,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    async fn pass(&self) {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        self.entered.notify_one();
+        self.open.notified().await;
+    }
+
+    async fn wait_entered(&self) {
+        within(
+            Duration::from_secs(5),
+            "the handler entered",
+            self.entered.notified(),
+        )
+        .await;
+    }
+
+    fn open(&self) {
+        self.open.notify_one();
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+fn gated_router(locks: &Locks, gate: &Arc<Gate>) -> Router {
+    let gate = gate.clone();
+    batch_router(locks, move || {
+        let gate = gate.clone();
+        async move { gate.pass().await }
+    })
+}
+
+/// A handler that counts its runs and returns at once.
+fn counting_router(locks: &Locks, runs: &Arc<AtomicUsize>) -> Router {
+    let runs = runs.clone();
+    batch_router(locks, move || {
+        let runs = runs.clone();
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+        }
+    })
+}
+
+/// xorshift64: reproducible key sets without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. No overlap across processes; parallelism preserved
+// ---------------------------------------------------------------------------------------
+
+/// One critical section as a handler saw it.
+#[derive(Debug)]
+struct Visit {
+    keys: Vec<String>,
+    enter: Instant,
+    exit: Instant,
+}
+
+/// Who is inside which key right now, and every visit so far.
+#[derive(Default)]
+struct Ledger {
+    holding: Mutex<HashMap<String, usize>>,
+    overlaps: AtomicUsize,
+    visits: Mutex<Vec<Visit>>,
+}
+
+impl Ledger {
+    fn enter(&self, keys: &[String]) -> Instant {
+        let mut holding = self.holding.lock().unwrap();
+        for key in keys {
+            let holders = holding.entry(key.clone()).or_default();
+            *holders += 1;
+            if *holders > 1 {
+                self.overlaps.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Instant::now()
+    }
+
+    fn exit(&self, keys: Vec<String>, enter: Instant) {
+        let exit = Instant::now();
+        let mut holding = self.holding.lock().unwrap();
+        for key in &keys {
+            *holding.get_mut(key).unwrap() -= 1;
+        }
+        drop(holding);
+        self.visits
+            .lock()
+            .unwrap()
+            .push(Visit { keys, enter, exit });
+    }
+}
+
+fn ledger_router(locks: &Locks, ledger: &Arc<Ledger>) -> Router {
+    let ledger = ledger.clone();
+    let handler = move |Extension(lease): Extension<Lease>| {
+        let ledger = ledger.clone();
+        async move {
+            let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
+            let enter = ledger.enter(&keys);
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            ledger.exit(keys, enter);
+        }
+    };
+    Router::new().route("/work", post(handler).layer(locks.layer(header_keys)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn intersecting_batches_never_overlap_across_processes() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    // Two "processes": two handles on two pools, sharing only the server.
+    let ledger = Arc::new(Ledger::default());
+    let apps = [
+        ledger_router(
+            &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+            &ledger,
+        ),
+        ledger_router(
+            &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+            &ledger,
+        ),
+    ];
+
+    const REQUESTS: usize = 200;
+    const KEYS: u64 = 40;
+    const ATTEMPTS: usize = 200;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let app = apps[i % 2].clone();
+            tokio::spawn(async move {
+                let mut rng = Rng::seeded(i as u64 + 1);
+                let size = 1 + rng.below(4);
+                let keys: Vec<String> =
+                    (0..size).map(|_| format!("r{}", rng.below(KEYS))).collect();
+                let mut conflicts = 0;
+                for _ in 0..ATTEMPTS {
+                    let reply = send(&app, header_request("/work", &keys)).await;
+                    match reply.status {
+                        StatusCode::OK => return (true, conflicts),
+                        StatusCode::CONFLICT => {
+                            assert!(reply.retry_after() >= 1);
+                            conflicts += 1;
+                            let pause = 1 + rng.below(4);
+                            tokio::time::sleep(Duration::from_millis(pause)).await;
+                        }
+                        other => panic!("unexpected {other}: {}", reply.text()),
+                    }
+                }
+                (false, conflicts)
+            })
+        })
+        .collect();
+    let outcomes = within(
+        Duration::from_secs(20),
+        "all requests finished",
+        futures_util::future::join_all(tasks),
+    )
+    .await;
+    let elapsed = started.elapsed();
+
+    let granted = outcomes.iter().filter(|o| o.as_ref().unwrap().0).count();
+    let conflicts: usize = outcomes.iter().map(|o| o.as_ref().unwrap().1).sum();
+    eprintln!("no-overlap: {granted}/{REQUESTS} granted, {conflicts} 409s on the way, {elapsed:?}");
+    assert_eq!(
+        ledger.overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders were inside the same key at once"
+    );
+    let visits = ledger.visits.lock().unwrap();
+    assert_eq!(visits.len(), granted);
+    assert!(granted >= REQUESTS * 9 / 10, "only {granted} granted");
+    assert!(conflicts > 0, "the key sets were meant to contend");
+
+    let mut disjoint_overlaps = 0;
+    for (i, a) in visits.iter().enumerate() {
+        for b in &visits[i + 1..] {
+            let intersect = a.keys.iter().any(|k| b.keys.contains(k));
+            let overlap = a.enter < b.exit && b.enter < a.exit;
+            assert!(
+                !(intersect && overlap),
+                "intersecting batches overlapped in time: {a:?} and {b:?}"
+            );
+            if overlap && !intersect {
+                disjoint_overlaps += 1;
+            }
+        }
+    }
+    assert!(
+        disjoint_overlaps > 0,
+        "disjoint batches never ran at the same time: the layer serialised everything"
+    );
+    eprintln!("no-overlap: {disjoint_overlaps} overlapping pairs of disjoint batches");
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn disjoint_batches_run_together_and_an_intersecting_one_waits_its_turn() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let one = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let other = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    // Both handlers must be inside at once to pass the barrier: disjoint keys in parallel.
+    let barrier = Arc::new(Barrier::new(2));
+    let router = |locks: &Locks| {
+        let barrier = barrier.clone();
+        batch_router(locks, move || {
+            let barrier = barrier.clone();
+            async move {
+                match tokio::time::timeout(Duration::from_secs(5), barrier.wait()).await {
+                    Ok(_) => StatusCode::OK,
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                }
+            }
+        })
+    };
+    let (a, b) = (router(&one), router(&other));
+    let (ra, rb) = tokio::join!(send(&a, batch(&["p", "q"])), send(&b, batch(&["r", "s"])));
+    assert_eq!((ra.status, rb.status), (StatusCode::OK, StatusCode::OK));
+
+    // An intersecting batch through the other process is refused while the first holds.
+    let gate = Gate::new();
+    let holder = gated_router(&one, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["x", "y"])).await });
+    gate.wait_entered().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let contender = counting_router(&other, &runs);
+    let refused = send(&contender, batch(&["y", "z"])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["y"])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:x".to_owned(), "lock:y".to_owned()]),
+        "the refused batch wrote nothing (no lock:z)"
+    );
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(
+        send(&contender, batch(&["y", "z"])).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(observer.locks().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. All or nothing, for big batches
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    // "sku:999" sorts last among sku:0..sku:2999, so a script that wrote as it went would
+    // have written the other 2,999 keys before finding the conflict.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["sku:999"])).await });
+    gate.wait_entered().await;
+    let token = observer.get("lock:sku:999").expect("the holder's key");
+    assert_eq!(token.len(), 32, "a 128-bit owner token in hex: {token}");
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    let skus: Vec<String> = (0..3_000).map(|i| format!("sku:{i}")).collect();
+    assert_eq!(skus.iter().max().unwrap(), "sku:999");
+    let started = Instant::now();
+    let refused = send(&app, batch(&skus)).await;
+    eprintln!(
+        "all-or-nothing: 3,000-key batch refused in {:?}",
+        started.elapsed()
+    );
+
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+    let problem = refused.problem();
+    assert_eq!(problem["conflicting_keys"], serde_json::json!(["sku:999"]));
+    assert_eq!(
+        problem["detail"],
+        "1 of the 3000 resources this request locks are held by another request"
+    );
+    let retry_after = refused.retry_after();
+    assert!(
+        (1..=10).contains(&retry_after),
+        "Retry-After: {retry_after}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:sku:999".to_owned()]),
+        "none of the other 2,999 keys may exist"
+    );
+    assert_eq!(
+        observer.get("lock:sku:999"),
+        Some(token),
+        "the holder's key is intact"
+    );
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert!(observer.locks().is_empty());
+
+    // Now the whole batch is free: granted, every key written, all released.
+    let started = Instant::now();
+    let granted = send(&app, batch(&skus)).await;
+    eprintln!(
+        "all-or-nothing: 3,000-key batch granted and released in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(granted.status, StatusCode::OK, "{}", granted.text());
+    assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_keys_are_granted_in_one_batch_and_released_fully() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    let seen = Arc::new(Mutex::new(None));
+    let app = {
+        let (seen, observer) = (seen.clone(), observer.clone());
+        batch_router(&locks, move |Extension(lease): Extension<Lease>| {
+            let (seen, observer) = (seen.clone(), observer.clone());
+            async move {
+                let entered = Instant::now();
+                let tokens: Vec<Option<String>> = observer.cmd(
+                    redis::cmd("MGET").arg(["lock:k0", "lock:k5000", "lock:k9999"].as_slice()),
+                );
+                let dbsize = observer.dbsize();
+                let phase = (entered, Instant::now());
+                *seen.lock().unwrap() = Some((lease.keys().len(), dbsize, tokens, phase));
+            }
+        })
+    };
+    let keys: Vec<String> = (0..10_000).map(|i| format!("k{i}")).collect();
+    let started = Instant::now();
+    let reply = send(&app, batch(&keys)).await;
+    let done = Instant::now();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+
+    let (leased, dbsize, tokens, (entered, left)) =
+        seen.lock().unwrap().take().expect("the handler ran");
+    eprintln!(
+        "10,000-key batch: request to handler (JSON, normalize, acquire) {:?}, \
+         handler to response (release) {:?}, in all {:?}",
+        entered - started,
+        done - left,
+        done - started
+    );
+    assert_eq!(leased, 10_000);
+    assert_eq!(
+        dbsize, 10_000,
+        "every key was written while the handler ran"
+    );
+    let first = tokens[0].clone().expect("lock:k0 held");
+    assert!(
+        tokens.iter().all(|t| t.as_ref() == Some(&first)),
+        "{tokens:?}"
+    );
+    assert_eq!(observer.dbsize(), 0, "every key was released");
+
+    // One more than the limit: 413, and nothing written.
+    let mut too_many = keys.clone();
+    too_many.push("k10000".to_owned());
+    let refused = send(&app, batch(&too_many)).await;
+    assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(refused.problem()["limit"], "max_keys");
+    assert_eq!(observer.dbsize(), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Owner only
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_release_never_deletes_the_next_owners_key() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    // A's lease is short and its handler outlives it; B's lease is long.
+    let short = Locks::redis(server.pool()).ttl(Duration::from_millis(300));
+    let long = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    let (gate_a, gate_b) = (Gate::new(), Gate::new());
+    let app_a = gated_router(&short, &gate_a);
+    let app_b = gated_router(&long, &gate_b);
+
+    let a = tokio::spawn(async move { send(&app_a, batch(&["acct:1"])).await });
+    gate_a.wait_entered().await;
+    let token_a = observer.get("lock:acct:1").expect("A holds the key");
+    let pttl = observer.pttl("lock:acct:1");
+    assert!((1..=300).contains(&pttl), "PTTL {pttl}");
+
+    let expired = eventually(Duration::from_secs(2), || {
+        observer.get("lock:acct:1").is_none()
+    })
+    .await;
+    assert!(
+        expired.is_some(),
+        "A's key did not expire with its 300 ms TTL"
+    );
+
+    let b = tokio::spawn(async move { send(&app_b, batch(&["acct:1"])).await });
+    gate_b.wait_entered().await;
+    let token_b = observer.get("lock:acct:1").expect("B holds the key");
+    assert_ne!(token_a, token_b);
+
+    // A finishes: the layer awaits A's release before it answers.
+    gate_a.open();
+    assert_eq!(a.await.unwrap().status, StatusCode::OK);
+    assert_eq!(
+        observer.get("lock:acct:1"),
+        Some(token_b.clone()),
+        "A's release deleted B's lock"
+    );
+    assert!(
+        observer.pttl("lock:acct:1") > 5_000,
+        "B's TTL was not touched"
+    );
+
+    gate_b.open();
+    assert_eq!(b.await.unwrap().status, StatusCode::OK);
+    assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_foreign_value_under_a_lock_key_is_never_released() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    // Someone else's value, without a TTL: contention, and Retry-After still >= 1.
+    observer.set("lock:doc:1", "someone-else");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    let refused = send(&app, batch(&["doc:1", "doc:2"])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["doc:1"])
+    );
+    assert!(refused.retry_after() >= 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(observer.get("lock:doc:1").as_deref(), Some("someone-else"));
+    assert_eq!(
+        observer.pttl("lock:doc:1"),
+        -1,
+        "its (absent) TTL is untouched"
+    );
+    assert_eq!(observer.get("lock:doc:2"), None);
+
+    // A key we hold is overwritten by someone else while the handler runs: our release
+    // must leave their value alone, and still release the key that is ours.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["doc:3", "doc:4"])).await });
+    gate.wait_entered().await;
+    let ours = observer.get("lock:doc:3").unwrap();
+    observer.set("lock:doc:3", "intruder");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(observer.get("lock:doc:3").as_deref(), Some("intruder"));
+    assert_ne!(ours, "intruder");
+    assert_eq!(observer.get("lock:doc:4"), None, "our own key was released");
+    assert_eq!(observer.get("lock:doc:1").as_deref(), Some("someone-else"));
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Cancellation
+// ---------------------------------------------------------------------------------------
+
+/// How long after `drop` the keys stayed in Redis; they live 10 s otherwise.
+async fn released_after_drop(observer: &Observer) -> Duration {
+    eventually(Duration::from_secs(3), || observer.locks().is_empty())
+        .await
+        .unwrap_or_else(|| panic!("keys still held 3 s after the drop: {:?}", observer.locks()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dropped_request_future_releases_its_keys_within_milliseconds() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let gate = Gate::new();
+    let app = gated_router(&locks, &gate);
+    let keys = ["c:1", "c:2", "c:3"];
+
+    // A timeout around the request, as a client deadline would be.
+    let request = app.clone().oneshot(batch(&keys));
+    let deadline = tokio::time::timeout(Duration::from_millis(200), async {
+        let response = request.await;
+        panic!(
+            "the gated handler answered: {:?}",
+            response.map(|r| r.status())
+        );
+    });
+    let (timed_out, ()) = tokio::join!(deadline, gate.wait_entered());
+    assert!(timed_out.is_err());
+    let took = released_after_drop(&observer).await;
+    eprintln!("cancellation (timeout): keys gone {took:?} after the drop");
+    assert!(took < Duration::from_millis(500), "took {took:?}");
+
+    // An aborted task.
+    let task = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, batch(&keys)).await })
+    };
+    gate.wait_entered().await;
+    assert_eq!(observer.locks().len(), 3);
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    let took = released_after_drop(&observer).await;
+    eprintln!("cancellation (abort): keys gone {took:?} after the drop");
+    assert!(took < Duration::from_millis(500), "took {took:?}");
+
+    // Nothing stayed behind to block the next request.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let next = counting_router(&locks, &runs);
+    assert_eq!(send(&next, batch(&keys)).await.status, StatusCode::OK);
+    assert_eq!(gate.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_hangs_up_over_tcp_releases_its_keys() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let gate = Gate::new();
+    let app = gated_router(&locks, &gate);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let serving = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let body = r#"["tcp:1","tcp:2"]"#;
+    let mut client = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST /batch HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    gate.wait_entered().await;
+    assert_eq!(observer.locks().len(), 2);
+    drop(client);
+    let took = released_after_drop(&observer).await;
+    eprintln!("cancellation (client hung up): keys gone {took:?} after the hang-up");
+    assert!(took < Duration::from_millis(500), "took {took:?}");
+
+    // The server still answers a well-behaved client on the same keys.
+    let mut client = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST /batch HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    gate.wait_entered().await;
+    gate.open();
+    let mut response = String::new();
+    within(
+        Duration::from_secs(5),
+        "the response",
+        client.read_to_string(&mut response),
+    )
+    .await
+    .unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(observer.locks().is_empty());
+    serving.abort();
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Crash liveness
+// ---------------------------------------------------------------------------------------
+
+/// Asks for `keys` every 20 ms until granted; how long that took after `since`, having
+/// checked that the first attempts were refused.
+async fn granted_after(app: &Router, keys: &[&str], since: Instant) -> Duration {
+    let first = send(app, batch(keys)).await;
+    assert_eq!(first.status, StatusCode::CONFLICT, "the key was not held");
+    assert!(first.retry_after() >= 1);
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let reply = send(app, batch(keys)).await;
+        match reply.status {
+            StatusCode::OK => return since.elapsed(),
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}: {}", reply.text()),
+        }
+    }
+    panic!("the key was never freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leaked_holder_blocks_others_only_until_the_ttl() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let ttl = Duration::from_millis(300);
+    let locks = Locks::redis(server.pool()).ttl(ttl);
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+
+    let sent = Instant::now();
+    let mut in_flight = Box::pin(holder.oneshot(batch(&["leak:1"])));
+    tokio::select! {
+        () = gate.wait_entered() => {}
+        _ = &mut in_flight => panic!("the gated handler answered"),
+    }
+    // The future is never dropped, so its guard never releases: only the TTL frees the key.
+    std::mem::forget(in_flight);
+    assert!(observer.get("lock:leak:1").is_some());
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let other = counting_router(&locks, &runs);
+    let free_after = granted_after(&other, &["leak:1"], sent).await;
+    eprintln!("crash liveness (leaked future): free {free_after:?} after the holder's request");
+    assert!(
+        free_after >= ttl - Duration::from_millis(50),
+        "{free_after:?}"
+    );
+    assert!(
+        free_after < ttl + Duration::from_millis(700),
+        "{free_after:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_process_blocks_others_only_until_the_ttl() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let ttl = Duration::from_millis(300);
+
+    // The "process": its own runtime and pool, on its own thread. Dropping the runtime
+    // kills every task at once, the release spawned from the guard's drop included.
+    let gate = Gate::new();
+    let sent = Instant::now();
+    let process = {
+        let (pool, gate) = (server.pool(), gate.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let holder = gated_router(&Locks::redis(pool).ttl(ttl), &gate);
+            runtime.spawn(async move { send(&holder, batch(&["crash:1"])).await });
+            runtime.block_on(gate.wait_entered());
+            drop(runtime);
+        })
+    };
+    within(Duration::from_secs(5), "the process died", async {
+        while !process.is_finished() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    process.join().unwrap();
+    assert!(
+        observer.get("lock:crash:1").is_some(),
+        "the killed process released its key: nothing to test"
+    );
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let survivor = counting_router(&Locks::redis(server.pool()).ttl(ttl), &runs);
+    let free_after = granted_after(&survivor, &["crash:1"], sent).await;
+    eprintln!("crash liveness (killed runtime): free {free_after:?} after the holder's request");
+    assert!(
+        free_after >= ttl - Duration::from_millis(50),
+        "{free_after:?}"
+    );
+    assert!(
+        free_after < ttl + Duration::from_millis(700),
+        "{free_after:?}"
+    );
+    assert!(observer.locks().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. Outage
+// ---------------------------------------------------------------------------------------
+
+const BACKEND_TIMEOUT: Duration = Duration::from_millis(300);
+
+fn assert_unavailable(reply: &Reply) {
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    let problem = reply.problem();
+    assert_eq!(
+        problem["detail"],
+        "the lock service is unavailable; try again later"
+    );
+    assert!(reply.retry_after() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart() {
+    let mut server = RedisServer::start();
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(5))
+        .backend_timeout(BACKEND_TIMEOUT);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    // An idle connection in the pool, so the next request finds a dead one.
+    assert_eq!(send(&app, batch(&["o:1"])).await.status, StatusCode::OK);
+
+    server.kill();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let reply = send(&app, batch(&["o:1", "o:2"])).await;
+        let took = started.elapsed();
+        eprintln!("outage (killed): 503 in {took:?}");
+        assert_unavailable(&reply);
+        assert!(
+            took < BACKEND_TIMEOUT + Duration::from_millis(500),
+            "{took:?}"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran without its locks"
+    );
+
+    server.restart();
+    let observer = Observer::of(&server);
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..20 {
+        status = send(&app, batch(&["o:1", "o:2"])).await.status;
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the layer did not recover after a restart"
+    );
+    assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_server_gives_503_within_the_backend_timeout_and_leaves_no_key() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(5))
+        .backend_timeout(BACKEND_TIMEOUT);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    assert_eq!(send(&app, batch(&["f:1"])).await.status, StatusCode::OK);
+
+    server.pause();
+    let started = Instant::now();
+    let reply = send(&app, batch(&["f:1", "f:2"])).await;
+    let took = started.elapsed();
+    server.resume();
+    eprintln!("outage (SIGSTOP): 503 in {took:?}");
+    assert_unavailable(&reply);
+    assert!(
+        took >= BACKEND_TIMEOUT - Duration::from_millis(10),
+        "{took:?}"
+    );
+    assert!(
+        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        "{took:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Whatever the frozen server had queued runs now; a second after the resume (well
+    // under the 5 s TTL), nothing may hold a key.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        observer.locks().is_empty(),
+        "left behind: {:?}",
+        observer.locks()
+    );
+    assert_eq!(
+        send(&app, batch(&["f:1", "f:2"])).await.status,
+        StatusCode::OK
+    );
+    assert!(observer.locks().is_empty());
+}
+
+/// The ambiguous case: the acquisition reached the server and then stalled there, so the
+/// layer cannot know whether it will apply. `CLIENT PAUSE .. WRITE` holds the script
+/// (a write) while reads such as the pool's health check go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquisition_stalled_on_the_server_leaves_no_key_once_it_runs() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(10))
+        .backend_timeout(BACKEND_TIMEOUT);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    assert_eq!(send(&app, batch(&["s:1"])).await.status, StatusCode::OK);
+
+    observer.cmd::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(700).arg("WRITE"));
+    let started = Instant::now();
+    let reply = send(&app, batch(&["s:1", "s:2"])).await;
+    let took = started.elapsed();
+    eprintln!("outage (CLIENT PAUSE WRITE): 503 in {took:?}");
+    assert_unavailable(&reply);
+    assert!(
+        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        "{took:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // The pause ends 700 ms after it began. Whether the stalled script runs then or not
+    // (Redis drops a paused client's command when the client hangs up first), a second
+    // later (far below the 10 s TTL) no key may be held.
+    tokio::time::sleep(Duration::from_millis(1_400)).await;
+    let left = observer.locks();
+    let pttl: Vec<i64> = left.iter().map(|k| observer.pttl(k)).collect();
+    eprintln!("outage (CLIENT PAUSE WRITE): 1.7 s after the request, left {left:?}, PTTL {pttl:?}");
+    assert!(
+        left.is_empty(),
+        "an ambiguous acquisition left {left:?} (PTTL {pttl:?} ms) to expire with its TTL"
+    );
+    assert_eq!(
+        send(&app, batch(&["s:1", "s:2"])).await.status,
+        StatusCode::OK
+    );
+}
+
+/// How often the server has run `command`, from `INFO commandstats`.
+fn calls(observer: &Observer, command: &str) -> u64 {
+    let stats: String = observer.cmd(redis::cmd("INFO").arg("commandstats"));
+    let prefix = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix.as_str()))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// The ambiguous case for real: the acquisition is on the wire when the server freezes,
+/// and it runs when the server thaws, long after the layer answered 503. The pool's
+/// `post_create` hook freezes the server (SIGSTOP) right after connecting, so the script
+/// is sent to a frozen server, deterministically.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_thaws() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    // Load the scripts through another pool, so the frozen EVALSHA finds them.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let warm = counting_router(&Locks::redis(server.pool()), &runs);
+    assert_eq!(send(&warm, batch(&["z:0"])).await.status, StatusCode::OK);
+    let sets_before = calls(&observer, "set");
+
+    let info: String = observer.cmd(redis::cmd("INFO").arg("server"));
+    let pid = info
+        .lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let frozen = Arc::new(AtomicUsize::new(0));
+    let pool = {
+        let frozen = frozen.clone();
+        deadpool_redis::Config::from_url(server.url())
+            .builder()
+            .unwrap()
+            .runtime(deadpool_redis::Runtime::Tokio1)
+            .post_create(deadpool_redis::Hook::sync_fn(move |_, _| {
+                if frozen.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let stopped = std::process::Command::new("kill")
+                        .args(["-STOP", &pid])
+                        .status();
+                    assert!(stopped.is_ok_and(|s| s.success()));
+                }
+                Ok(())
+            }))
+            .build()
+            .unwrap()
+    };
+    let locks = Locks::redis(pool)
+        .ttl(Duration::from_secs(10))
+        .backend_timeout(BACKEND_TIMEOUT);
+    let app = counting_router(&locks, &runs);
+    let started = Instant::now();
+    let reply = send(&app, batch(&["z:1", "z:2"])).await;
+    let took = started.elapsed();
+    assert_eq!(
+        frozen.load(Ordering::SeqCst),
+        1,
+        "the hook did not freeze the server"
+    );
+    eprintln!("outage (frozen after send): 503 in {took:?}");
+    // The server stays frozen for longer than the backend timeout, as in a long stall.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.resume();
+    assert_unavailable(&reply);
+    assert!(
+        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        "{took:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran without its locks"
+    );
+
+    // Within a second of the thaw, far below the 10 s TTL, the stalled script has run and
+    // the cleanup must have followed it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        calls(&observer, "set"),
+        sets_before + 2,
+        "the stalled acquisition never ran: the test proves nothing"
+    );
+    let left = observer.locks();
+    let pttl: Vec<i64> = left.iter().map(|k| observer.pttl(k)).collect();
+    eprintln!("outage (frozen after send): 1 s after the thaw, left {left:?}, PTTL {pttl:?}");
+    assert!(
+        left.is_empty(),
+        "an acquisition whose outcome was unknown left {left:?} held (PTTL {pttl:?} ms) \
+         until its TTL"
+    );
+    assert_eq!(
+        send(&app, batch(&["z:1", "z:2"])).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_that_cannot_connect_gives_503_fast() {
+    let closed_port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let pool = deadpool_redis::Config::from_url(format!("redis://127.0.0.1:{closed_port}/"))
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let locks = Locks::redis(pool).backend_timeout(Duration::from_secs(2));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    let started = Instant::now();
+    let reply = send(&app, batch(&["n:1"])).await;
+    let took = started.elapsed();
+    eprintln!("outage (closed port): 503 in {took:?}");
+    assert_unavailable(&reply);
+    assert!(
+        took < Duration::from_millis(500),
+        "{took:?}: a refused connection is no wait"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. NOSCRIPT
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scripts_are_reloaded_after_script_flush() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    assert_eq!(send(&app, batch(&["ns:1"])).await.status, StatusCode::OK);
+
+    // Acquire after a flush.
+    observer.cmd::<()>(redis::cmd("SCRIPT").arg("FLUSH"));
+    let reply = send(&app, batch(&["ns:1", "ns:2"])).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(observer.locks().is_empty());
+
+    // Release after a flush that happened while the handler held the keys.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["ns:3"])).await });
+    gate.wait_entered().await;
+    observer.cmd::<()>(redis::cmd("SCRIPT").arg("FLUSH"));
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert!(
+        observer.locks().is_empty(),
+        "the release did not reload its script: {:?}",
+        observer.locks()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. Namespacing
+// ---------------------------------------------------------------------------------------
+
+const AWKWARD_KEYS: [&str; 10] = [
+    "victim",
+    "with space",
+    "{braces}",
+    "line\nbreak",
+    "star*",
+    "*",
+    "ключ",
+    "日本語",
+    "tab\tand\"quote'",
+    "?[a-z]",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_keys_live_only_under_the_prefix() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    observer.set("victim", "precious");
+
+    let snapshot = Arc::new(Mutex::new(None));
+    let handler = |snapshot: &Arc<Mutex<Option<BTreeSet<String>>>>, observer: &Observer| {
+        let (snapshot, observer) = (snapshot.clone(), observer.clone());
+        move |Extension(lease): Extension<Lease>| {
+            let (snapshot, observer) = (snapshot.clone(), observer.clone());
+            async move {
+                *snapshot.lock().unwrap() = Some(observer.all_keys());
+                lease
+                    .keys()
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+                    .join("\u{0}")
+            }
+        }
+    };
+
+    for prefix in ["lock:", "tenant-a/"] {
+        let locks = Locks::redis(server.pool())
+            .ttl(Duration::from_secs(10))
+            .prefix(prefix);
+        let app = batch_router(&locks, handler(&snapshot, &observer));
+        let reply = send(&app, batch(&AWKWARD_KEYS)).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+
+        let mut expected: BTreeSet<String> = AWKWARD_KEYS
+            .iter()
+            .map(|k| format!("{prefix}{k}"))
+            .collect();
+        let seen = snapshot.lock().unwrap().take().expect("the handler ran");
+        expected.insert("victim".to_owned());
+        assert_eq!(
+            seen, expected,
+            "keys stored while the handler ran ({prefix})"
+        );
+
+        let mut sorted = AWKWARD_KEYS.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(
+            reply.text(),
+            sorted.join("\u{0}"),
+            "the lease lists keys without the prefix"
+        );
+
+        assert_eq!(
+            observer.all_keys(),
+            BTreeSet::from(["victim".to_owned()]),
+            "after the request ({prefix})"
+        );
+    }
+    assert_eq!(observer.get("victim").as_deref(), Some("precious"));
+    assert_eq!(observer.pttl("victim"), -1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_victim_key_is_not_read_by_the_scripts() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    observer.cmd::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("allkeys-lfu"),
+    );
+    observer.set("victim", "precious");
+    let frequency = || observer.cmd::<i64>(redis::cmd("OBJECT").arg("FREQ").arg("victim"));
+    let before = frequency();
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    for _ in 0..3 {
+        assert_eq!(send(&app, batch(&["victim"])).await.status, StatusCode::OK);
+    }
+    assert_eq!(frequency(), before, "a lock request read the key `victim`");
+    // Sanity: one GET moves the counter (from the initial 5, the first hit always counts).
+    assert_eq!(observer.get("victim").as_deref(), Some("precious"));
+    assert!(
+        frequency() > before,
+        "OBJECT FREQ does not see reads: the check above is void"
+    );
+    assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefixes_are_separate_namespaces_and_conflicts_are_named_without_them() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let tenant = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(10))
+        .prefix("tenant-a/");
+    let default = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+
+    let gate = Gate::new();
+    let holder = gated_router(&tenant, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["{braces}", "ключ"])).await });
+    gate.wait_entered().await;
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let same_namespace = counting_router(&tenant, &runs);
+    let refused = send(&same_namespace, batch(&["ключ", "other"])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["ключ"])
+    );
+
+    let other_namespace = counting_router(&default, &runs);
+    let reply = send(&other_namespace, batch(&["{braces}", "ключ"])).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "another prefix is another namespace"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert!(observer.all_keys().is_empty(), "{:?}", observer.all_keys());
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. Sequential requests
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sequential_requests_never_meet_their_own_previous_keys() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = |locks: Locks| {
+        let runs = runs.clone();
+        Router::new().route(
+            "/orders/{id}",
+            put(move |Extension(lease): Extension<Lease>| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    lease.keys().collect::<Vec<_>>().join(",")
+                }
+            })
+            .layer(locks.layer(keys::path("order"))),
+        )
+    };
+    // Two processes, alternately, as a client behind a load balancer would see them.
+    let apps = [
+        router(Locks::redis(server.pool()).ttl(Duration::from_secs(10))),
+        router(Locks::redis(server.pool()).ttl(Duration::from_secs(10))),
+    ];
+    let started = Instant::now();
+    for i in 0..50 {
+        let request = Request::put("/orders/7").body(Body::empty()).unwrap();
+        let reply = send(&apps[i % 2], request).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "request {i}: {}",
+            reply.text()
+        );
+        assert_eq!(reply.text(), "order:7");
+    }
+    eprintln!("sequential: 50 requests in {:?}", started.elapsed());
+    assert_eq!(runs.load(Ordering::SeqCst), 50);
+    assert!(observer.locks().is_empty());
+
+    // The same through one service driven with ready().call().
+    let mut service = apps[0].clone();
+    for i in 0..10 {
+        let request = Request::put("/orders/7").body(Body::empty()).unwrap();
+        let response = ServiceExt::<Request<Body>>::ready(&mut service)
+            .await
+            .unwrap()
+            .call(request)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "request {i}");
+    }
+    assert!(observer.locks().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// 10. The lease
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lease_lists_the_keys_and_expires_about_a_ttl_from_now() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let ttl = Duration::from_secs(2);
+    let locks = Locks::redis(server.pool()).ttl(ttl);
+
+    let seen = Arc::new(Mutex::new(None));
+    let app = {
+        let (seen, observer) = (seen.clone(), observer.clone());
+        batch_router(&locks, move |Extension(lease): Extension<Lease>| {
+            let (seen, observer) = (seen.clone(), observer.clone());
+            async move {
+                let now = Instant::now();
+                let remaining = lease.expires_at().saturating_duration_since(now);
+                let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
+                let pttl = keys
+                    .iter()
+                    .map(|k| observer.pttl(&format!("lock:{k}")))
+                    .min()
+                    .unwrap();
+                *seen.lock().unwrap() = Some((keys, remaining, pttl, now.elapsed()));
+            }
+        })
+    };
+    let sent = Instant::now();
+    let reply = send(&app, batch(&["b", "a", "b", "c"])).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let round_trip = sent.elapsed();
+
+    let (keys, remaining, pttl, pttl_took) = seen.lock().unwrap().take().expect("the handler ran");
+    assert_eq!(
+        keys,
+        ["a", "b", "c"],
+        "sorted, deduplicated, without the prefix"
+    );
+    assert!(remaining <= ttl, "{remaining:?}");
+    assert!(
+        remaining >= ttl - round_trip,
+        "{remaining:?} after {round_trip:?}"
+    );
+    // The lease never promises more than the store keeps: the store's expiry is not earlier.
+    let store_left = Duration::from_millis(u64::try_from(pttl).unwrap()) + pttl_took;
+    assert!(
+        store_left + Duration::from_millis(2) >= remaining,
+        "the store expires at +{store_left:?}, the lease at +{remaining:?}"
+    );
+    assert!(observer.locks().is_empty());
+}
