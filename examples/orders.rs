@@ -1,0 +1,444 @@
+//! An order service that takes stock from thousands of SKUs at once and never oversells.
+//!
+//! `POST /orders` locks the order and every SKU it lists as one batch, all or nothing,
+//! before its handler runs. The handler then reads the stock levels, does some slow work,
+//! and writes the new levels: a read-modify-write that is *not* atomic in the store, so
+//! only the locks keep two orders for the same SKU from both selling the last unit. An
+//! order that finds one of its SKUs locked gets `409 Conflict` and may retry.
+//!
+//! - `PUT /stock/{sku}` with `{"qty": 10}` sets a stock level, under the lock `sku:{sku}`.
+//! - `GET /stock/{sku}` reads a stock level (unlocked), or 404.
+//! - `POST /orders` with `{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}`
+//!   places an order: 201 with the order; 200 with the stored order if it was placed
+//!   before (nothing is taken twice); 422 if a SKU lacks stock (nothing is taken); 409
+//!   with `Retry-After` while another request holds one of its locks.
+//! - `GET /orders/{order_id}` reads an order, or 404.
+//!
+//! Every refusal is an `application/problem+json` document.
+//!
+//! Environment:
+//!
+//! - `ORDERS_ADDR`: where to listen, default `127.0.0.1:3000`.
+//! - `REDIS_URL`: keep the locks and the data in this Redis, shared by every instance that
+//!   uses it (`redis://127.0.0.1/`). Without it, both live in this process's memory.
+//! - `WORK_DELAY_MS`: how long an order's slow work takes inside the lock, default 0.
+//! - `RUST_LOG`: the log filter, default `info`.
+//!
+//! ```text
+//! REDIS_URL=redis://127.0.0.1/ WORK_DELAY_MS=50 cargo run --example orders
+//! curl -X PUT localhost:3000/stock/apple -H 'content-type: application/json' -d '{"qty": 10}'
+//! curl -X POST localhost:3000/orders -H 'content-type: application/json' \
+//!      -d '{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}'
+//! ```
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    env,
+    error::Error,
+    io::IsTerminal,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    extract::{FromRequest, Path, Request, State},
+    http::StatusCode,
+    response::{IntoResponse, Response},
+    routing::{get, post, put},
+    Json, Router,
+};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tower_batch_lock::{keys, Locks, Rejection};
+
+/// The body of `POST /orders`.
+#[derive(Debug, Deserialize)]
+struct NewOrder {
+    order_id: String,
+    items: Vec<Item>,
+}
+
+/// One line of an order: so many units of one SKU.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Item {
+    sku: String,
+    qty: u64,
+}
+
+/// A placed order, as stored and answered: one item per SKU, sorted by SKU.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    order_id: String,
+    items: Vec<Item>,
+}
+
+/// The body of `PUT /stock/{sku}`.
+#[derive(Debug, Deserialize)]
+struct StockLevel {
+    qty: u64,
+}
+
+/// What an order locks: the order itself (so that a retry of it waits for the first
+/// attempt) and every SKU it takes stock from. The layer adds the `lock:` prefix, drops
+/// duplicates and locks them all in one step.
+fn order_keys(order: NewOrder) -> impl Iterator<Item = String> {
+    let skus = order.items.into_iter().map(|item| sku_key(&item.sku));
+    std::iter::once(format!("order:{}", order.order_id)).chain(skus)
+}
+
+/// The lock key of a SKU, the very key `keys::path("sku")` makes for `PUT /stock/{sku}`:
+/// `sku:` and the SKU with `%` and `/` percent-encoded. An order and a stock update of the
+/// same SKU must lock the same key, or they would not exclude each other.
+fn sku_key(sku: &str) -> String {
+    format!("sku:{}", sku.replace('%', "%25").replace('/', "%2F"))
+}
+
+/// The service's routes, on `store`, with orders that work for `work_delay` inside their
+/// locks.
+///
+/// `locks: None` leaves the lock layer out. Never do that in a service: it exists for the
+/// tests' control run, which shows the lost updates and overselling that the locks prevent.
+pub fn app(store: Store, locks: Option<Locks>, work_delay: Duration) -> Router {
+    let mut set_stock = put(set_stock);
+    let mut place_order = post(place_order);
+    if let Some(locks) = locks {
+        // `PUT /stock/apple` locks `sku:apple`.
+        set_stock = set_stock.layer(locks.layer(keys::path("sku")));
+        // `POST /orders` locks `order:{order_id}` and `sku:{sku}` of each item, as one batch.
+        place_order = place_order.layer(locks.layer(keys::json(order_keys)));
+    }
+    Router::new()
+        .route("/stock/{sku}", set_stock)
+        .route("/stock/{sku}", get(get_stock))
+        .route("/orders", place_order)
+        .route("/orders/{order_id}", get(get_order))
+        .with_state(AppState { store, work_delay })
+}
+
+#[derive(Debug, Clone)]
+struct AppState {
+    store: Store,
+    work_delay: Duration,
+}
+
+async fn set_stock(
+    State(app): State<AppState>,
+    Path(sku): Path<String>,
+    JsonBody(level): JsonBody<StockLevel>,
+) -> Result<Json<Item>, Rejection> {
+    app.store
+        .set_stock(&sku, level.qty)
+        .await
+        .map_err(store_failed)?;
+    Ok(Json(Item {
+        sku,
+        qty: level.qty,
+    }))
+}
+
+async fn get_stock(
+    State(app): State<AppState>,
+    Path(sku): Path<String>,
+) -> Result<Json<Item>, Rejection> {
+    let levels = app.store.stock(&[&sku]).await.map_err(store_failed)?;
+    match levels[0] {
+        Some(qty) => Ok(Json(Item { sku, qty })),
+        None => Err(not_found(format!("no stock level for SKU `{sku}`"))),
+    }
+}
+
+async fn get_order(
+    State(app): State<AppState>,
+    Path(order_id): Path<String>,
+) -> Result<Json<Order>, Rejection> {
+    match app.store.order(&order_id).await.map_err(store_failed)? {
+        Some(order) => Ok(Json(order)),
+        None => Err(not_found(format!("no order `{order_id}`"))),
+    }
+}
+
+/// Runs with the order and all its SKUs locked, so nothing else changes them between the
+/// read and the write below.
+async fn place_order(
+    State(app): State<AppState>,
+    JsonBody(order): JsonBody<NewOrder>,
+) -> Result<Response, Rejection> {
+    let wanted = quantities(&order)?;
+
+    // Placed before (a retry after a lost response, say): answer it again, take nothing.
+    if let Some(placed) = app
+        .store
+        .order(&order.order_id)
+        .await
+        .map_err(store_failed)?
+    {
+        return Ok((StatusCode::OK, Json(placed)).into_response());
+    }
+
+    let skus: Vec<&str> = wanted.keys().map(String::as_str).collect();
+    let levels = app.store.stock(&skus).await.map_err(store_failed)?;
+    let mut remaining = Vec::with_capacity(wanted.len());
+    let mut short = Vec::new();
+    for ((sku, &qty), level) in wanted.iter().zip(levels) {
+        // No stock level is no stock.
+        let have = level.unwrap_or(0);
+        match have.checked_sub(qty) {
+            Some(left) => remaining.push((sku.as_str(), left)),
+            None => short.push(format!("`{sku}` (have {have}, want {qty})")),
+        }
+    }
+    if !short.is_empty() {
+        let count = short.len();
+        short.truncate(10);
+        return Err(Rejection::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "not enough stock for {count} SKU(s): {}; nothing was taken",
+                short.join(", ")
+            ),
+        ));
+    }
+
+    // Pricing, payment, whatever takes time: the locks keep the levels read above current.
+    tokio::time::sleep(app.work_delay).await;
+
+    let placed = Order {
+        order_id: order.order_id,
+        items: wanted
+            .iter()
+            .map(|(sku, &qty)| Item {
+                sku: sku.clone(),
+                qty,
+            })
+            .collect(),
+    };
+    app.store
+        .commit(&remaining, &placed)
+        .await
+        .map_err(store_failed)?;
+    Ok((StatusCode::CREATED, Json(placed)).into_response())
+}
+
+/// The quantity of each SKU in `order`, duplicates summed; 422 for an order that makes no
+/// sense. (Malformed JSON never gets here: the lock layer refuses it while reading keys.)
+fn quantities(order: &NewOrder) -> Result<BTreeMap<String, u64>, Rejection> {
+    let invalid = |detail: String| Rejection::new(StatusCode::UNPROCESSABLE_ENTITY, detail);
+    if order.order_id.is_empty() {
+        return Err(invalid("`order_id` must not be empty".to_owned()));
+    }
+    if order.items.is_empty() {
+        return Err(invalid("an order needs at least one item".to_owned()));
+    }
+    let mut wanted = BTreeMap::new();
+    for Item { sku, qty } in &order.items {
+        if sku.is_empty() {
+            return Err(invalid("every item needs a non-empty `sku`".to_owned()));
+        }
+        if *qty == 0 {
+            return Err(invalid(format!(
+                "item `{sku}` has `qty` 0; order at least 1"
+            )));
+        }
+        let total: &mut u64 = wanted.entry(sku.clone()).or_default();
+        *total = total
+            .checked_add(*qty)
+            .ok_or_else(|| invalid(format!("the total quantity of `{sku}` is too large")))?;
+    }
+    Ok(wanted)
+}
+
+/// `axum::Json`, refusing a bad body with problem+json like the lock layer does, so that
+/// clients get one kind of error document.
+struct JsonBody<T>(T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = Rejection;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Rejection> {
+        match Json::<T>::from_request(request, state).await {
+            Ok(Json(value)) => Ok(Self(value)),
+            Err(refused) => Err(Rejection::new(refused.status(), refused.body_text())),
+        }
+    }
+}
+
+fn not_found(detail: String) -> Rejection {
+    Rejection::new(StatusCode::NOT_FOUND, detail)
+}
+
+/// The store's trouble is the server's, not the client's: 503, the details only in the log.
+fn store_failed(error: StoreError) -> Rejection {
+    tracing::error!(%error, "the order store failed");
+    Rejection::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the order store is unavailable; try again later",
+    )
+}
+
+type StoreError = Box<dyn Error + Send + Sync>;
+
+/// Where stock levels and orders live. Its reads and writes are plain `MGET`s and `MSET`s:
+/// nothing in the store keeps a read and a later write together, the locks do.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// In this process's memory.
+    Memory(Arc<Mutex<Tables>>),
+    /// In Redis, under `orders:stock:{sku}` and `orders:order:{order_id}`: never under the
+    /// locks' `lock:` prefix.
+    #[cfg(feature = "redis")]
+    Redis(deadpool_redis::Pool),
+}
+
+/// The in-memory store's data.
+#[derive(Debug, Default)]
+pub struct Tables {
+    stock: HashMap<String, u64>,
+    orders: HashMap<String, Order>,
+}
+
+impl Store {
+    /// An empty in-memory store.
+    pub fn memory() -> Self {
+        Self::Memory(Arc::default())
+    }
+
+    /// A store in the Redis behind `pool`.
+    #[cfg(feature = "redis")]
+    pub fn redis(pool: deadpool_redis::Pool) -> Self {
+        Self::Redis(pool)
+    }
+
+    /// The stock levels of `skus`, in one read.
+    async fn stock(&self, skus: &[&str]) -> Result<Vec<Option<u64>>, StoreError> {
+        match self {
+            Self::Memory(tables) => {
+                let tables = tables.lock().unwrap();
+                Ok(skus
+                    .iter()
+                    .map(|sku| tables.stock.get(*sku).copied())
+                    .collect())
+            }
+            #[cfg(feature = "redis")]
+            Self::Redis(pool) => {
+                let keys: Vec<String> = skus.iter().map(|sku| stock_key(sku)).collect();
+                let mut redis = pool.get().await?;
+                Ok(redis::cmd("MGET").arg(keys).query_async(&mut redis).await?)
+            }
+        }
+    }
+
+    async fn set_stock(&self, sku: &str, qty: u64) -> Result<(), StoreError> {
+        match self {
+            Self::Memory(tables) => {
+                tables.lock().unwrap().stock.insert(sku.to_owned(), qty);
+                Ok(())
+            }
+            #[cfg(feature = "redis")]
+            Self::Redis(pool) => {
+                let mut redis = pool.get().await?;
+                Ok(redis::cmd("SET")
+                    .arg(stock_key(sku))
+                    .arg(qty)
+                    .query_async(&mut redis)
+                    .await?)
+            }
+        }
+    }
+
+    async fn order(&self, order_id: &str) -> Result<Option<Order>, StoreError> {
+        match self {
+            Self::Memory(tables) => Ok(tables.lock().unwrap().orders.get(order_id).cloned()),
+            #[cfg(feature = "redis")]
+            Self::Redis(pool) => {
+                let mut redis = pool.get().await?;
+                let json: Option<String> = redis::cmd("GET")
+                    .arg(order_key(order_id))
+                    .query_async(&mut redis)
+                    .await?;
+                Ok(json.map(|json| serde_json::from_str(&json)).transpose()?)
+            }
+        }
+    }
+
+    /// Writes the new stock levels and the order, in one write.
+    async fn commit(&self, stock: &[(&str, u64)], order: &Order) -> Result<(), StoreError> {
+        match self {
+            Self::Memory(tables) => {
+                let mut tables = tables.lock().unwrap();
+                for &(sku, qty) in stock {
+                    tables.stock.insert(sku.to_owned(), qty);
+                }
+                tables.orders.insert(order.order_id.clone(), order.clone());
+                Ok(())
+            }
+            #[cfg(feature = "redis")]
+            Self::Redis(pool) => {
+                let mut mset = redis::cmd("MSET");
+                for &(sku, qty) in stock {
+                    mset.arg(stock_key(sku)).arg(qty);
+                }
+                mset.arg(order_key(&order.order_id))
+                    .arg(serde_json::to_string(order)?);
+                let mut redis = pool.get().await?;
+                Ok(mset.query_async(&mut redis).await?)
+            }
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+fn stock_key(sku: &str) -> String {
+    format!("orders:stock:{sku}")
+}
+
+#[cfg(feature = "redis")]
+fn order_key(order_id: &str) -> String {
+    format!("orders:order:{order_id}")
+}
+
+#[tokio::main]
+async fn main() -> Result<(), StoreError> {
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::stdout().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+
+    let addr = env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    let work_delay = match env::var("WORK_DELAY_MS") {
+        Ok(ms) => Duration::from_millis(ms.parse().map_err(|e| format!("WORK_DELAY_MS: {e}"))?),
+        Err(_) => Duration::ZERO,
+    };
+    let (store, locks, backend) = match env::var("REDIS_URL") {
+        #[cfg(feature = "redis")]
+        Ok(url) => {
+            let pool = deadpool_redis::Config::from_url(url)
+                .create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+            // Fail now, not at the first request, when Redis is not there.
+            drop(pool.get().await?);
+            (Store::redis(pool.clone()), Locks::redis(pool), "Redis")
+        }
+        #[cfg(not(feature = "redis"))]
+        Ok(_) => {
+            return Err(
+                "REDIS_URL is set, but this build has no Redis: add `--features redis`".into(),
+            )
+        }
+        Err(_) => (Store::memory(), Locks::memory(), "memory"),
+    };
+    // A lock must outlive the slowest handler that holds it (the default TTL is 30 s).
+    let locks = locks.ttl(Duration::from_secs(30) + work_delay);
+
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    tracing::info!(
+        "orders listening on http://{}, locks and data in {backend}",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app(store, Some(locks), work_delay))
+        // In-flight orders finish and release their locks before the process exits.
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

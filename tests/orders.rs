@@ -1,0 +1,950 @@
+//! The `orders` example, driven the way its users drive it: its router called in-process
+//! with `oneshot`, on the memory store and on real `redis-server` processes (two app
+//! instances with their own pools standing for two server processes), and the compiled
+//! binary itself over TCP.
+//!
+//! The race tests have a control: the same race through the same routes without the lock
+//! layer must lose updates, which shows that the race tests can fail.
+
+#[allow(dead_code, unreachable_pub)]
+#[path = "../examples/orders.rs"]
+mod orders;
+
+#[cfg(feature = "redis")]
+#[allow(unreachable_pub)]
+mod support;
+
+use std::{
+    future::Future,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use axum::{body::Body, Router};
+use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::Barrier;
+use tower::ServiceExt;
+use tower_batch_lock::{keys::DEFAULT_BODY_LIMIT, Locks};
+
+use orders::Store;
+
+/// How long a racing order works inside its locks.
+const WORK_DELAY: Duration = Duration::from_millis(30);
+
+// ---------------------------------------------------------------------------------------
+// Driving the router
+
+struct Reply {
+    status: StatusCode,
+    content_type: String,
+    retry_after: Option<u64>,
+    body: Value,
+}
+
+impl Reply {
+    /// The `detail` of a problem document, after checking that it is one.
+    fn problem_detail(&self) -> &str {
+        assert_eq!(
+            self.content_type, "application/problem+json",
+            "a {} should be a problem document: {}",
+            self.status, self.body
+        );
+        assert_eq!(self.body["status"], self.status.as_u16(), "{}", self.body);
+        let detail = self.body["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.len() > 10,
+            "a problem needs a readable detail: {}",
+            self.body
+        );
+        detail
+    }
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let response = within(
+        Duration::from_secs(10),
+        "a response",
+        app.clone().oneshot(request),
+    )
+    .await
+    .expect("the router is infallible");
+    let status = response.status();
+    let content_type = header_text(response.headers(), header::CONTENT_TYPE).unwrap_or_default();
+    let retry_after = header_text(response.headers(), header::RETRY_AFTER)
+        .map(|secs| secs.parse().expect("Retry-After in seconds"));
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("a readable body");
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    Reply {
+        status,
+        content_type,
+        retry_after,
+        body,
+    }
+}
+
+fn header_text(headers: &HeaderMap, name: HeaderName) -> Option<String> {
+    let value = headers.get(name)?;
+    Some(value.to_str().expect("a text header").to_owned())
+}
+
+fn json_request(method: Method, uri: &str, body: &Value) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+async fn get(app: &Router, uri: &str) -> Reply {
+    send(app, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+async fn put_stock(app: &Router, sku: &str, qty: u64) {
+    let uri = format!("/stock/{sku}");
+    let reply = send(app, json_request(Method::PUT, &uri, &json!({ "qty": qty }))).await;
+    assert_eq!(reply.status, StatusCode::OK, "PUT {uri}: {}", reply.body);
+    assert_eq!(reply.body, json!({ "sku": sku, "qty": qty }));
+}
+
+/// The stock level of `sku`; `None` for a 404.
+async fn stock(app: &Router, sku: &str) -> Option<u64> {
+    let reply = get(app, &format!("/stock/{sku}")).await;
+    match reply.status {
+        StatusCode::OK => Some(reply.body["qty"].as_u64().expect("a numeric qty")),
+        StatusCode::NOT_FOUND => {
+            reply.problem_detail();
+            None
+        }
+        other => panic!("GET /stock/{sku}: {other} {}", reply.body),
+    }
+}
+
+async fn post_order(app: &Router, order: &Value) -> Reply {
+    send(app, json_request(Method::POST, "/orders", order)).await
+}
+
+fn order<S: AsRef<str>>(order_id: &str, items: &[(S, u64)]) -> Value {
+    let items: Vec<Value> = items
+        .iter()
+        .map(|(sku, qty)| json!({ "sku": sku.as_ref(), "qty": qty }))
+        .collect();
+    json!({ "order_id": order_id, "items": items })
+}
+
+async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {limit:?}"))
+}
+
+fn memory_app(work_delay: Duration) -> Router {
+    orders::app(Store::memory(), Some(Locks::memory()), work_delay)
+}
+
+/// One instance of the service on `server`, with its own pool: a process of its own, as
+/// far as Redis can tell. `locked: false` leaves the lock layer out (the control).
+#[cfg(feature = "redis")]
+fn redis_app(server: &support::RedisServer, work_delay: Duration, locked: bool) -> Router {
+    let pool = server.pool();
+    let locks = locked.then(|| Locks::redis(pool.clone()));
+    orders::app(Store::redis(pool), locks, work_delay)
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. The flows of the README, on both stores
+
+async fn basic_flows(app: &Router) {
+    assert_eq!(stock(app, "apple").await, None, "no stock level yet");
+    put_stock(app, "apple", 10).await;
+    put_stock(app, "pear", 4).await;
+    assert_eq!(stock(app, "apple").await, Some(10));
+
+    // Duplicate SKUs are summed: the order takes 5 apples.
+    let first = order("o-1", &[("apple", 3), ("pear", 1), ("apple", 2)]);
+    let placed = post_order(app, &first).await;
+    assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    let expected = json!({
+        "order_id": "o-1",
+        "items": [{ "sku": "apple", "qty": 5 }, { "sku": "pear", "qty": 1 }],
+    });
+    assert_eq!(placed.body, expected);
+    assert_eq!(stock(app, "apple").await, Some(5));
+    assert_eq!(stock(app, "pear").await, Some(3));
+
+    // A replay answers the stored order and takes nothing again.
+    let replay = post_order(app, &first).await;
+    assert_eq!(replay.status, StatusCode::OK, "{}", replay.body);
+    assert_eq!(replay.body, expected);
+    assert_eq!(stock(app, "apple").await, Some(5));
+    assert_eq!(stock(app, "pear").await, Some(3));
+
+    // Not enough apples: nothing is taken, not even the pear, and no order is stored.
+    let short = post_order(app, &order("o-2", &[("pear", 1), ("apple", 6)])).await;
+    assert_eq!(short.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(short.problem_detail().contains("apple"), "{}", short.body);
+    assert_eq!(stock(app, "apple").await, Some(5));
+    assert_eq!(stock(app, "pear").await, Some(3));
+    assert_eq!(get(app, "/orders/o-2").await.status, StatusCode::NOT_FOUND);
+
+    // A SKU without a stock level has none.
+    let unknown = post_order(app, &order("o-3", &[("pear", 1), ("kiwi", 1)])).await;
+    assert_eq!(unknown.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        unknown.problem_detail().contains("kiwi"),
+        "{}",
+        unknown.body
+    );
+    assert_eq!(stock(app, "pear").await, Some(3));
+
+    // An order that makes no sense is refused by the handler, also as a problem.
+    let empty = post_order(app, &json!({ "order_id": "o-4", "items": [] })).await;
+    assert_eq!(empty.status, StatusCode::UNPROCESSABLE_ENTITY);
+    empty.problem_detail();
+
+    let stored = get(app, "/orders/o-1").await;
+    assert_eq!(stored.status, StatusCode::OK);
+    assert_eq!(stored.body, expected);
+    let missing = get(app, "/orders/nope").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    missing.problem_detail();
+}
+
+#[tokio::test]
+async fn memory_basic_flows() {
+    basic_flows(&memory_app(Duration::ZERO)).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_basic_flows() {
+    let server = support::RedisServer::start();
+    basic_flows(&redis_app(&server, Duration::ZERO, true)).await;
+
+    assert_eq!(server.keys("lock:*"), Vec::<String>::new(), "locks left");
+    let mut data = server.keys("*");
+    data.sort();
+    assert_eq!(
+        data,
+        [
+            "orders:order:o-1",
+            "orders:stock:apple",
+            "orders:stock:pear"
+        ],
+        "the data lives under `orders:`, apart from the locks"
+    );
+}
+
+/// A stock update waits for (here: is refused during) an order of the same SKU, also for
+/// SKUs that `keys::path` escapes: both routes must lock the same key.
+#[tokio::test]
+async fn memory_stock_updates_and_orders_of_one_sku_exclude_each_other() {
+    let app = memory_app(Duration::from_millis(1_000));
+    let skus = ["apple", "a/b", "50%"];
+    let paths = ["apple", "a%2Fb", "50%25"];
+    for path in paths {
+        let reply = send(
+            &app,
+            json_request(Method::PUT, &format!("/stock/{path}"), &json!({ "qty": 5 })),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    }
+    let items: Vec<(&str, u64)> = skus.iter().map(|&sku| (sku, 1)).collect();
+    let working = order("slow", &items);
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move { post_order(&app, &working).await })
+    };
+    // The order holds its locks for a second; look well inside that.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for path in paths {
+        let update = json_request(
+            Method::PUT,
+            &format!("/stock/{path}"),
+            &json!({ "qty": 50 }),
+        );
+        let reply = send(&app, update).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CONFLICT,
+            "PUT /stock/{path}: {}",
+            reply.body
+        );
+        reply.problem_detail();
+        assert!(reply.retry_after.is_some(), "a 409 says when to retry");
+    }
+    let placed = within(Duration::from_secs(5), "the slow order", slow)
+        .await
+        .unwrap();
+    assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    for (sku, path) in skus.iter().zip(paths) {
+        assert_eq!(stock(&app, path).await, Some(4), "{sku}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Racing orders never oversell, and without the locks they do
+
+const RACE_SKUS: usize = 4;
+const RACE_STOCK: u64 = 40;
+const RACE_ORDERS: usize = 48;
+/// A client retries a 409 until this long after the start, or this many times.
+const RACE_RETRY_FOR: Duration = Duration::from_secs(6);
+const RACE_MAX_ATTEMPTS: usize = 300;
+
+struct RacedOrder {
+    items: Vec<(String, u64)>,
+    /// The status of every attempt, the final one last.
+    attempts: Vec<StatusCode>,
+}
+
+impl RacedOrder {
+    fn status(&self) -> StatusCode {
+        *self.attempts.last().expect("at least one attempt")
+    }
+}
+
+struct Race {
+    orders: Vec<RacedOrder>,
+    /// The final stock level of each SKU, `race-0`, `race-1`, ...
+    stock: Vec<u64>,
+}
+
+fn race_sku(k: usize) -> String {
+    format!("race-{}", k % RACE_SKUS)
+}
+
+/// Order `i` takes 1 to 3 units of each of two neighbouring SKUs, so every SKU is wanted
+/// by half the orders, and the orders want more (about 48 units of each) than there is.
+fn race_items(i: usize) -> Vec<(String, u64)> {
+    vec![
+        (race_sku(i), 1 + i as u64 % 3),
+        (race_sku(i + 1), 1 + (i / 3) as u64 % 3),
+    ]
+}
+
+/// A small deterministic jitter, so that retrying clients do not move in lockstep.
+struct Jitter(u64);
+
+impl Jitter {
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        // xorshift64
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        Duration::from_millis(from + self.0 % (to - from))
+    }
+}
+
+/// Stocks the race SKUs, then sends all the orders at once, round-robin over `apps`.
+async fn race(apps: &[Router]) -> Race {
+    for k in 0..RACE_SKUS {
+        put_stock(&apps[0], &race_sku(k), RACE_STOCK).await;
+    }
+    let start = Arc::new(Barrier::new(RACE_ORDERS));
+    let clients: Vec<_> = (0..RACE_ORDERS)
+        .map(|i| tokio::spawn(race_client(apps[i % apps.len()].clone(), i, start.clone())))
+        .collect();
+    let mut orders = Vec::with_capacity(RACE_ORDERS);
+    for client in clients {
+        let raced = within(Duration::from_secs(15), "racing client", client).await;
+        orders.push(raced.expect("the client does not panic"));
+    }
+    let mut stock_levels = Vec::with_capacity(RACE_SKUS);
+    for k in 0..RACE_SKUS {
+        stock_levels.push(stock(&apps[0], &race_sku(k)).await.expect("stocked"));
+    }
+    Race {
+        orders,
+        stock: stock_levels,
+    }
+}
+
+/// Sends order `i` when every client is ready; retries it after a short pause while it
+/// meets a held lock (409), within bounds.
+async fn race_client(app: Router, i: usize, start: Arc<Barrier>) -> RacedOrder {
+    let items = race_items(i);
+    let body = order(&format!("race-{i}"), &items);
+    let mut jitter = Jitter(0x9E37_79B9_7F4A_7C15 ^ i as u64);
+    start.wait().await;
+    let deadline = Instant::now() + RACE_RETRY_FOR;
+    let mut attempts = Vec::new();
+    while attempts.len() < RACE_MAX_ATTEMPTS {
+        let status = post_order(&app, &body).await.status;
+        attempts.push(status);
+        if status != StatusCode::CONFLICT || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(jitter.millis(5, 25)).await;
+    }
+    RacedOrder { items, attempts }
+}
+
+/// Whether every SKU's final stock is its initial stock minus what the 201 orders took,
+/// and never below zero.
+fn stock_adds_up(race: &Race) -> Result<(), String> {
+    for (k, &left) in race.stock.iter().enumerate() {
+        let sku = race_sku(k);
+        let sold: u64 = race
+            .orders
+            .iter()
+            .filter(|o| o.status() == StatusCode::CREATED)
+            .flat_map(|o| &o.items)
+            .filter(|(s, _)| *s == sku)
+            .map(|(_, qty)| qty)
+            .sum();
+        let Some(expected) = RACE_STOCK.checked_sub(sold) else {
+            return Err(format!(
+                "{sku} oversold: the 201 orders took {sold} of {RACE_STOCK} (stock says {left})"
+            ));
+        };
+        if left != expected {
+            return Err(format!(
+                "{sku}: the 201 orders took {sold} of {RACE_STOCK}, so {expected} should be \
+                 left, but the stock says {left}: an update was lost"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How many attempts got `status`.
+fn attempts_with(race: &Race, status: StatusCode) -> usize {
+    let attempts = race.orders.iter().flat_map(|o| &o.attempts);
+    attempts.filter(|&&s| s == status).count()
+}
+
+/// How many orders ended with `status`.
+fn orders_with(race: &Race, status: StatusCode) -> usize {
+    race.orders.iter().filter(|o| o.status() == status).count()
+}
+
+fn assert_no_overselling(race: &Race) {
+    let expected = [
+        StatusCode::CREATED,
+        StatusCode::CONFLICT,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    ];
+    for raced in &race.orders {
+        for status in &raced.attempts {
+            assert!(expected.contains(status), "an attempt got {status}");
+        }
+        // Stock only goes down, so an order refused for stock still lacks it at the end.
+        if raced.status() == StatusCode::UNPROCESSABLE_ENTITY {
+            let lacking = raced.items.iter().any(|(sku, qty)| {
+                let k: usize = sku["race-".len()..].parse().unwrap();
+                race.stock[k] < *qty
+            });
+            assert!(lacking, "{:?} got 422 with stock left", raced.items);
+        }
+    }
+    if let Err(problem) = stock_adds_up(race) {
+        panic!("with the locks: {problem}");
+    }
+    let conflicts = attempts_with(race, StatusCode::CONFLICT);
+    assert!(
+        conflicts > 0,
+        "no order ever met a held lock: nothing raced"
+    );
+    let placed = orders_with(race, StatusCode::CREATED);
+    assert!(placed >= 10, "only {placed} of {RACE_ORDERS} orders placed");
+    eprintln!(
+        "race: {placed} placed, {} refused for stock, {} gave up; {conflicts} 409s in {} attempts",
+        orders_with(race, StatusCode::UNPROCESSABLE_ENTITY),
+        orders_with(race, StatusCode::CONFLICT),
+        race.orders.iter().map(|o| o.attempts.len()).sum::<usize>(),
+    );
+}
+
+fn assert_updates_lost(race: &Race) {
+    assert_eq!(
+        attempts_with(race, StatusCode::CONFLICT),
+        0,
+        "nothing locks, so nothing conflicts"
+    );
+    let problem = stock_adds_up(race)
+        .expect_err("without the locks the race should lose updates; the race test is blind");
+    eprintln!("control, as expected: {problem}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_racing_orders_never_oversell() {
+    let race = race(&[memory_app(WORK_DELAY)]).await;
+    assert_no_overselling(&race);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_control_without_locks_loses_updates() {
+    let app = orders::app(Store::memory(), None, WORK_DELAY);
+    assert_updates_lost(&race(&[app]).await);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_racing_orders_on_two_instances_never_oversell() {
+    let server = support::RedisServer::start();
+    let apps = [
+        redis_app(&server, WORK_DELAY, true),
+        redis_app(&server, WORK_DELAY, true),
+    ];
+    let race = race(&apps).await;
+    assert_no_overselling(&race);
+    assert_eq!(server.keys("lock:*"), Vec::<String>::new(), "locks left");
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_control_without_locks_loses_updates() {
+    let server = support::RedisServer::start();
+    let apps = [
+        redis_app(&server, WORK_DELAY, false),
+        redis_app(&server, WORK_DELAY, false),
+    ];
+    assert_updates_lost(&race(&apps).await);
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. An order of 3,000 SKUs
+
+const BIG: usize = 3_000;
+
+fn big_sku(i: usize) -> String {
+    format!("big-{i}")
+}
+
+fn big_order(order_id: &str) -> Value {
+    let items: Vec<Value> = (0..BIG)
+        .map(|i| json!({ "sku": big_sku(i), "qty": 1 }))
+        .collect();
+    json!({ "order_id": order_id, "items": items })
+}
+
+/// Sets every big SKU's stock to 5 with one MSET, as a bulk import would.
+#[cfg(feature = "redis")]
+fn stock_big_skus(server: &support::RedisServer) {
+    let mut mset = redis::cmd("MSET");
+    for i in 0..BIG {
+        mset.arg(format!("orders:stock:{}", big_sku(i))).arg(5);
+    }
+    let () = mset.query(&mut server.connection()).expect("MSET");
+}
+
+#[cfg(feature = "redis")]
+fn big_stock_levels(server: &support::RedisServer) -> Vec<Option<u64>> {
+    let keys: Vec<String> = (0..BIG)
+        .map(|i| format!("orders:stock:{}", big_sku(i)))
+        .collect();
+    redis::cmd("MGET")
+        .arg(keys)
+        .query(&mut server.connection())
+        .expect("MGET")
+}
+
+#[tokio::test]
+async fn memory_order_of_3000_skus_succeeds() {
+    let app = memory_app(Duration::ZERO);
+    for i in 0..BIG {
+        put_stock(&app, &big_sku(i), 5).await;
+    }
+    let placed = post_order(&app, &big_order("big")).await;
+    assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    assert_eq!(placed.body["items"].as_array().unwrap().len(), BIG);
+    for i in [0, 1, BIG / 2, BIG - 1] {
+        assert_eq!(stock(&app, &big_sku(i)).await, Some(4));
+    }
+}
+
+/// While the order works, its 3,001 locks (3,000 SKUs and the order) are all in Redis at
+/// once; every look from outside sees all of them or none, never part of the batch.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_order_of_3000_skus_locks_them_all_in_one_batch() {
+    let server = Arc::new(support::RedisServer::start());
+    stock_big_skus(&server);
+    let app = redis_app(&server, Duration::from_millis(400), true);
+
+    let request = tokio::spawn(async move { post_order(&app, &big_order("big")).await });
+    let watcher = {
+        let server = server.clone();
+        tokio::task::spawn_blocking(move || {
+            let (mut seen, deadline) = (Vec::new(), Instant::now() + Duration::from_secs(10));
+            // Until the batch has come and gone.
+            while Instant::now() < deadline
+                && !(seen.contains(&(BIG + 1)) && seen.last() == Some(&0))
+            {
+                seen.push(server.keys("lock:*").len());
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            seen
+        })
+    };
+    let placed = within(Duration::from_secs(10), "the big order", request)
+        .await
+        .unwrap();
+    let seen = watcher.await.unwrap();
+
+    assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    assert_eq!(placed.body["items"].as_array().unwrap().len(), BIG);
+    assert!(
+        seen.iter().all(|&n| n == 0 || n == BIG + 1),
+        "a partial batch was visible: lock counts seen {seen:?}"
+    );
+    assert!(
+        seen.contains(&(BIG + 1)),
+        "the order's {} locks were never seen held together",
+        BIG + 1
+    );
+    assert!(big_stock_levels(&server).iter().all(|&l| l == Some(4)));
+    assert_eq!(server.keys("lock:*"), Vec::<String>::new(), "locks left");
+}
+
+/// One SKU of the 3,000 is held by another instance's order: the big order is refused
+/// whole, takes no lock and no stock, and goes through once the other order is done.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_order_of_3000_skus_with_one_held_sku_is_refused_whole() {
+    let server = support::RedisServer::start();
+    stock_big_skus(&server);
+    let holder_app = redis_app(&server, Duration::from_millis(1_500), true);
+    let app = redis_app(&server, Duration::ZERO, true);
+
+    let held = big_sku(1_234);
+    let holder_order = order("holder", &[(held.as_str(), 1)]);
+    let holder = tokio::spawn(async move { post_order(&holder_app, &holder_order).await });
+    let holder_locks = vec!["lock:order:holder".to_owned(), format!("lock:sku:{held}")];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.keys("lock:*").len() < 2 {
+        assert!(Instant::now() < deadline, "the holder never took its locks");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let refused = post_order(&app, &big_order("big")).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.body);
+    refused.problem_detail();
+    assert!(refused.retry_after.is_some(), "a 409 says when to retry");
+    assert_eq!(
+        refused.body["conflicting_keys"],
+        json!([format!("sku:{held}")])
+    );
+    let mut left = server.keys("lock:*");
+    left.sort();
+    assert_eq!(left, holder_locks, "only the holder's locks may remain");
+    assert!(
+        big_stock_levels(&server).iter().all(|&l| l == Some(5)),
+        "the refused order took stock"
+    );
+    assert_eq!(get(&app, "/orders/big").await.status, StatusCode::NOT_FOUND);
+
+    let held_done = within(Duration::from_secs(5), "the holder", holder)
+        .await
+        .unwrap();
+    assert_eq!(held_done.status, StatusCode::CREATED, "{}", held_done.body);
+    assert_eq!(server.keys("lock:*"), Vec::<String>::new(), "locks left");
+
+    let placed = post_order(&app, &big_order("big")).await;
+    assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    let levels = big_stock_levels(&server);
+    assert_eq!(
+        levels[1_234],
+        Some(3),
+        "the holder's unit and the big order's"
+    );
+    assert_eq!(levels.iter().filter(|&&l| l == Some(4)).count(), BIG - 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Bad bodies: a 4xx problem document each, and no lock left behind
+
+fn request(method: Method, uri: &str, content_type: Option<&str>, body: String) -> Request<Body> {
+    let mut request = Request::builder().method(method).uri(uri);
+    if let Some(content_type) = content_type {
+        request = request.header(header::CONTENT_TYPE, content_type);
+    }
+    request.body(body.into()).unwrap()
+}
+
+/// Requests the lock layer or the handler must refuse, with the status each must get.
+fn bad_requests() -> Vec<(&'static str, Request<Body>, StatusCode)> {
+    use StatusCode as S;
+    const JSON: Option<&str> = Some("application/json");
+    let post = |body: &str| request(Method::POST, "/orders", JSON, body.to_owned());
+    let put = |body: &str| request(Method::PUT, "/stock/x", JSON, body.to_owned());
+    let fine = order("a", &[("x", 1)]).to_string();
+    // Valid JSON, but for its length.
+    let oversized = fine.clone() + &" ".repeat(DEFAULT_BODY_LIMIT);
+    let mut announced_oversized = post(&oversized);
+    let length = oversized.len().into();
+    announced_oversized
+        .headers_mut()
+        .insert(header::CONTENT_LENGTH, length);
+    vec![
+        (
+            "truncated JSON",
+            post(r#"{"order_id": "a", "items": [{"sku""#),
+            S::BAD_REQUEST,
+        ),
+        ("not JSON", post("order a, 3 apples"), S::BAD_REQUEST),
+        (
+            "wrong types",
+            post(r#"{"order_id": 7, "items": "x"}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "a negative qty",
+            post(r#"{"order_id": "a", "items": [{"sku": "x", "qty": -1}]}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "no items field",
+            post(r#"{"order_id": "a"}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "an item without qty",
+            post(r#"{"order_id": "a", "items": [{"sku": "x"}]}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "text/plain",
+            request(Method::POST, "/orders", Some("text/plain"), fine.clone()),
+            S::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        (
+            "no content type",
+            request(Method::POST, "/orders", None, fine),
+            S::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        (
+            "over 2 MiB, announced",
+            announced_oversized,
+            S::PAYLOAD_TOO_LARGE,
+        ),
+        (
+            "over 2 MiB, streamed",
+            post(&oversized),
+            S::PAYLOAD_TOO_LARGE,
+        ),
+        // Well-formed, and refused by the handler.
+        (
+            "no items",
+            post(r#"{"order_id": "a", "items": []}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "qty 0",
+            post(&order("a", &[("x", 1), ("y", 0)]).to_string()),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "an empty sku",
+            post(&order("a", &[("", 1)]).to_string()),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "an empty order_id",
+            post(&order("", &[("x", 1)]).to_string()),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "quantities that overflow",
+            post(&order("a", &[("x", u64::MAX), ("x", 1)]).to_string()),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "stock: a string qty",
+            put(r#"{"qty": "ten"}"#),
+            S::UNPROCESSABLE_ENTITY,
+        ),
+        ("stock: truncated JSON", put(r#"{"qty": "#), S::BAD_REQUEST),
+        (
+            "stock: text/plain",
+            request(Method::PUT, "/stock/x", Some("text/plain"), "10".to_owned()),
+            S::UNSUPPORTED_MEDIA_TYPE,
+        ),
+    ]
+}
+
+async fn bad_bodies(app: &Router) {
+    for (what, request, status) in bad_requests() {
+        let reply = send(app, request).await;
+        assert_eq!(reply.status, status, "{what}: {}", reply.body);
+        let detail = reply.problem_detail();
+        eprintln!("{what}: {status} {detail}");
+    }
+    assert_eq!(get(app, "/orders/a").await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        stock(app, "x").await,
+        None,
+        "a refused PUT set a stock level"
+    );
+}
+
+#[tokio::test]
+async fn memory_bad_bodies_get_problem_documents() {
+    bad_bodies(&memory_app(Duration::ZERO)).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_bad_bodies_get_problem_documents_and_leave_no_lock() {
+    let server = support::RedisServer::start();
+    bad_bodies(&redis_app(&server, Duration::ZERO, true)).await;
+    assert_eq!(server.keys("lock:*"), Vec::<String>::new(), "locks left");
+    assert_eq!(server.dbsize(), 0, "a refused request wrote data");
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. The real binary
+
+#[cfg(feature = "redis")]
+mod binary {
+    use std::{net::SocketAddr, path::PathBuf, process::Stdio, time::Duration};
+
+    use tokio::{
+        io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+        net::TcpStream,
+        process::{Child, Command},
+    };
+
+    use super::{support::RedisServer, within};
+
+    /// Builds the example with the profile this test was built with, and returns its path.
+    ///
+    /// `cargo test` builds examples, but `cargo test --test orders` does not, and a binary
+    /// left over from an older build would test old code: so build it (a no-op when it is
+    /// fresh). Cargo does not hold the build lock while tests run.
+    async fn build_example() -> PathBuf {
+        let test_exe = std::env::current_exe().expect("the test's path");
+        // target/<profile dir>/deps/orders-<hash>
+        let profile_dir = test_exe.parent().and_then(|deps| deps.parent());
+        let profile: Vec<String> = match profile_dir
+            .and_then(|d| d.file_name())
+            .and_then(|n| n.to_str())
+        {
+            Some("debug") | None => vec![],
+            Some("release") => vec!["--release".into()],
+            Some(other) => vec!["--profile".into(), other.into()],
+        };
+        let build = Command::new(env!("CARGO"))
+            .args(["build", "--example", "orders", "--features", "redis"])
+            .args(["--message-format", "json-render-diagnostics"])
+            .args(profile)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .output();
+        // Usually a second; longer only when another build holds the lock.
+        let output = within(Duration::from_secs(300), "build of the example", build)
+            .await
+            .expect("run cargo");
+        assert!(
+            output.status.success(),
+            "cargo build --example orders failed"
+        );
+        let stdout = String::from_utf8(output.stdout).expect("UTF-8 from cargo");
+        stdout
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "orders")
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reports the example's executable")
+    }
+
+    /// One HTTP/1.1 request on a fresh connection; the status and the body.
+    async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+        let exchange = async {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            let request = format!(
+                "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            stream.write_all(request.as_bytes()).await.expect("send");
+            let mut response = String::new();
+            stream.read_to_string(&mut response).await.expect("read");
+            response
+        };
+        let response = within(Duration::from_secs(5), "HTTP response", exchange).await;
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+        (status, body.to_owned())
+    }
+
+    /// The running example; killed when dropped, whatever the test did.
+    struct Example(Child);
+
+    impl Drop for Example {
+        fn drop(&mut self) {
+            let _ = self.0.start_kill();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_binary_serves_orders_on_redis() {
+        let server = RedisServer::start();
+        let binary = build_example().await;
+        let addr: SocketAddr = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap()
+        };
+        let mut example = Example(
+            Command::new(&binary)
+                .env("ORDERS_ADDR", addr.to_string())
+                .env("REDIS_URL", server.url())
+                .env("RUST_LOG", "info")
+                .env_remove("WORK_DELAY_MS")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display())),
+        );
+
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).await.is_err() {
+            if let Some(exit) = example.0.try_wait().unwrap() {
+                panic!("the example exited before listening: {exit}");
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the example never listened on {addr}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let stdout = example.0.stdout.take().unwrap();
+        let first_line = within(Duration::from_secs(5), "the start-up log line", async {
+            BufReader::new(stdout).lines().next_line().await
+        })
+        .await
+        .expect("read the log")
+        .expect("a log line");
+        assert!(
+            first_line.contains(&addr.to_string()) && first_line.contains("Redis"),
+            "the start-up line should say where and on what: {first_line:?}"
+        );
+
+        assert_eq!(
+            http(addr, "PUT", "/stock/apple", r#"{"qty": 3}"#).await.0,
+            200
+        );
+        let order = r#"{"order_id": "smoke", "items": [{"sku": "apple", "qty": 2}]}"#;
+        let (status, body) = http(addr, "POST", "/orders", order).await;
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(http(addr, "POST", "/orders", order).await.0, 200);
+        let (status, body) = http(addr, "GET", "/stock/apple", "").await;
+        assert_eq!((status, body.as_str()), (200, r#"{"sku":"apple","qty":1}"#));
+        assert_eq!(http(addr, "GET", "/orders/nope", "").await.0, 404);
+
+        let mut data = server.keys("*");
+        data.sort();
+        assert_eq!(data, ["orders:order:smoke", "orders:stock:apple"]);
+    }
+}
