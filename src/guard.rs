@@ -87,12 +87,12 @@ impl LockGuard {
     }
 
     /// What the handler may see of these locks.
-    pub(crate) fn lease(&self, prefix_len: usize, expires_at: Instant) -> Option<Lease> {
+    pub(crate) fn lease(&self, prefix_len: usize) -> Option<Lease> {
         let held = self.held.as_ref()?;
         Some(Lease {
             keys: held.keys.clone(),
             prefix_len,
-            expires_at,
+            expires_at: held.expires_at,
         })
     }
 

@@ -243,7 +243,7 @@ impl Locks {
         match acquired {
             Ok(Ok(Acquire::Granted)) => {
                 span.record("outcome", "granted");
-                if let Some(lease) = guard.lease(policy.keys.prefix.len(), started + policy.ttl) {
+                if let Some(lease) = guard.lease(policy.keys.prefix.len()) {
                     request.extensions_mut().insert(lease);
                 }
                 Ok((request, Some(guard)))
