@@ -81,15 +81,13 @@ struct StockLevel {
 /// attempt) and every SKU it takes stock from. The layer adds the `lock:` prefix, drops
 /// duplicates and locks them all in one step.
 fn order_keys(order: NewOrder) -> impl Iterator<Item = String> {
-    let skus = order.items.into_iter().map(|item| sku_key(&item.sku));
+    // The very key `keys::path("sku")` makes for `PUT /stock/{sku}`: an order and a stock
+    // update of the same SKU must lock the same key, or they would not exclude each other.
+    let skus = order
+        .items
+        .into_iter()
+        .map(|item| format!("sku:{}", item.sku));
     std::iter::once(format!("order:{}", order.order_id)).chain(skus)
-}
-
-/// The lock key of a SKU, the very key `keys::path("sku")` makes for `PUT /stock/{sku}`:
-/// `sku:` and the SKU with `%` and `/` percent-encoded. An order and a stock update of the
-/// same SKU must lock the same key, or they would not exclude each other.
-fn sku_key(sku: &str) -> String {
-    format!("sku:{}", sku.replace('%', "%25").replace('/', "%2F"))
 }
 
 /// The service's routes, on `store`, with orders that work for `work_delay` inside their

@@ -11,7 +11,6 @@
 mod orders;
 
 #[cfg(feature = "redis")]
-#[allow(unreachable_pub)]
 mod support;
 
 use std::{
@@ -240,7 +239,8 @@ async fn redis_basic_flows() {
 }
 
 /// A stock update waits for (here: is refused during) an order of the same SKU, also for
-/// SKUs that `keys::path` escapes: both routes must lock the same key.
+/// SKUs with `/` or `%`, which arrive percent-encoded in the path: both routes must lock
+/// the same key.
 #[tokio::test]
 async fn memory_stock_updates_and_orders_of_one_sku_exclude_each_other() {
     let app = memory_app(Duration::from_millis(1_000));

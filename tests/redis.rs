@@ -1,11 +1,11 @@
-#![cfg(feature = "redis")]
 //! The Redis backend, driven through the layer the way users drive it: an axum `Router`
 //! called with `oneshot` (or served over a real TCP listener), against real `redis-server`
 //! processes started by `support` on free loopback ports.
 //!
 //! Every test starts its own server, uses short TTLs, and bounds every wait.
 
-#[allow(unreachable_pub)] // `support` is shared by several test binaries
+#![cfg(feature = "redis")]
+
 mod support;
 
 use std::{

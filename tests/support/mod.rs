@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     child: Option<Child>,
     port: u16,
 }
@@ -19,10 +19,13 @@ impl RedisServer {
     /// # Panics
     ///
     /// When `redis-server` is not installed, with a message that says how to install it.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         for _ in 0..5 {
             let port = free_port();
-            let mut server = Self { child: Some(spawn(port)), port };
+            let mut server = Self {
+                child: Some(spawn(port)),
+                port,
+            };
             if server.wait_ready(Duration::from_secs(10)) {
                 return server;
             }
@@ -32,52 +35,59 @@ impl RedisServer {
         panic!("redis-server did not start on a free loopback port after 5 attempts");
     }
 
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.port
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
-    pub fn pool(&self) -> deadpool_redis::Pool {
+    pub(crate) fn pool(&self) -> deadpool_redis::Pool {
         deadpool_redis::Config::from_url(self.url())
             .create_pool(Some(deadpool_redis::Runtime::Tokio1))
             .expect("a valid Redis URL")
     }
 
     /// A plain synchronous connection, for looking at the server from outside the crate.
-    pub fn connection(&self) -> redis::Connection {
+    pub(crate) fn connection(&self) -> redis::Connection {
         let client = redis::Client::open(self.url()).expect("a valid Redis URL");
         let connection = client
             .get_connection_with_timeout(Duration::from_secs(2))
             .expect("connect to the test redis-server");
-        connection.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        connection
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
         connection
     }
 
     /// How many keys the server holds in all.
-    pub fn dbsize(&self) -> u64 {
-        redis::cmd("DBSIZE").query(&mut self.connection()).expect("DBSIZE")
+    pub(crate) fn dbsize(&self) -> u64 {
+        redis::cmd("DBSIZE")
+            .query(&mut self.connection())
+            .expect("DBSIZE")
     }
 
     /// The keys that match `pattern`.
-    pub fn keys(&self, pattern: &str) -> Vec<String> {
-        redis::cmd("KEYS").arg(pattern).query(&mut self.connection()).expect("KEYS")
+    pub(crate) fn keys(&self, pattern: &str) -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut self.connection())
+            .expect("KEYS")
     }
 
     /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
-    pub fn pause(&self) {
+    pub(crate) fn pause(&self) {
         self.signal("STOP");
     }
 
     /// Thaws a paused server (SIGCONT).
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.signal("CONT");
     }
 
     /// Kills the server as a crash would.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -85,16 +95,25 @@ impl RedisServer {
     }
 
     /// Starts a fresh, empty server on the same port after [`kill`](Self::kill).
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.kill();
         self.child = Some(spawn(self.port));
-        assert!(self.wait_ready(Duration::from_secs(10)), "redis-server did not restart");
+        assert!(
+            self.wait_ready(Duration::from_secs(10)),
+            "redis-server did not restart"
+        );
     }
 
     fn signal(&self, signal: &str) {
         let pid = self.child.as_ref().expect("server is running").id();
-        let status = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status();
-        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {pid} failed");
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status();
+        assert!(
+            status.is_ok_and(|s| s.success()),
+            "kill -{signal} {pid} failed"
+        );
     }
 
     fn wait_ready(&mut self, limit: Duration) -> bool {
@@ -129,7 +148,16 @@ fn free_port() -> u16 {
 
 fn spawn(port: u16) -> Child {
     Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
         .arg("--dir")
         .arg(std::env::temp_dir())
         .stdout(Stdio::null())
