@@ -2,12 +2,14 @@
 
 use std::{
     pin::Pin,
-    task::{Context, Poll},
+    task::{ready, Context, Poll},
 };
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+
+use crate::{backend::BoxFuture, guard::LockGuard};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -15,6 +17,10 @@ pin_project! {
     /// The body of a [`LockService`](crate::LockService) response: the inner service's
     /// body, or the problem document of a refusal (contention, bad input, an unavailable
     /// lock store).
+    ///
+    /// With [`Locks::hold_until_body_end`](crate::Locks::hold_until_body_end) it holds the
+    /// request's keys until the inner body has ended, and releases them before it reports
+    /// its own end; dropped early (the client left), it releases them in the background.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -24,7 +30,12 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Inner { #[pin] body: B },
+        Inner {
+            #[pin]
+            body: B,
+            guard: Option<LockGuard>,
+            release: Option<BoxFuture<'static, ()>>,
+        },
         Refusal { body: axum::body::Body },
     }
 }
@@ -32,7 +43,21 @@ pin_project! {
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
-            kind: Kind::Inner { body },
+            kind: Kind::Inner {
+                body,
+                guard: None,
+                release: None,
+            },
+        }
+    }
+
+    pub(crate) fn holding(body: B, guard: LockGuard) -> Self {
+        Self {
+            kind: Kind::Inner {
+                body,
+                guard: Some(guard),
+                release: None,
+            },
         }
     }
 
@@ -56,21 +81,51 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Inner {
+                body,
+                guard,
+                release,
+            } => {
+                if release.is_none() {
+                    match ready!(body.poll_frame(cx)) {
+                        Some(Ok(frame)) => return Poll::Ready(Some(Ok(frame))),
+                        // The guard's drop releases the keys in the background.
+                        Some(Err(error)) => {
+                            guard.take();
+                            return Poll::Ready(Some(Err(error.into())));
+                        }
+                        None => match guard.take() {
+                            Some(guard) => *release = Some(guard.release()),
+                            None => return Poll::Ready(None),
+                        },
+                    }
+                }
+                // The body has ended: release before saying so, as for a plain response.
+                if let Some(releasing) = release {
+                    ready!(releasing.as_mut().poll(cx));
+                    *release = None;
+                }
+                Poll::Ready(None)
+            }
             KindProj::Refusal { body } => Pin::new(body).poll_frame(cx).map_err(Into::into),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            // Not ended while keys remain to release: the release runs in `poll_frame`.
+            Kind::Inner {
+                body,
+                guard,
+                release,
+            } => body.is_end_stream() && guard.is_none() && release.is_none(),
             Kind::Refusal { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body, .. } => body.size_hint(),
             Kind::Refusal { body } => body.size_hint(),
         }
     }

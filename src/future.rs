@@ -6,57 +6,66 @@ use std::{
     task::{ready, Context, Poll},
 };
 
-use http::{Request, Response};
+use axum::response::IntoResponse;
+use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::Span;
 
-use crate::{backend::BoxFuture, guard::LockGuard, locks::Locked, ResponseBody};
+use crate::{
+    backend::BoxFuture,
+    guard::LockGuard,
+    locks::{Holding, Locked},
+    Rejection, ResponseBody,
+};
 
 pin_project! {
     /// The future of [`LockService`](crate::LockService).
     ///
     /// Dropping it at any point releases whatever it holds: a client that goes away, a
     /// timeout around it or a panic inside the inner service leaves no lock behind.
-    pub struct ResponseFuture<S, B>
+    pub struct ResponseFuture<S, B, ResBody>
     where
-        S: Service<Request<B>>,
+        S: Service<Request<B>, Response = Response<ResBody>>,
     {
         #[pin]
-        state: State<S, B>,
+        state: State<S, B, ResBody>,
         span: Span,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, B>
+    enum State<S, B, ResBody>
     where
-        S: Service<Request<B>>,
+        S: Service<Request<B>, Response = Response<ResBody>>,
     {
         // Extracting and acquiring the keys; `inner` is the ready service to call then.
         Locking {
             locking: BoxFuture<'static, Locked<B>>,
             inner: Option<S>,
         },
-        // The inner service runs while `guard` holds the keys.
+        // The inner service runs while `guard` holds the keys; `lost` resolves when the
+        // lease is lost and that cancels the inner service.
         Running {
             #[pin]
             future: S::Future,
             guard: Option<LockGuard>,
+            lost: Option<BoxFuture<'static, ()>>,
+            until_body_end: bool,
         },
         // The response is ready and waits for the release, so that a client's next
         // request never finds the keys of its previous one still held.
         Releasing {
             release: BoxFuture<'static, ()>,
-            output: Option<Result<S::Response, S::Error>>,
+            output: Option<Result<Response<ResponseBody<ResBody>>, S::Error>>,
         },
     }
 }
 
-impl<S, B> ResponseFuture<S, B>
+impl<S, B, ResBody> ResponseFuture<S, B, ResBody>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<ResBody>>,
 {
     pub(crate) fn new(locking: BoxFuture<'static, Locked<B>>, inner: S, span: Span) -> Self {
         Self {
@@ -69,7 +78,7 @@ where
     }
 }
 
-impl<S, B, ResBody> Future for ResponseFuture<S, B>
+impl<S, B, ResBody> Future for ResponseFuture<S, B, ResBody>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
 {
@@ -81,36 +90,90 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Locking { locking, inner } => match ready!(locking.as_mut().poll(cx)) {
-                    Ok((request, guard)) => {
+                    Ok((request, holding)) => {
                         let mut inner = inner.take().expect("future polled after completion");
                         let future = inner.call(request);
-                        this.state.set(State::Running { future, guard });
+                        let (guard, lost, until_body_end) = match holding {
+                            Some(Holding {
+                                guard,
+                                cancel_on_loss,
+                                until_body_end,
+                            }) => {
+                                let lost = cancel_on_loss.map(|lease| {
+                                    Box::pin(async move { lease.lost().await })
+                                        as BoxFuture<'static, ()>
+                                });
+                                (Some(guard), lost, until_body_end)
+                            }
+                            None => (None, None, false),
+                        };
+                        this.state.set(State::Running {
+                            future,
+                            guard,
+                            lost,
+                            until_body_end,
+                        });
                     }
                     Err(refusal) => return Poll::Ready(Ok(refusal.map(ResponseBody::refusal))),
                 },
-                StateProj::Running { future, guard } => {
+                StateProj::Running {
+                    future,
+                    guard,
+                    lost,
+                    until_body_end,
+                } => {
+                    if lost
+                        .as_mut()
+                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready())
+                    {
+                        tracing::warn!("lease lost while the handler ran; cancelling it");
+                        let refusal = Rejection::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "the locks of this request were lost before it finished; try again",
+                        )
+                        .into_response();
+                        let output = Some(Ok(refusal.map(ResponseBody::refusal)));
+                        let release = guard.take().map_or_else(no_release, LockGuard::release);
+                        // Dropping the inner future here is the cancellation.
+                        this.state.set(State::Releasing { release, output });
+                        continue;
+                    }
                     let output = ready!(future.poll(cx));
                     let Some(guard) = guard.take() else {
                         return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
                     };
-                    this.state.set(State::Releasing {
-                        release: guard.release(),
-                        output: Some(output),
-                    });
+                    match output {
+                        // The body takes the guard and releases it when it ends.
+                        Ok(response) if *until_body_end => {
+                            return Poll::Ready(Ok(
+                                response.map(|body| ResponseBody::holding(body, guard))
+                            ));
+                        }
+                        output => {
+                            let output = Some(output.map(|r| r.map(ResponseBody::inner)));
+                            this.state.set(State::Releasing {
+                                release: guard.release(),
+                                output,
+                            });
+                        }
+                    }
                 }
                 StateProj::Releasing { release, output } => {
                     ready!(release.as_mut().poll(cx));
-                    let output = output.take().expect("future polled after completion");
-                    return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
+                    return Poll::Ready(output.take().expect("future polled after completion"));
                 }
             }
         }
     }
 }
 
-impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+fn no_release() -> BoxFuture<'static, ()> {
+    Box::pin(std::future::ready(()))
+}
+
+impl<S, B, ResBody> std::fmt::Debug for ResponseFuture<S, B, ResBody>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<ResBody>>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()

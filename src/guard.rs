@@ -1,47 +1,20 @@
-//! What a request holds while its inner service runs.
+//! What holds a request's keys, renews them, and releases them.
 
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use crate::backend::{Backend, BoxFuture, OwnerToken};
+use tokio::{
+    sync::{oneshot, watch},
+    task::JoinHandle,
+};
 
-/// The locks a request holds, as its handler sees them.
-///
-/// The layer puts a `Lease` into the request's extensions before it calls the inner
-/// service, so a handler can take it with `axum::Extension<Lease>`:
-///
-/// ```
-/// use axum::Extension;
-/// use tower_batch_lock::Lease;
-///
-/// async fn handler(Extension(lease): Extension<Lease>) -> String {
-///     format!("holding {} keys", lease.keys().len())
-/// }
-/// ```
-///
-/// It only describes the locks: they are released by the layer when the response is ready,
-/// or when the request is dropped, however long a copy of the lease lives.
-#[derive(Debug, Clone)]
-pub struct Lease {
-    keys: Arc<[String]>,
-    prefix_len: usize,
-    expires_at: Instant,
-}
-
-impl Lease {
-    /// The keys held, sorted and without the namespace prefix.
-    pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
-        self.keys.iter().map(|k| &k[self.prefix_len..])
-    }
-
-    /// When the locks expire if nobody releases them: the TTL counted from the moment the
-    /// acquisition was sent, so the real expiry in the store is never earlier.
-    pub fn expires_at(&self) -> Instant {
-        self.expires_at
-    }
-}
+use crate::{
+    backend::{Backend, BoxFuture, OwnerToken},
+    lease::LeaseStatus,
+    FencingToken, Lease,
+};
 
 /// Releases a batch of keys when dropped, unless [released](Self::release) before.
 ///
@@ -59,15 +32,22 @@ struct Held {
     keys: Arc<[String]>,
     owner: OwnerToken,
     timeout: Duration,
-    /// When the keys expire in the store if nobody releases them (never earlier): past
-    /// this, retrying a release has nothing left to free.
-    expires_at: Instant,
+    status: Arc<watch::Sender<LeaseStatus>>,
+    renewal: Option<Renewal>,
+}
+
+/// The task that keeps extending the lease, and the way to stop it.
+#[derive(Debug)]
+struct Renewal {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
 }
 
 impl LockGuard {
     /// A guard for `keys` under `owner`, made *before* the acquisition is sent: if the
     /// acquiring future is dropped mid-flight, the store may have granted the batch, and
-    /// only this guard's drop then releases it.
+    /// only this guard's drop then releases it. `expires_at` is the acquisition's start
+    /// plus the TTL: the keys never expire earlier.
     pub(crate) fn new(
         backend: Arc<dyn Backend>,
         keys: Arc<[String]>,
@@ -75,25 +55,50 @@ impl LockGuard {
         timeout: Duration,
         expires_at: Instant,
     ) -> Self {
+        let status = watch::Sender::new(LeaseStatus {
+            expires_at,
+            lost: false,
+        });
+        let status = Arc::new(status);
         Self {
             held: Some(Held {
                 backend,
                 keys,
                 owner,
                 timeout,
-                expires_at,
+                status,
+                renewal: None,
             }),
         }
     }
 
     /// What the handler may see of these locks.
-    pub(crate) fn lease(&self, prefix_len: usize) -> Option<Lease> {
+    pub(crate) fn lease(&self, prefix_len: usize, fencing_token: FencingToken) -> Option<Lease> {
         let held = self.held.as_ref()?;
-        Some(Lease {
-            keys: held.keys.clone(),
+        Some(Lease::new(
+            held.keys.clone(),
             prefix_len,
-            expires_at: held.expires_at,
-        })
+            fencing_token,
+            held.status.subscribe(),
+        ))
+    }
+
+    /// Extends the lease by `ttl` every `ttl / 3` until the guard releases, or until
+    /// `until`, in a task of its own.
+    pub(crate) fn renew(&mut self, ttl: Duration, until: Option<Instant>) {
+        let Some(held) = &mut self.held else { return };
+        let (stop, stopped) = oneshot::channel();
+        let renewer = Renewer {
+            backend: held.backend.clone(),
+            keys: held.keys.clone(),
+            owner: held.owner,
+            ttl,
+            until,
+            attempt_limit: held.timeout.min(ttl / 3),
+            status: held.status.clone(),
+        };
+        let task = tokio::spawn(renewer.run(stopped));
+        held.renewal = Some(Renewal { stop, task });
     }
 
     /// Forgets the keys without releasing them: for a batch the store refused (it wrote
@@ -102,17 +107,19 @@ impl LockGuard {
         self.held = None;
     }
 
-    /// Releases the keys now. The returned future logs failures instead of returning them:
-    /// by the time it runs, nobody could do better than wait for the TTL.
+    /// Releases the keys now, after stopping the renewal: no extension reaches the store
+    /// after the release. The returned future logs failures instead of returning them: by
+    /// the time it runs, nobody could do better than wait for the TTL.
     ///
     /// The future owns the guard, still armed, until the store has answered: if the future
     /// is dropped midway (the client left just as the handler finished), the guard's drop
     /// sends the release again. Releasing twice is harmless; releasing never is not.
     /// Likewise when the store does not answer: the response goes out after one attempt,
     /// and the guard's drop keeps retrying in the background.
-    pub(crate) fn release(self) -> BoxFuture<'static, ()> {
+    pub(crate) fn release(mut self) -> BoxFuture<'static, ()> {
         Box::pin(async move {
-            if let Some(held) = &self.held {
+            if let Some(held) = &mut self.held {
+                held.stop_renewal().await;
                 if !held.release().await {
                     return; // dropped armed: retried from `Drop`
                 }
@@ -123,6 +130,16 @@ impl LockGuard {
 }
 
 impl Held {
+    /// Stops the renewal and waits for an extension in flight to finish, so that the
+    /// release that follows is the last word.
+    async fn stop_renewal(&mut self) {
+        if let Some(Renewal { stop, task }) = self.renewal.take() {
+            drop(stop);
+            // The task bounds its own attempts by the backend timeout.
+            let _ = task.await;
+        }
+    }
+
     /// One attempt; whether the store answered.
     async fn release(&self) -> bool {
         let released =
@@ -156,7 +173,7 @@ impl Held {
     async fn release_until_answered(&self) {
         let mut pause = Duration::from_millis(50);
         while !self.release().await {
-            if Instant::now() + pause >= self.expires_at {
+            if Instant::now() + pause >= self.status.borrow().expires_at {
                 tracing::warn!(
                     keys = self.keys.len(),
                     "gave up releasing locks; they expire with their TTL"
@@ -171,10 +188,15 @@ impl Held {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        let Some(held) = self.held.take() else { return };
+        let Some(mut held) = self.held.take() else {
+            return;
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move { held.release_until_answered().await });
+                runtime.spawn(async move {
+                    held.stop_renewal().await;
+                    held.release_until_answered().await;
+                });
             }
             Err(_) => tracing::warn!(
                 keys = held.keys.len(),
@@ -184,12 +206,84 @@ impl Drop for LockGuard {
     }
 }
 
+/// Keeps a lease alive: extends it every third of its TTL, and reports it lost when an
+/// extension finds the keys gone or taken, or cannot reach the store before it runs out.
+struct Renewer {
+    backend: Arc<dyn Backend>,
+    keys: Arc<[String]>,
+    owner: OwnerToken,
+    ttl: Duration,
+    until: Option<Instant>,
+    /// How long one extension may take: never so long that the lease runs out unseen.
+    attempt_limit: Duration,
+    status: Arc<watch::Sender<LeaseStatus>>,
+}
+
+impl Renewer {
+    async fn run(self, mut stopped: oneshot::Receiver<()>) {
+        let every = self.ttl / 3;
+        let mut next = Instant::now() + every;
+        loop {
+            // Sleep until the next extension, unless the guard stops us first. An
+            // extension in flight is never interrupted: the guard waits for it.
+            if tokio::time::timeout_at(next.into(), &mut stopped)
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            let now = Instant::now();
+            if self.until.is_some_and(|until| now >= until) {
+                tracing::info!(
+                    keys = self.keys.len(),
+                    "maximum hold time reached; lease renewal ends"
+                );
+                return;
+            }
+            let expires_at = self.status.borrow().expires_at;
+            if now + self.attempt_limit > expires_at {
+                return self.lost("the lock store could not be reached before the lease ran out");
+            }
+            let extended = tokio::time::timeout(
+                self.attempt_limit,
+                self.backend.extend(&self.keys, self.owner, self.ttl),
+            )
+            .await;
+            match extended {
+                Ok(Ok(true)) => {
+                    self.status.send_modify(|s| s.expires_at = now + self.ttl);
+                    next = now + every;
+                    continue;
+                }
+                Ok(Ok(false)) => {
+                    return self.lost("the keys expired or were taken by another owner")
+                }
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, keys = self.keys.len(), "could not extend the lease; retrying")
+                }
+                Err(_) => tracing::warn!(
+                    keys = self.keys.len(),
+                    "extending the lease timed out; retrying"
+                ),
+            }
+            // Retry soon, and at the latest when an attempt can still finish in time.
+            let latest = expires_at.checked_sub(self.attempt_limit).unwrap_or(now);
+            next = (Instant::now() + every / 4).min(latest);
+        }
+    }
+
+    fn lost(&self, why: &'static str) {
+        tracing::warn!(keys = self.keys.len(), why, "lease lost");
+        self.status.send_modify(|s| s.lost = true);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::backend::{memory::MemoryBackend, Acquire, BackendError};
+    use crate::backend::{memory::MemoryBackend, wake::Wakeups, Acquire, BackendError};
 
     /// The memory store, except that its next release never answers: a store that went
     /// silent just as a response was finishing.
@@ -202,12 +296,26 @@ mod tests {
     impl Backend for StallingRelease {
         fn acquire<'a>(
             &'a self,
+            namespace: &'a str,
             keys: &'a [String],
             owner: OwnerToken,
             ttl: Duration,
             report: usize,
         ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
-            self.store.acquire(keys, owner, ttl, report)
+            self.store.acquire(namespace, keys, owner, ttl, report)
+        }
+
+        fn extend<'a>(
+            &'a self,
+            keys: &'a [String],
+            owner: OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, BackendError>> {
+            self.store.extend(keys, owner, ttl)
+        }
+
+        fn wakeups(&self) -> &Wakeups {
+            self.store.wakeups()
         }
 
         fn release<'a>(
@@ -231,8 +339,11 @@ mod tests {
         let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
         let (owner, other) = (OwnerToken::random(), OwnerToken::random());
         let ttl = Duration::from_secs(30);
-        let granted = backend.acquire(&keys, owner, ttl, 0).await.unwrap();
-        assert_eq!(granted, Acquire::Granted);
+        let granted = backend
+            .acquire("lock:", &keys, owner, ttl, 0)
+            .await
+            .unwrap();
+        assert!(matches!(granted, Acquire::Granted(_)));
 
         let guard = LockGuard::new(
             backend.clone(),
@@ -246,7 +357,13 @@ mod tests {
 
         // Dropping the stalled release spawned another one; let it run.
         for _ in 0..100 {
-            if backend.acquire(&keys, other, ttl, 0).await.unwrap() == Acquire::Granted {
+            if matches!(
+                backend
+                    .acquire("lock:", &keys, other, ttl, 0)
+                    .await
+                    .unwrap(),
+                Acquire::Granted(_)
+            ) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -2,7 +2,7 @@
 
 use tower_layer::Layer;
 
-use crate::{LockService, Locks};
+use crate::{LockService, Locks, Wait};
 
 /// Locks the keys that an extractor reads from each request, all or nothing, around the
 /// inner service.
@@ -32,6 +32,24 @@ impl<E> LockLayer<E> {
 
     pub(crate) fn with_locks(locks: Locks, extractor: E) -> Self {
         Self { locks, extractor }
+    }
+
+    /// How long this layer's requests wait for busy keys, whatever its [`Locks`] says.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::{routing::put, Router};
+    /// use tower_batch_lock::{keys, Locks, Wait};
+    ///
+    /// let locks = Locks::memory(); // fail fast by default
+    /// let app: Router = Router::new().route(
+    ///     "/stock/{sku}",
+    ///     put(|| async {}).layer(locks.layer(keys::path("sku")).wait(Wait::up_to(Duration::from_secs(1)))),
+    /// );
+    /// ```
+    pub fn wait(mut self, wait: Wait) -> Self {
+        self.locks = self.locks.wait(wait);
+        self
     }
 }
 

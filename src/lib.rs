@@ -53,18 +53,21 @@ mod future;
 mod guard;
 pub mod keys;
 mod layer;
+mod lease;
 mod locks;
 mod rejection;
 mod service;
+mod wait;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
-pub use guard::Lease;
 pub use keys::KeyExtractor;
 pub use layer::LockLayer;
-pub use locks::Locks;
+pub use lease::{FencingToken, Lease};
+pub use locks::{Locks, OnLostLease};
 pub use rejection::Rejection;
 pub use service::LockService;
+pub use wait::Wait;
 
 // The README's examples compile as doctests, so its quickstart stays true.
 #[cfg(doctest)]

@@ -12,10 +12,15 @@ use http::{Request, StatusCode};
 use tracing::Span;
 
 use crate::{
-    backend::{memory::MemoryBackend, Acquire, Backend, BoxFuture, OwnerToken},
+    backend::{
+        memory::MemoryBackend,
+        wake::{any_released, Wakeups},
+        Acquire, Backend, BoxFuture, Contention, OwnerToken,
+    },
     guard::LockGuard,
     keys::{normalize, KeyExtractor, KeyPolicy},
-    LockLayer, Rejection,
+    wait::Backoff,
+    Lease, LockLayer, Rejection, Wait,
 };
 
 /// A lock store and the rules for using it; cheap to clone, and every clone shares the store.
@@ -50,7 +55,29 @@ struct Policy {
     name_conflicts: usize,
     backend_timeout: Duration,
     require_keys: bool,
+    wait: Wait,
+    renew: bool,
+    max_hold: Option<Duration>,
+    on_lost_lease: OnLostLease,
+    hold_until_body_end: bool,
 }
+
+/// What happens to a request whose lease is lost while its handler runs (see
+/// [`Locks::on_lost_lease`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnLostLease {
+    /// The handler goes on; it learns of the loss through [`Lease::lost`] and
+    /// [`Lease::is_lost`]. The default.
+    #[default]
+    Continue,
+    /// The handler is cancelled (its future dropped) and the client gets 503.
+    Cancel,
+}
+
+/// How many conflicting keys a waiting request watches for releases, whatever the
+/// response names: a lost wake-up only costs a poll interval.
+const WATCHED_CONFLICTS: usize = 20;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -65,6 +92,11 @@ impl Default for Policy {
             name_conflicts: 20,
             backend_timeout: Duration::from_secs(2),
             require_keys: false,
+            wait: Wait::none(),
+            renew: false,
+            max_hold: None,
+            on_lost_lease: OnLostLease::Continue,
+            hold_until_body_end: false,
         }
     }
 }
@@ -85,14 +117,43 @@ impl Locks {
         GLOBAL.clone()
     }
 
-    /// Locks in Redis, shared by every process that uses the same Redis and prefix.
+    /// Locks in the Redis at `url`, shared by every process that uses the same Redis and
+    /// prefix, with a pool of its own and a subscription that wakes waiting requests when
+    /// any process releases their keys. `rediss://` and credentials go in the URL.
     ///
-    /// Needs Redis 6.2 or later (or a compatible server with Lua scripting). A pool from
-    /// `deadpool_redis::Config::from_url("redis://127.0.0.1/").create_pool(Some(Runtime::Tokio1))`
-    /// will do; `rediss://` and credentials go in the URL.
+    /// Needs a Redis with Lua scripting (2.6.12 or later) or a compatible server. The
+    /// subscription opens when the first request waits; fail-fast use never opens it.
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a valid Redis URL. Nothing connects yet.
+    #[cfg(feature = "redis")]
+    pub fn redis_url(url: &str) -> Result<Self, redis::RedisError> {
+        let client = redis::Client::open(url)?;
+        let pool = deadpool_redis::Config::from_url(url)
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .map_err(|e| {
+                redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "could not create a Redis pool",
+                    e.to_string(),
+                ))
+            })?;
+        let backend = crate::backend::redis::RedisBackend::new(pool, Some(client));
+        Ok(Self::with_backend(Arc::new(backend)))
+    }
+
+    /// Locks in Redis through a pool you already have, shared by every process that uses
+    /// the same Redis and prefix.
+    ///
+    /// A pool knows no URL to subscribe with, so waiting requests wake at once for this
+    /// process's releases and otherwise poll (every 5 to 100 ms); [`Locks::redis_url`]
+    /// wakes them for every process's releases.
     #[cfg(feature = "redis")]
     pub fn redis(pool: deadpool_redis::Pool) -> Self {
-        Self::with_backend(Arc::new(crate::backend::redis::RedisBackend::new(pool)))
+        Self::with_backend(Arc::new(crate::backend::redis::RedisBackend::new(
+            pool, None,
+        )))
     }
 
     fn with_backend(backend: Arc<dyn Backend>) -> Self {
@@ -171,6 +232,43 @@ impl Locks {
         self.tune(|p| p.require_keys = require)
     }
 
+    /// Whether a request whose keys are busy is refused at once (the default) or waits for
+    /// them, up to a bound. A layer can set its own with [`LockLayer::wait`].
+    pub fn wait(self, wait: Wait) -> Self {
+        self.tune(|p| p.wait = wait)
+    }
+
+    /// Whether the lease is extended while the inner service runs (and, with
+    /// [`hold_until_body_end`](Self::hold_until_body_end), until the body ends): every
+    /// TTL / 3, by an owner-checked, all-or-nothing extension. Off by default: the TTL is
+    /// then the longest a request holds its keys.
+    ///
+    /// When an extension finds the keys gone or taken, or cannot reach the store before the
+    /// lease runs out, the lease is lost: [`Lease::lost`] resolves, it is logged, and
+    /// [`on_lost_lease`](Self::on_lost_lease) decides the rest.
+    pub fn renew_lease(self, renew: bool) -> Self {
+        self.tune(|p| p.renew = renew)
+    }
+
+    /// With [`renew_lease`](Self::renew_lease), stops renewing once the keys have been held
+    /// this long; they then expire with their TTL. No limit by default.
+    pub fn max_hold(self, max: Duration) -> Self {
+        self.tune(|p| p.max_hold = Some(max))
+    }
+
+    /// What happens when the lease is lost while the inner service runs: go on (the
+    /// default) or cancel it and answer 503.
+    pub fn on_lost_lease(self, then: OnLostLease) -> Self {
+        self.tune(|p| p.on_lost_lease = then)
+    }
+
+    /// Whether the keys stay locked until the response body has been sent (`true`), for
+    /// streaming responses, or are released as soon as the response head is ready
+    /// (`false`, the default).
+    pub fn hold_until_body_end(self, hold: bool) -> Self {
+        self.tune(|p| p.hold_until_body_end = hold)
+    }
+
     /// A layer that locks the keys `extractor` reads from each request.
     pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
         LockLayer::with_locks(self.clone(), extractor)
@@ -223,74 +321,138 @@ impl Locks {
         }
 
         let keys: Arc<[String]> = keys.into();
-        let owner = OwnerToken::random();
         let started = Instant::now();
-        let guard = LockGuard::new(
-            self.backend.clone(),
-            keys.clone(),
-            owner,
-            policy.backend_timeout,
-            started + policy.ttl,
-        );
-        let acquired = tokio::time::timeout(
-            policy.backend_timeout,
-            self.backend
-                .acquire(&keys, owner, policy.ttl, policy.name_conflicts),
-        )
-        .await;
+        let granted = self.acquire_waiting(&keys, span).await;
         span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
+        let (mut guard, fencing_token) = granted?;
+        span.record("outcome", "granted");
 
-        match acquired {
-            Ok(Ok(Acquire::Granted)) => {
-                span.record("outcome", "granted");
-                if let Some(lease) = guard.lease(policy.keys.prefix.len()) {
-                    request.extensions_mut().insert(lease);
-                }
-                Ok((request, Some(guard)))
-            }
-            Ok(Ok(Acquire::Held(contention))) => {
-                span.record("outcome", "contended");
-                guard.disarm();
-                let prefix = policy.keys.prefix.len();
-                let named = contention
-                    .keys
-                    .into_iter()
-                    .map(|mut k| k.split_off(prefix))
-                    .collect();
-                let rejection = Rejection::contention(
-                    policy.contention_status,
-                    contention.total,
-                    keys.len(),
-                    named,
-                    contention.earliest_expiry.unwrap_or(Duration::from_secs(1)),
-                );
-                tracing::debug!(held = contention.total, "locks held by another owner");
-                Err(rejection.into_response())
-            }
-            Ok(Err(error)) => {
-                span.record("outcome", "unavailable");
-                tracing::error!(%error, keys = keys.len(), "could not acquire locks");
-                if !error.may_have_applied {
-                    guard.disarm();
-                }
-                // Otherwise the guard's drop releases whatever the store may have granted.
-                Err(Rejection::unavailable().into_response())
-            }
-            Err(_elapsed) => {
-                span.record("outcome", "unavailable");
-                tracing::error!(
-                    timeout_ms = policy.backend_timeout.as_millis() as u64,
-                    keys = keys.len(),
-                    "acquiring locks timed out"
-                );
-                Err(Rejection::unavailable().into_response())
-            }
+        let lease = guard.lease(policy.keys.prefix.len(), fencing_token);
+        if policy.renew {
+            guard.renew(policy.ttl, policy.max_hold.map(|max| started + max));
         }
+        if let Some(lease) = &lease {
+            request.extensions_mut().insert(lease.clone());
+        }
+        let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
+            .then_some(lease)
+            .flatten();
+        Ok((
+            request,
+            Some(Holding {
+                guard,
+                cancel_on_loss,
+                until_body_end: policy.hold_until_body_end,
+            }),
+        ))
+    }
+
+    /// Tries the whole batch until it is granted, the store fails, or the wait bound
+    /// passes. Between attempts it sleeps until a release of a conflicting key, or a short
+    /// jittered pause in case that wake-up is lost.
+    async fn acquire_waiting(
+        &self,
+        keys: &Arc<[String]>,
+        span: &Span,
+    ) -> Result<(LockGuard, crate::FencingToken), Response> {
+        let policy = &self.policy;
+        let owner = OwnerToken::random();
+        let deadline = Instant::now() + policy.wait.bound();
+        let report = if policy.wait.bound().is_zero() {
+            policy.name_conflicts
+        } else {
+            policy.name_conflicts.max(WATCHED_CONFLICTS)
+        };
+        let mut backoff = Backoff::new();
+        loop {
+            let attempted = Instant::now();
+            let guard = LockGuard::new(
+                self.backend.clone(),
+                keys.clone(),
+                owner,
+                policy.backend_timeout,
+                attempted + policy.ttl,
+            );
+            let outcome = tokio::time::timeout(
+                policy.backend_timeout,
+                self.backend
+                    .acquire(&policy.keys.prefix, keys, owner, policy.ttl, report),
+            )
+            .await;
+            let contention = match outcome {
+                Ok(Ok(Acquire::Granted(fence))) => return Ok((guard, fence)),
+                Ok(Ok(Acquire::Held(contention))) => {
+                    // The store wrote nothing: there is nothing to release.
+                    guard.disarm();
+                    contention
+                }
+                Ok(Err(error)) => {
+                    span.record("outcome", "unavailable");
+                    tracing::error!(%error, keys = keys.len(), "could not acquire locks");
+                    if !error.may_have_applied {
+                        guard.disarm();
+                    }
+                    // Otherwise the guard's drop releases whatever the store may have granted.
+                    return Err(Rejection::unavailable().into_response());
+                }
+                Err(_elapsed) => {
+                    span.record("outcome", "unavailable");
+                    tracing::error!(
+                        timeout_ms = policy.backend_timeout.as_millis() as u64,
+                        keys = keys.len(),
+                        "acquiring locks timed out"
+                    );
+                    return Err(Rejection::unavailable().into_response());
+                }
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                span.record("outcome", "contended");
+                tracing::debug!(held = contention.total, "locks held by another owner");
+                return Err(self.contention(keys.len(), contention).into_response());
+            }
+            let mut released = self.wakeups().watch(&contention.keys);
+            let wake_at = (now + backoff.pause()).min(deadline);
+            let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+        }
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        self.backend.wakeups()
+    }
+
+    /// The response for a batch refused because `contention` holds some of its `of` keys.
+    fn contention(&self, of: usize, contention: Contention) -> Rejection {
+        let policy = &self.policy;
+        let prefix = policy.keys.prefix.len();
+        let named = contention
+            .keys
+            .into_iter()
+            .take(policy.name_conflicts)
+            .map(|mut key| key.split_off(prefix))
+            .collect();
+        Rejection::contention(
+            policy.contention_status,
+            contention.total,
+            of,
+            named,
+            contention.earliest_expiry.unwrap_or(Duration::from_secs(1)),
+        )
     }
 }
 
+/// A granted request's hold on its keys, for the response future.
+#[derive(Debug)]
+pub(crate) struct Holding {
+    pub(crate) guard: LockGuard,
+    /// The lease to watch, when losing it cancels the inner service.
+    pub(crate) cancel_on_loss: Option<Lease>,
+    /// Whether the keys stay locked until the response body ends.
+    pub(crate) until_body_end: bool,
+}
+
 /// The request, with the guard of its keys, or the response that refuses it.
-pub(crate) type Locked<B> = Result<(Request<B>, Option<LockGuard>), Response>;
+pub(crate) type Locked<B> = Result<(Request<B>, Option<Holding>), Response>;
 
 impl fmt::Debug for Locks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -149,6 +149,10 @@ struct Observer {
     url: String,
 }
 
+/// The prefixes the tests use: each names its namespace's fencing counter, which lives
+/// as long as the server, and is never a lock (empty keys are refused).
+const FENCING_COUNTERS: [&str; 2] = ["lock:", "tenant-a/"];
+
 impl Observer {
     fn of(server: &RedisServer) -> Self {
         Self { url: server.url() }
@@ -169,11 +173,12 @@ impl Observer {
         cmd.query(&mut self.connection()).unwrap()
     }
 
-    /// Every key on the server, sorted. (`KEYS *` rather than a prefix pattern, so that
-    /// glob characters inside test keys cannot skew the answer.)
+    /// Every key on the server but the fencing counters, sorted. (`KEYS *` rather than a
+    /// prefix pattern, so that glob characters inside test keys cannot skew the answer.)
     fn all_keys(&self) -> BTreeSet<String> {
         self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
             .into_iter()
+            .filter(|key| !FENCING_COUNTERS.contains(&key.as_str()))
             .collect()
     }
 
@@ -201,8 +206,12 @@ impl Observer {
         self.cmd(redis::cmd("PTTL").arg(key))
     }
 
+    /// How many keys [`all_keys`](Self::all_keys) would list.
     fn dbsize(&self) -> u64 {
-        self.cmd(&mut redis::cmd("DBSIZE"))
+        let counters = FENCING_COUNTERS
+            .iter()
+            .map(|&k| self.cmd::<u64>(redis::cmd("EXISTS").arg(k)));
+        self.cmd::<u64>(&mut redis::cmd("DBSIZE")) - counters.sum::<u64>()
     }
 }
 

@@ -3,11 +3,18 @@
 use std::{
     collections::HashMap,
     hash::BuildHasher,
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex, MutexGuard, PoisonError,
+    },
     time::{Duration, Instant},
 };
 
-use super::{Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken};
+use super::{
+    wake::{slots_of, Wakeups},
+    Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken,
+};
+use crate::FencingToken;
 
 /// Enough shards that small batches on different keys rarely share a mutex on two cores
 /// or twenty, few enough that a batch of thousands locks them all cheaply.
@@ -20,6 +27,10 @@ const FIRST_SWEEP_AT: usize = 1024;
 pub(crate) struct MemoryBackend {
     shards: Box<[Mutex<Shard>]>,
     hasher: std::hash::RandomState,
+    /// The last fencing token granted. One counter for the whole store: strictly
+    /// increasing across all grants, so across every grant that shares a key.
+    fence: AtomicU64,
+    wakeups: Wakeups,
 }
 
 #[derive(Debug, Default)]
@@ -55,6 +66,8 @@ impl MemoryBackend {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: std::hash::RandomState::new(),
+            fence: AtomicU64::new(0),
+            wakeups: Wakeups::new(),
         }
     }
 
@@ -125,7 +138,31 @@ impl MemoryBackend {
         for shard in shards.iter_mut().flatten() {
             shard.sweep_if_grown(now);
         }
-        Acquire::Granted
+        // Taken while the shards are still locked, so a later grant of any of these keys,
+        // which must wait for the shards, gets a larger token.
+        Acquire::Granted(FencingToken::new(
+            self.fence.fetch_add(1, Ordering::SeqCst) + 1,
+        ))
+    }
+
+    fn try_extend(&self, keys: &[String], owner: OwnerToken, ttl: Duration) -> bool {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        let held = keys.iter().zip(&slots).all(|(key, &slot)| {
+            locked(&mut shards, slot)
+                .entries
+                .get(key.as_str())
+                .is_some_and(|e| e.owner == owner && e.expires_at > now)
+        });
+        if held {
+            for (key, &slot) in keys.iter().zip(&slots) {
+                if let Some(entry) = locked(&mut shards, slot).entries.get_mut(key.as_str()) {
+                    entry.expires_at = now + ttl;
+                }
+            }
+        }
+        held
     }
 
     fn release_owned(&self, keys: &[String], owner: OwnerToken) -> usize {
@@ -145,6 +182,7 @@ impl MemoryBackend {
                 released += 1;
             }
         }
+        self.wakeups.wake_slots(slots_of(keys));
         released
     }
 
@@ -183,6 +221,7 @@ impl Shard {
 impl Backend for MemoryBackend {
     fn acquire<'a>(
         &'a self,
+        _namespace: &'a str,
         keys: &'a [String],
         owner: OwnerToken,
         ttl: Duration,
@@ -193,12 +232,25 @@ impl Backend for MemoryBackend {
         )))
     }
 
+    fn extend<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.try_extend(keys, owner, ttl))))
+    }
+
     fn release<'a>(
         &'a self,
         keys: &'a [String],
         owner: OwnerToken,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(std::future::ready(Ok(self.release_owned(keys, owner))))
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
     }
 }
 
@@ -214,14 +266,15 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(30);
 
+    fn granted(outcome: Acquire) -> bool {
+        matches!(outcome, Acquire::Granted(_))
+    }
+
     #[test]
     fn overlapping_batch_is_refused_and_writes_nothing() {
         let backend = MemoryBackend::new();
         let (a, b) = (OwnerToken::random(), OwnerToken::random());
-        assert_eq!(
-            backend.try_acquire(&keys(&["1", "2"]), a, TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["1", "2"]), a, TTL, 20)));
 
         let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20) else {
             panic!("an overlapping batch was granted");
@@ -231,20 +284,14 @@ mod tests {
         assert!(c.earliest_expiry.is_some_and(|e| e <= TTL));
         // All or nothing: the free keys of the refused batch were not taken.
         assert_eq!(backend.len(), 2);
-        assert_eq!(
-            backend.try_acquire(&keys(&["3", "4"]), b, TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["3", "4"]), b, TTL, 20)));
     }
 
     #[test]
     fn release_only_deletes_the_owners_keys() {
         let backend = MemoryBackend::new();
         let (a, b) = (OwnerToken::random(), OwnerToken::random());
-        assert_eq!(
-            backend.try_acquire(&keys(&["1"]), a, TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["1"]), a, TTL, 20)));
         assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
         assert!(matches!(
             backend.try_acquire(&keys(&["1"]), b, TTL, 20),
@@ -256,10 +303,7 @@ mod tests {
             0,
             "release is idempotent"
         );
-        assert_eq!(
-            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["1"]), b, TTL, 20)));
     }
 
     #[test]
@@ -267,15 +311,9 @@ mod tests {
         let backend = MemoryBackend::new();
         let (a, b) = (OwnerToken::random(), OwnerToken::random());
         let short = Duration::from_millis(20);
-        assert_eq!(
-            backend.try_acquire(&keys(&["1"]), a, short, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["1"]), a, short, 20)));
         std::thread::sleep(short * 2);
-        assert_eq!(
-            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(&keys(&["1"]), b, TTL, 20)));
         assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
         assert!(matches!(
             backend.try_acquire(&keys(&["1"]), a, TTL, 20),
@@ -289,10 +327,12 @@ mod tests {
         let names: Vec<String> = (0..50).map(|i| i.to_string()).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let batch = keys(&names);
-        assert_eq!(
-            backend.try_acquire(&batch, OwnerToken::random(), TTL, 20),
-            Acquire::Granted
-        );
+        assert!(granted(backend.try_acquire(
+            &batch,
+            OwnerToken::random(),
+            TTL,
+            20
+        )));
         let Acquire::Held(c) = backend.try_acquire(&batch, OwnerToken::random(), TTL, 3) else {
             panic!("granted twice");
         };
@@ -305,18 +345,22 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("lock:{i}")];
-            assert_eq!(
-                backend.try_acquire(&key, OwnerToken::random(), short, 0),
-                Acquire::Granted
-            );
+            assert!(granted(backend.try_acquire(
+                &key,
+                OwnerToken::random(),
+                short,
+                0
+            )));
         }
         std::thread::sleep(Duration::from_millis(5));
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("again:{i}")];
-            assert_eq!(
-                backend.try_acquire(&key, OwnerToken::random(), TTL, 0),
-                Acquire::Granted
-            );
+            assert!(granted(backend.try_acquire(
+                &key,
+                OwnerToken::random(),
+                TTL,
+                0
+            )));
         }
         // Without sweeping all 2 * 65,536 entries would remain.
         assert!(
@@ -324,5 +368,44 @@ mod tests {
             "{}",
             backend.len()
         );
+    }
+
+    #[test]
+    fn extend_needs_every_key_still_held_by_the_owner() {
+        let backend = MemoryBackend::new();
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let short = Duration::from_millis(30);
+        assert!(granted(backend.try_acquire(
+            &keys(&["1", "2"]),
+            a,
+            short,
+            0
+        )));
+        assert!(
+            !backend.try_extend(&keys(&["1", "2"]), b, TTL),
+            "a foreign owner extended"
+        );
+        assert!(backend.try_extend(&keys(&["1", "2"]), a, TTL));
+        std::thread::sleep(short * 2);
+        // Extended past the original expiry: still held.
+        assert!(!granted(backend.try_acquire(&keys(&["2"]), b, TTL, 0)));
+
+        assert_eq!(backend.release_owned(&keys(&["2"]), a), 1);
+        assert!(
+            !backend.try_extend(&keys(&["1", "2"]), a, TTL),
+            "extended a partly lost lease"
+        );
+    }
+
+    #[test]
+    fn fencing_tokens_increase_with_every_grant() {
+        let backend = MemoryBackend::new();
+        let fence = |outcome| match outcome {
+            Acquire::Granted(token) => token,
+            Acquire::Held(_) => panic!("refused"),
+        };
+        let first = fence(backend.try_acquire(&keys(&["1"]), OwnerToken::random(), TTL, 0));
+        let second = fence(backend.try_acquire(&keys(&["2"]), OwnerToken::random(), TTL, 0));
+        assert!(second > first);
     }
 }

@@ -11,6 +11,10 @@ use uuid::Uuid;
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+pub(crate) mod wake;
+
+use crate::FencingToken;
+use wake::Wakeups;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -44,7 +48,7 @@ impl fmt::Debug for OwnerToken {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Acquire {
     /// Every key of the batch now holds the caller's token.
-    Granted,
+    Granted(FencingToken),
     /// At least one key is held by another owner; nothing was written.
     Held(Contention),
 }
@@ -102,17 +106,31 @@ impl std::error::Error for BackendError {
     }
 }
 
-/// A lock store. Both calls take the whole batch, so each costs one round trip.
+/// A lock store. Every call takes the whole batch, so each costs one round trip.
 pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
     /// Locks every key for `ttl`, or none of them. `report` bounds how many conflicting
     /// keys a [`Contention`] names.
+    ///
+    /// A grant carries a fencing token larger than that of every earlier grant in the
+    /// same `namespace` (the key prefix), so larger than every earlier grant of any of
+    /// these keys.
     fn acquire<'a>(
         &'a self,
+        namespace: &'a str,
         keys: &'a [String],
         owner: OwnerToken,
         ttl: Duration,
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>>;
+
+    /// Sets the expiry of every key to `ttl` from now if every key still holds `owner`;
+    /// otherwise changes nothing and returns `false`: the lease is lost.
+    fn extend<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>>;
 
     /// Deletes the keys that still hold `owner`, and returns how many it deleted. Keys that
     /// expired or that another owner took since are left alone.
@@ -121,4 +139,8 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         keys: &'a [String],
         owner: OwnerToken,
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
+
+    /// Where waiters learn of releases: this process's own, and, where the store can tell,
+    /// other processes' too.
+    fn wakeups(&self) -> &Wakeups;
 }

@@ -1,19 +1,40 @@
 //! Locks in one Redis, shared by every process that uses it, through a deadpool-redis pool.
 //!
 //! Data model: one string key per resource, `{prefix}{key}` -> owner token, with a `PX`
-//! ttl. One script acquires a whole batch and one releases it, so a batch of any size costs
-//! one round trip each way. `redis::Script` sends `EVALSHA` and falls back to loading the
-//! script when the server answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`).
+//! ttl; the prefix itself (never a lock key: empty keys are refused) holds the namespace's
+//! fencing counter. One script acquires a whole batch, one extends it and one releases it,
+//! so a batch of any size costs one round trip each. `redis::Script` sends `EVALSHA` and
+//! falls back to loading the script when the server answers `NOSCRIPT` (after a restart or
+//! `SCRIPT FLUSH`).
+//!
+//! Releases are published on [`RELEASED_CHANNEL`]; a process built with a
+//! [`redis::Client`] subscribes to it, so that its waiters wake when another process
+//! releases their keys.
 
-use std::{sync::LazyLock, time::Duration};
+use std::{
+    sync::{Arc, LazyLock, OnceLock, Weak},
+    time::Duration,
+};
 
 use deadpool_redis::Pool;
+use futures_util::StreamExt;
 use redis::Script;
 
-use super::{Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken};
+use super::{
+    wake::{slots_of, Wakeups},
+    Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken,
+};
+use crate::FencingToken;
 
-/// KEYS: the batch. ARGV: owner token, ttl in milliseconds, how many conflicts to name.
-/// Returns `{granted (1 or 0), conflicts, earliest pttl or -1, {named conflicting keys}}`.
+/// The pub/sub channel on which releases name the wake-up slots of their keys.
+pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
+
+/// A release of more slots than this wakes every waiter instead of naming them.
+const MAX_NAMED_SLOTS: usize = 64;
+
+/// KEYS: the fencing counter, then the batch. ARGV: owner token, ttl in milliseconds, how
+/// many conflicts to name. Returns `{granted (1 or 0), fencing token or conflicts,
+/// earliest pttl or -1, {named conflicting keys}}`.
 ///
 /// It reads every key before it writes any, so a refused batch writes nothing, and Redis
 /// runs a script without interleaving other commands, so nobody sees half a batch. It
@@ -23,7 +44,7 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
         r"
 local owner, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local named, conflicts, earliest = {}, 0, -1
-for i = 1, #KEYS do
+for i = 2, #KEYS do
   local holder = redis.call('GET', KEYS[i])
   if holder and holder ~= owner then
     conflicts = conflicts + 1
@@ -33,16 +54,34 @@ for i = 1, #KEYS do
   end
 end
 if conflicts > 0 then return {0, conflicts, earliest, named} end
-for i = 1, #KEYS do
+for i = 2, #KEYS do
   redis.call('SET', KEYS[i], owner, 'PX', ttl)
 end
-return {1, 0, -1, {}}
+return {1, redis.call('INCR', KEYS[1]), -1, {}}
 ",
     )
 });
 
-/// KEYS: the batch. ARGV: owner token. Deletes only the keys that still hold the token, so
-/// a late release never frees a key that expired and went to someone else.
+/// KEYS: the batch. ARGV: owner token, ttl in milliseconds. Refreshes the ttl of every key
+/// if every key still holds the token, and returns 1; otherwise changes nothing and
+/// returns 0: a lease that lost one key has lost the batch.
+static EXTEND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
+return 1
+",
+    )
+});
+
+/// KEYS: the batch. ARGV: owner token, channel, wake-up slots. Deletes only the keys that
+/// still hold the token, so a late release never frees a key that expired and went to
+/// someone else, and announces the release to waiters in other processes.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -53,6 +92,7 @@ for i = 1, #KEYS do
     released = released + 1
   end
 end
+if released > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 return released
 ",
     )
@@ -60,19 +100,31 @@ return released
 
 pub(crate) struct RedisBackend {
     pool: Pool,
+    wakeups: Arc<Wakeups>,
+    /// Where to open the subscription to other processes' releases, if anywhere.
+    subscriber: Option<redis::Client>,
+    subscribed: OnceLock<()>,
 }
 
 impl std::fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisBackend")
             .field("pool", &self.pool.status())
+            .field("subscribes", &self.subscriber.is_some())
             .finish()
     }
 }
 
 impl RedisBackend {
-    pub(crate) fn new(pool: Pool) -> Self {
-        Self { pool }
+    /// `subscriber`: the Redis to listen on for other processes' releases; without it,
+    /// waiters wake on this process's releases and otherwise poll.
+    pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
+        Self {
+            pool,
+            wakeups: Arc::new(Wakeups::new()),
+            subscriber,
+            subscribed: OnceLock::new(),
+        }
     }
 
     async fn connection(&self) -> Result<deadpool_redis::Connection, BackendError> {
@@ -86,6 +138,7 @@ type AcquireReply = (i64, i64, i64, Vec<String>);
 impl Backend for RedisBackend {
     fn acquire<'a>(
         &'a self,
+        namespace: &'a str,
         keys: &'a [String],
         owner: OwnerToken,
         ttl: Duration,
@@ -93,24 +146,46 @@ impl Backend for RedisBackend {
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(async move {
             let mut conn = self.connection().await?;
-            let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-            let (granted, conflicts, earliest, named): AcquireReply = ACQUIRE
+            let (granted, count, earliest, named): AcquireReply = ACQUIRE
+                .key(namespace)
                 .key(keys)
                 .arg(owner.as_hex())
-                .arg(ttl_ms)
+                .arg(millis(ttl))
                 .arg(report)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(BackendError::unknown)?;
             if granted == 1 {
-                return Ok(Acquire::Granted);
+                let fence = u64::try_from(count).map_err(|_| {
+                    BackendError::unknown(format!("the fencing counter {namespace:?} is negative"))
+                })?;
+                return Ok(Acquire::Granted(FencingToken::new(fence)));
             }
             Ok(Acquire::Held(Contention {
                 keys: named,
-                total: usize::try_from(conflicts).unwrap_or(1),
+                total: usize::try_from(count).unwrap_or(1),
                 // -1: no conflicting key had a ttl the script could read.
                 earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
             }))
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        keys: &'a [String],
+        owner: OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        Box::pin(async move {
+            let mut conn = self.connection().await?;
+            let extended: i64 = EXTEND
+                .key(keys)
+                .arg(owner.as_hex())
+                .arg(millis(ttl))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(BackendError::unknown)?;
+            Ok(extended == 1)
         })
     }
 
@@ -121,12 +196,99 @@ impl Backend for RedisBackend {
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
             let mut conn = self.connection().await?;
-            RELEASE
+            let slots = slots_of(keys);
+            let released = RELEASE
                 .key(keys)
                 .arg(owner.as_hex())
+                .arg(RELEASED_CHANNEL)
+                .arg(slot_list(&slots))
                 .invoke_async(&mut conn)
                 .await
-                .map_err(BackendError::unknown)
+                .map_err(BackendError::unknown)?;
+            // This process's waiters need not wait for the message to come back.
+            self.wakeups.wake_slots(slots);
+            Ok(released)
         })
     }
+
+    fn wakeups(&self) -> &Wakeups {
+        if let Some(client) = &self.subscriber {
+            // Subscribe on first use, from a task on the runtime of the first waiter.
+            self.subscribed.get_or_init(|| {
+                let (client, wakeups) = (client.clone(), Arc::downgrade(&self.wakeups));
+                tokio::spawn(listen_for_releases(client, wakeups));
+            });
+        }
+        &self.wakeups
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// The slots as the release message carries them: `3,17,512`, or `*` for all.
+fn slot_list(slots: &[usize]) -> String {
+    if slots.len() > MAX_NAMED_SLOTS {
+        return "*".to_owned();
+    }
+    slots
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Wakes this process's waiters for every release announced on [`RELEASED_CHANNEL`], until
+/// the store is dropped. Reconnects after a lost connection, and then wakes every waiter:
+/// releases in the gap went unheard.
+async fn listen_for_releases(client: redis::Client, wakeups: Weak<Wakeups>) {
+    let mut pause = Duration::from_millis(100);
+    while wakeups.strong_count() > 0 {
+        match subscribe(&client).await {
+            Ok(pubsub) => {
+                pause = Duration::from_millis(100);
+                if let Some(wakeups) = wakeups.upgrade() {
+                    wakeups.wake_all();
+                }
+                let mut messages = pubsub.into_on_message();
+                loop {
+                    // Wake up now and then to notice that the store is gone.
+                    match tokio::time::timeout(Duration::from_secs(1), messages.next()).await {
+                        Ok(Some(message)) => {
+                            let Some(wakeups) = wakeups.upgrade() else {
+                                return;
+                            };
+                            wake_from_message(&wakeups, message.get_payload_bytes());
+                        }
+                        Ok(None) => break,
+                        Err(_) if wakeups.strong_count() == 0 => return,
+                        Err(_) => {}
+                    }
+                }
+                tracing::warn!("lost the subscription to lock releases; reconnecting");
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not subscribe to lock releases; waiters poll")
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn subscribe(client: &redis::Client) -> redis::RedisResult<redis::aio::PubSub> {
+    let mut pubsub = client.get_async_pubsub().await?;
+    pubsub.subscribe(RELEASED_CHANNEL).await?;
+    Ok(pubsub)
+}
+
+fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
+    if payload == b"*" {
+        return wakeups.wake_all();
+    }
+    let slots = std::str::from_utf8(payload).unwrap_or_default().split(',');
+    wakeups.wake_slots(slots.filter_map(|s| s.parse().ok()));
 }

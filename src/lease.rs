@@ -1,0 +1,155 @@
+//! What a request holds, as its handler sees it.
+
+use std::{fmt, sync::Arc, time::Instant};
+
+use tokio::sync::watch;
+
+/// A number that grows with every grant: give it to the resource you write, and let the
+/// resource refuse writes that carry a smaller one than it has seen.
+///
+/// A lease protects a critical section only while its holder runs on time. A holder that
+/// stalls (a long GC or VM pause, a slow disk, a lost network) can wake up after its lease
+/// expired and another request got the same keys, and still write. Neither holder can tell
+/// from the clock alone; the resource can, by comparing tokens:
+///
+/// ```
+/// use tower_batch_lock::FencingToken;
+///
+/// /// A record that remembers the largest token that wrote it.
+/// struct Record { value: u64, fence: Option<FencingToken> }
+///
+/// impl Record {
+///     /// Check-and-set: a write fenced below the last one is stale, and refused.
+///     fn write(&mut self, value: u64, fence: FencingToken) -> Result<(), &'static str> {
+///         if self.fence.is_some_and(|seen| fence < seen) {
+///             return Err("a newer lock holder has written since");
+///         }
+///         (self.value, self.fence) = (value, Some(fence));
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// In SQL the same check is `UPDATE … SET value = $1, fence = $2 WHERE id = $3 AND fence <= $2`.
+///
+/// Tokens strictly increase across every grant that shares any key: with Redis there is one
+/// counter per key namespace (the prefix), in memory one per store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FencingToken(u64);
+
+impl FencingToken {
+    pub(crate) fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    /// The token as a number, to store beside the data it guards.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The state of a lease, kept current by the guard and its renewal.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseStatus {
+    /// When the keys expire in the store unless renewed: never earlier than this.
+    pub(crate) expires_at: Instant,
+    /// A renewal found the keys gone or foreign, or could not reach the store in time.
+    pub(crate) lost: bool,
+}
+
+/// The locks a request holds, as its handler sees them.
+///
+/// The layer puts a `Lease` into the request's extensions before it calls the inner
+/// service, so a handler can take it with `axum::Extension<Lease>`:
+///
+/// ```
+/// use axum::Extension;
+/// use tower_batch_lock::Lease;
+///
+/// async fn handler(Extension(lease): Extension<Lease>) -> String {
+///     // Stop writing when the locks no longer protect this request.
+///     tokio::select! {
+///         _ = lease.lost() => "lease lost: stopped".to_owned(),
+///         done = work(lease.fencing_token().get()) => done,
+///     }
+/// }
+/// # async fn work(_fence: u64) -> String { String::new() }
+/// ```
+///
+/// It only describes the locks: the layer releases them when the response is ready (or
+/// its body has ended, with [`Locks::hold_until_body_end`](crate::Locks::hold_until_body_end)),
+/// or when the request is dropped, however long a copy of the lease lives.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    keys: Arc<[String]>,
+    prefix_len: usize,
+    fencing_token: FencingToken,
+    status: watch::Receiver<LeaseStatus>,
+}
+
+impl Lease {
+    pub(crate) fn new(
+        keys: Arc<[String]>,
+        prefix_len: usize,
+        fencing_token: FencingToken,
+        status: watch::Receiver<LeaseStatus>,
+    ) -> Self {
+        Self {
+            keys,
+            prefix_len,
+            fencing_token,
+            status,
+        }
+    }
+
+    /// The keys held, sorted and without the namespace prefix.
+    pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.keys.iter().map(|k| &k[self.prefix_len..])
+    }
+
+    /// The fencing token of this grant.
+    pub fn fencing_token(&self) -> FencingToken {
+        self.fencing_token
+    }
+
+    /// When the locks expire if they are not renewed again: the TTL counted from the
+    /// moment the last acquisition or renewal was sent, so the real expiry in the store is
+    /// never earlier.
+    pub fn expires_at(&self) -> Instant {
+        self.status.borrow().expires_at
+    }
+
+    /// Whether the locks no longer protect the request: the lease was lost or ran out, or
+    /// the layer has released it.
+    pub fn is_lost(&self) -> bool {
+        let status = *self.status.borrow();
+        status.lost || Instant::now() >= status.expires_at || self.status.has_changed().is_err()
+    }
+
+    /// Resolves when the locks no longer protect the request: a renewal found them gone or
+    /// taken, or could not reach the store before the lease ran out, or the lease expired
+    /// without renewal, or the layer released it.
+    ///
+    /// Select on it around work that must stop when the locks are gone.
+    pub async fn lost(&self) {
+        let mut status = self.status.clone();
+        loop {
+            let current = *status.borrow_and_update();
+            if current.lost {
+                return;
+            }
+            match tokio::time::timeout_at(current.expires_at.into(), status.changed()).await {
+                // Renewed (or lost): look again.
+                Ok(Ok(())) => {}
+                // Released, or expired without renewal.
+                Ok(Err(_)) | Err(_) => return,
+            }
+        }
+    }
+}
