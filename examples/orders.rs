@@ -9,7 +9,8 @@
 //! - `PUT /stock/{sku}` with `{"qty": 10}` sets a stock level, under the lock `sku:{sku}`.
 //! - `GET /stock/{sku}` reads a stock level (unlocked), or 404.
 //! - `POST /orders` with `{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}`
-//!   places an order: 201 with the order; 200 with the stored order if it was placed
+//!   places an order: 201 with the order and the `fence` (fencing token) of its locks; 200
+//!   with the stored order if it was placed
 //!   before (nothing is taken twice); 422 if a SKU lacks stock (nothing is taken); 409
 //!   with `Retry-After` while another request holds one of its locks.
 //! - `GET /orders/{order_id}` reads an order, or 404.
@@ -22,6 +23,10 @@
 //! - `REDIS_URL`: keep the locks and the data in this Redis, shared by every instance that
 //!   uses it (`redis://127.0.0.1/`). Without it, both live in this process's memory.
 //! - `WORK_DELAY_MS`: how long an order's slow work takes inside the lock, default 0.
+//! - `LOCK_TTL_MS`: the lease on the locks, default 30000; renewed every third of it while
+//!   an order works, so slow work never outlives its locks.
+//! - `LOCK_WAIT_MS`: how long a request waits for busy locks before it gets 409, default 0
+//!   (fail fast). A waiter wakes when the locks are released, in any instance.
 //! - `RUST_LOG`: the log filter, default `info`.
 //!
 //! ```text
@@ -45,10 +50,10 @@ use axum::{
     http::StatusCode,
     response::{IntoResponse, Response},
     routing::{get, post, put},
-    Json, Router,
+    Extension, Json, Router,
 };
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use tower_batch_lock::{keys, Locks, Rejection};
+use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
 
 /// The body of `POST /orders`.
 #[derive(Debug, Deserialize)]
@@ -69,6 +74,10 @@ struct Item {
 struct Order {
     order_id: String,
     items: Vec<Item>,
+    /// The fencing token of the locks it was placed under: larger than that of every
+    /// earlier grant of any of its SKUs. (Absent only in the tests' unlocked control run.)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fence: Option<u64>,
 }
 
 /// The body of `PUT /stock/{sku}`.
@@ -158,6 +167,7 @@ async fn get_order(
 /// read and the write below.
 async fn place_order(
     State(app): State<AppState>,
+    lease: Option<Extension<Lease>>,
     JsonBody(order): JsonBody<NewOrder>,
 ) -> Result<Response, Rejection> {
     let wanted = quantities(&order)?;
@@ -208,6 +218,7 @@ async fn place_order(
                 qty,
             })
             .collect(),
+        fence: lease.map(|Extension(lease)| lease.fencing_token().get()),
     };
     app.store
         .commit(&remaining, &placed)
@@ -393,6 +404,14 @@ fn order_key(order_id: &str) -> String {
     format!("orders:order:{order_id}")
 }
 
+/// A duration in milliseconds from the environment, or `default`.
+fn env_ms(name: &str, default: u64) -> Result<u64, StoreError> {
+    match env::var(name) {
+        Ok(ms) => Ok(ms.parse().map_err(|e| format!("{name}: {e}"))?),
+        Err(_) => Ok(default),
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), StoreError> {
     tracing_subscriber::fmt()
@@ -403,18 +422,19 @@ async fn main() -> Result<(), StoreError> {
         .init();
 
     let addr = env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    let work_delay = match env::var("WORK_DELAY_MS") {
-        Ok(ms) => Duration::from_millis(ms.parse().map_err(|e| format!("WORK_DELAY_MS: {e}"))?),
-        Err(_) => Duration::ZERO,
-    };
+    let work_delay = Duration::from_millis(env_ms("WORK_DELAY_MS", 0)?);
+    let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
+    let lock_wait = Duration::from_millis(env_ms("LOCK_WAIT_MS", 0)?);
     let (store, locks, backend) = match env::var("REDIS_URL") {
         #[cfg(feature = "redis")]
         Ok(url) => {
-            let pool = deadpool_redis::Config::from_url(url)
+            let pool = deadpool_redis::Config::from_url(&url)
                 .create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
             // Fail now, not at the first request, when Redis is not there.
             drop(pool.get().await?);
-            (Store::redis(pool.clone()), Locks::redis(pool), "Redis")
+            // The locks get a pool of their own, and a subscription that wakes waiting
+            // requests when any instance releases their keys.
+            (Store::redis(pool), Locks::redis_url(&url)?, "Redis")
         }
         #[cfg(not(feature = "redis"))]
         Ok(_) => {
@@ -424,8 +444,10 @@ async fn main() -> Result<(), StoreError> {
         }
         Err(_) => (Store::memory(), Locks::memory(), "memory"),
     };
-    // A lock must outlive the slowest handler that holds it (the default TTL is 30 s).
-    let locks = locks.ttl(Duration::from_secs(30) + work_delay);
+    let locks = locks
+        .ttl(lock_ttl)
+        .renew_lease(true)
+        .wait(Wait::up_to(lock_wait));
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(

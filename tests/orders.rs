@@ -167,9 +167,16 @@ async fn basic_flows(app: &Router) {
     let first = order("o-1", &[("apple", 3), ("pear", 1), ("apple", 2)]);
     let placed = post_order(app, &first).await;
     assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+    let fence = placed.body["fence"].as_u64();
+    assert!(
+        fence.is_some_and(|f| f > 0),
+        "a 201 carries its fencing token: {}",
+        placed.body
+    );
     let expected = json!({
         "order_id": "o-1",
         "items": [{ "sku": "apple", "qty": 5 }, { "sku": "pear", "qty": 1 }],
+        "fence": fence,
     });
     assert_eq!(placed.body, expected);
     assert_eq!(stock(app, "apple").await, Some(5));
@@ -905,6 +912,8 @@ mod binary {
             Command::new(&binary)
                 .env("ORDERS_ADDR", addr.to_string())
                 .env("REDIS_URL", server.url())
+                .env("LOCK_TTL_MS", "3000")
+                .env("LOCK_WAIT_MS", "200")
                 .env("RUST_LOG", "info")
                 .env_remove("WORK_DELAY_MS")
                 .stdout(Stdio::piped())
@@ -943,6 +952,7 @@ mod binary {
         let order = r#"{"order_id": "smoke", "items": [{"sku": "apple", "qty": 2}]}"#;
         let (status, body) = http(addr, "POST", "/orders", order).await;
         assert_eq!(status, 201, "{body}");
+        assert!(body.contains(r#""fence":"#), "{body}");
         assert_eq!(http(addr, "POST", "/orders", order).await.0, 200);
         let (status, body) = http(addr, "GET", "/stock/apple", "").await;
         assert_eq!((status, body.as_str()), (200, r#"{"sku":"apple","qty":1}"#));
