@@ -32,7 +32,8 @@
 //! # Stores
 //!
 //! - [`Locks::memory`] and [`Locks::global`] (what [`LockLayer::new`] uses): one process.
-//! - [`Locks::redis`] (feature `redis`, on by default): every process that shares a Redis.
+//! - [`Locks::redis_url`] and [`Locks::redis`] (feature `redis`, on by default): every
+//!   process that shares a Redis.
 //!
 //! # Responses
 //!
@@ -44,8 +45,20 @@
 //! | the extractor refuses the request | its own 4xx (see [`keys::json`]) |
 //! | more keys than [`Locks::max_keys`] | 413 |
 //! | an empty key, or one longer than [`Locks::max_key_len`] | 400 |
+//! | the lease is lost while the handler runs, with [`OnLostLease::Cancel`] | 503 |
 //!
 //! Every refusal is an `application/problem+json` document ([`Rejection`]).
+//!
+//! # Waiting, leases and fencing
+//!
+//! - [`Locks::wait`] / [`LockLayer::wait`]: wait up to a bound for busy keys ([`Wait`]),
+//!   woken by their release instead of polling.
+//! - [`Locks::renew_lease`]: extend the lease while the handler runs; the handler's
+//!   [`Lease`] reports a lost lease ([`Lease::lost`]), and [`Locks::on_lost_lease`] can
+//!   cancel the handler.
+//! - [`Lease::fencing_token`]: a [`FencingToken`] that grows with every grant, for
+//!   resources that must refuse a stale holder's writes.
+//! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
 
 mod backend;
 mod body;
