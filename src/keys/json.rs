@@ -6,14 +6,10 @@ use axum::response::IntoResponse;
 use bytes::Bytes;
 use http::{header, HeaderMap, Request, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 
-use super::{Extracted, KeyExtractor};
+use super::{body::read_capped, Extracted, KeyExtractor, DEFAULT_BODY_LIMIT};
 use crate::Rejection;
-
-/// How much of a body [`json`] reads by default before it refuses the request: 2 MiB.
-pub const DEFAULT_BODY_LIMIT: usize = 2 * 1024 * 1024;
 
 /// Keys from a JSON body: parses it into `T` and gives the value to `keys`.
 ///
@@ -123,38 +119,15 @@ where
     B: Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    // Before the body: a client that sends the wrong kind of body learns it without
+    // uploading it.
     if !is_json(headers) {
         return Err(Rejection::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "expected a request with `Content-Type: application/json`",
         ));
     }
-    let too_large = || {
-        Rejection::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the request body is larger than the limit of {limit} bytes"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(too_large());
-    }
-    // `Limited` also counts bodies without a length (chunked), and stops at the frame
-    // that passes the limit instead of reading the rest.
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
-        Err(e) => {
-            tracing::debug!(error = %e, "could not read the request body");
-            Err(Rejection::new(
-                StatusCode::BAD_REQUEST,
-                "the request body could not be read",
-            ))
-        }
-    }
+    read_capped(headers, body, limit).await
 }
 
 /// `application/json`, or any `application/*+json`, with or without parameters.

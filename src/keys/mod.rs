@@ -39,11 +39,13 @@ use std::future::{ready, Future, Ready};
 use axum::response::{IntoResponse, Response};
 use http::{request::Parts, Request};
 
+mod body;
 mod json;
 mod normalize;
 mod path;
 
-pub use json::{json, JsonKeys, DEFAULT_BODY_LIMIT};
+pub use body::DEFAULT_BODY_LIMIT;
+pub use json::{json, JsonKeys};
 pub(crate) use normalize::{normalize, KeyPolicy};
 pub use path::{path, PathKeys};
 
