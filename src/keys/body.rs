@@ -7,8 +7,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::Rejection;
 
-/// How much of a body [`json`](super::json) reads by default before it refuses the
-/// request: 2 MiB.
+/// How much of a body [`json`](super::json) and [`from_request`](super::from_request) read
+/// by default before they refuse the request: 2 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 2 * 1024 * 1024;
 
 /// Reads all of `body`, refusing it with 413 as soon as it is known to pass `limit` bytes.

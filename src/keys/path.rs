@@ -19,7 +19,8 @@ use crate::Rejection;
 /// name. Values are used as axum decoded them (`/stock/a%2Fb` locks `sku:a/b`), so the key
 /// is the one a body extractor makes from the same id with `format!("sku:{id}")`: two
 /// spellings of one resource must never lock different keys. (Two resources that happen to
-/// share a key only wait for each other.)
+/// share a key only wait for each other.) A value that is not UTF-8 once decoded (`%FF`) is
+/// refused with 400, as a problem document.
 ///
 /// It reads the parameters axum's router found, so it works under any axum layering
 /// ([`MethodRouter::layer`](axum::routing::MethodRouter::layer),
@@ -103,8 +104,12 @@ where
                 Err(RawPathParamsRejection::MissingPathParams(_)) => {
                     return Err(this.misconfigured())
                 }
-                // Invalid UTF-8 in a parameter: the client's fault, answered by axum's 400.
-                Err(rejection) => return Err(rejection.into_response()),
+                // Invalid UTF-8 in a parameter (`%FF`): the client's fault, a 400, in the
+                // crate's problem+json like every refusal of its own extractors.
+                Err(rejection) => {
+                    let rejection = Rejection::new(rejection.status(), rejection.body_text());
+                    return Err(rejection.into_response());
+                }
             };
             let key = this.key(&params).ok_or_else(|| this.misconfigured())?;
             Ok((Request::from_parts(parts, body), vec![key]))

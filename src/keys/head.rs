@@ -1,0 +1,390 @@
+//! Keys from one named value of the request head: a header, a query parameter.
+
+use std::{
+    fmt,
+    future::{ready, Ready},
+    sync::Arc,
+};
+
+use axum::response::IntoResponse;
+use http::{header::HeaderName, request::Parts, Request, StatusCode};
+
+use super::{Extracted, KeyExtractor};
+use crate::Rejection;
+
+/// One key per value of the header `name`: `{kind}:{value}`.
+///
+/// `keys::header("idempotency-key", "idem")` locks `idem:8e0f-41` for a request with
+/// `Idempotency-Key: 8e0f-41`, so two deliveries of one request never run at once. The
+/// value is used as sent, byte for byte, less the spaces and tabs around it (which HTTP
+/// does not count as part of it); a header sent several times gives a key per value.
+///
+/// | request | answer |
+/// | --- | --- |
+/// | no such header | no key: the request runs unlocked (or is refused by [`Locks::require_keys`](crate::Locks::require_keys)), or 400 with [`HeaderKeys::required`] |
+/// | an empty value | 400 |
+/// | a value that is not UTF-8 (obsolete `obs-text` bytes) | 400 |
+///
+/// Refusals are `application/problem+json` and name the header.
+///
+/// ```
+/// use axum::{body::Body, routing::post, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_batch_lock::{keys, Locks};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let locks = Locks::memory();
+/// let app = Router::new().route(
+///     "/payments",
+///     post(|| async { "paid" })
+///         .layer(locks.layer(keys::header("idempotency-key", "idem").required())),
+/// );
+///
+/// let unkeyed = Request::post("/payments").body(Body::empty()).unwrap();
+/// let response = app.oneshot(unkeyed).await.unwrap();
+/// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+/// # }
+/// ```
+///
+/// # Panics
+///
+/// If `name` is not a valid header name: a mistake in the code, not in a request.
+pub fn header<N>(name: N, kind: impl Into<String>) -> HeaderKeys
+where
+    N: TryInto<HeaderName>,
+    N::Error: fmt::Debug,
+{
+    let name = name
+        .try_into()
+        .unwrap_or_else(|e| panic!("keys::header needs a valid header name: {e:?}"));
+    HeaderKeys {
+        name,
+        kind: kind.into().into(),
+        required: false,
+    }
+}
+
+/// The extractor [`header`] builds.
+#[derive(Debug, Clone)]
+pub struct HeaderKeys {
+    name: HeaderName,
+    kind: Arc<str>,
+    required: bool,
+}
+
+impl HeaderKeys {
+    /// Refuses a request without the header with 400, instead of letting it run unlocked.
+    pub fn required(mut self) -> Self {
+        self.required = true;
+        self
+    }
+
+    /// The keys of the header's values.
+    ///
+    /// # Errors
+    ///
+    /// 400 for an empty value, a value that is not UTF-8, or a missing header that is
+    /// required.
+    pub(crate) fn keys(&self, parts: &Parts) -> Result<Vec<String>, Rejection> {
+        let name = &self.name;
+        let mut keys = Vec::new();
+        for value in parts.headers.get_all(name) {
+            let Ok(text) = std::str::from_utf8(value.as_bytes()) else {
+                return Err(bad_request(format!(
+                    "the `{name}` header is not valid UTF-8"
+                )));
+            };
+            let text = text.trim_matches([' ', '\t']);
+            if text.is_empty() {
+                return Err(bad_request(format!("the `{name}` header is empty")));
+            }
+            keys.push(format!("{}:{text}", self.kind));
+        }
+        if keys.is_empty() && self.required {
+            return Err(bad_request(format!(
+                "the request needs the `{name}` header"
+            )));
+        }
+        Ok(keys)
+    }
+}
+
+impl<B: Send + 'static> KeyExtractor<B> for HeaderKeys {
+    type Future = Ready<Extracted<B>>;
+
+    fn extract(&self, request: Request<B>) -> Self::Future {
+        let (parts, body) = request.into_parts();
+        ready(match self.keys(&parts) {
+            Ok(keys) => Ok((Request::from_parts(parts, body), keys)),
+            Err(rejection) => Err(rejection.into_response()),
+        })
+    }
+}
+
+/// One key per value of the query parameter `name`: `{kind}:{value}`.
+///
+/// `keys::query("account", "account")` locks `account:1` and `account:2` for
+/// `?account=1&account=2`. Names and values are decoded as HTML forms encode them (`%2F`
+/// is `/`, `+` is a space; a `%` not followed by two hex digits stays as it is), and the
+/// decoded value is the key, so `?sku=a%2Fb` and a JSON body's `"a/b"` lock the same key.
+///
+/// | request | answer |
+/// | --- | --- |
+/// | no such parameter | no key: the request runs unlocked (or is refused by [`Locks::require_keys`](crate::Locks::require_keys)), or 400 with [`QueryKeys::required`] |
+/// | an empty value (`?account=`, `?account`) | 400 |
+/// | a value that does not decode to UTF-8 (`?account=%FF`) | 400 |
+///
+/// Refusals are `application/problem+json` and name the parameter.
+///
+/// ```
+/// use axum::{body::Body, routing::post, Extension, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_batch_lock::{keys, Lease, LockLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let app = Router::new().route(
+///     "/statements",
+///     post(|Extension(lease): Extension<Lease>| async move {
+///         lease.keys().collect::<Vec<_>>().join(" ")
+///     })
+///     .layer(LockLayer::new(keys::query("account", "account"))),
+/// );
+///
+/// let request = Request::post("/statements?account=2&account=1&year=2024");
+/// let response = app.oneshot(request.body(Body::empty()).unwrap()).await.unwrap();
+/// let body = axum::body::to_bytes(response.into_body(), 64).await.unwrap();
+/// assert_eq!(body, "account:1 account:2");
+/// # }
+/// ```
+pub fn query(name: impl Into<String>, kind: impl Into<String>) -> QueryKeys {
+    QueryKeys {
+        name: name.into().into(),
+        kind: kind.into().into(),
+        required: false,
+    }
+}
+
+/// The extractor [`query`] builds.
+#[derive(Debug, Clone)]
+pub struct QueryKeys {
+    name: Arc<str>,
+    kind: Arc<str>,
+    required: bool,
+}
+
+impl QueryKeys {
+    /// Refuses a request without the parameter with 400, instead of letting it run unlocked.
+    pub fn required(mut self) -> Self {
+        self.required = true;
+        self
+    }
+
+    /// The keys of the parameter's values in `query` (the part of the URI after `?`).
+    ///
+    /// # Errors
+    ///
+    /// 400 for an empty value, a value that does not decode to UTF-8, or a missing
+    /// parameter that is required.
+    pub(crate) fn keys(&self, query: Option<&str>) -> Result<Vec<String>, Rejection> {
+        let name = &*self.name;
+        let mut keys = Vec::new();
+        let pairs = query
+            .unwrap_or_default()
+            .split('&')
+            .filter(|p| !p.is_empty());
+        for pair in pairs {
+            let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
+            if form_decode(raw_name) != name.as_bytes() {
+                continue;
+            }
+            let Ok(value) = String::from_utf8(form_decode(raw_value)) else {
+                return Err(bad_request(format!(
+                    "the query parameter `{name}` is not valid UTF-8 once decoded"
+                )));
+            };
+            if value.is_empty() {
+                return Err(bad_request(format!(
+                    "the query parameter `{name}` is empty"
+                )));
+            }
+            keys.push(format!("{}:{value}", self.kind));
+        }
+        if keys.is_empty() && self.required {
+            return Err(bad_request(format!(
+                "the request needs the `{name}` query parameter"
+            )));
+        }
+        Ok(keys)
+    }
+}
+
+impl<B: Send + 'static> KeyExtractor<B> for QueryKeys {
+    type Future = Ready<Extracted<B>>;
+
+    fn extract(&self, request: Request<B>) -> Self::Future {
+        let (parts, body) = request.into_parts();
+        ready(match self.keys(parts.uri.query()) {
+            Ok(keys) => Ok((Request::from_parts(parts, body), keys)),
+            Err(rejection) => Err(rejection.into_response()),
+        })
+    }
+}
+
+/// Decodes one name or value of `application/x-www-form-urlencoded` text into bytes: `+` is
+/// a space, `%XY` the byte 0xXY, and anything else, a stray `%` included, itself. (The rules
+/// of the URL standard, which browsers and `serde_urlencoded` follow.)
+pub(crate) fn form_decode(text: &str) -> Vec<u8> {
+    let mut decoded = Vec::with_capacity(text.len());
+    let mut rest = text.as_bytes();
+    while let [first, tail @ ..] = rest {
+        rest = match (first, tail) {
+            (b'+', _) => {
+                decoded.push(b' ');
+                tail
+            }
+            (b'%', [high, low, after @ ..])
+                if high.is_ascii_hexdigit() && low.is_ascii_hexdigit() =>
+            {
+                decoded.push(hex_value(*high) << 4 | hex_value(*low));
+                after
+            }
+            (&byte, _) => {
+                decoded.push(byte);
+                tail
+            }
+        };
+    }
+    decoded
+}
+
+/// The value of an ASCII hex digit.
+fn hex_value(digit: u8) -> u8 {
+    match digit {
+        b'0'..=b'9' => digit - b'0',
+        b'a'..=b'f' => digit - b'a' + 10,
+        _ => digit - b'A' + 10,
+    }
+}
+
+fn bad_request(detail: String) -> Rejection {
+    Rejection::new(StatusCode::BAD_REQUEST, detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoded(text: &str) -> Vec<u8> {
+        form_decode(text)
+    }
+
+    #[test]
+    fn form_decoding_follows_the_url_standard() {
+        assert_eq!(decoded("a+b%20c"), b"a b c");
+        assert_eq!(decoded("a%2Fb%2f"), b"a/b/");
+        assert_eq!(decoded("%"), b"%");
+        assert_eq!(decoded("%4"), b"%4");
+        assert_eq!(decoded("%zz%41"), b"%zzA");
+        assert_eq!(decoded("%+1"), b"% 1", "`+1` is not hex");
+        assert_eq!(decoded("%FF%fe"), [0xff, 0xfe]);
+        assert_eq!(decoded("é%C3%A9"), "éé".as_bytes());
+        assert_eq!(decoded("%%41"), b"%A");
+    }
+
+    fn query_keys(query: &str) -> Result<Vec<String>, String> {
+        super::query("id", "order")
+            .keys(Some(query))
+            .map_err(|r| r.body_text().to_owned())
+    }
+
+    #[test]
+    fn every_value_of_the_parameter_is_a_key() {
+        assert_eq!(
+            query_keys("id=1&x=2&id=a%2Fb&&i%64=+c+").unwrap(),
+            ["order:1", "order:a/b", "order: c "]
+        );
+        assert_eq!(query_keys("ids=1&xid=2").unwrap(), Vec::<String>::new());
+        assert_eq!(
+            super::query("id", "order").keys(None).unwrap(),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn empty_and_undecodable_values_are_refused() {
+        assert_eq!(
+            query_keys("id=").unwrap_err(),
+            "the query parameter `id` is empty"
+        );
+        assert_eq!(
+            query_keys("x=1&id").unwrap_err(),
+            "the query parameter `id` is empty"
+        );
+        assert_eq!(
+            query_keys("id=%FF").unwrap_err(),
+            "the query parameter `id` is not valid UTF-8 once decoded"
+        );
+        // Another parameter's bad encoding is not this extractor's business.
+        assert_eq!(query_keys("x=%FF&id=1").unwrap(), ["order:1"]);
+    }
+
+    #[test]
+    fn a_required_parameter_must_be_there() {
+        let required = super::query("id", "order").required();
+        let refused = required.keys(Some("x=1")).unwrap_err();
+        assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            refused.body_text(),
+            "the request needs the `id` query parameter"
+        );
+    }
+
+    fn head(headers: &[(&str, &[u8])]) -> Parts {
+        let mut request = Request::builder();
+        for (name, value) in headers {
+            request = request.header(*name, http::HeaderValue::from_bytes(value).unwrap());
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn every_value_of_the_header_is_a_key_as_sent() {
+        let keys = header("idempotency-key", "idem");
+        let parts = head(&[
+            ("idempotency-key", b" a {b} c\t"),
+            ("Idempotency-Key", "é€".as_bytes()),
+            ("other", b"x"),
+        ]);
+        assert_eq!(keys.keys(&parts).unwrap(), ["idem:a {b} c", "idem:é€"]);
+        assert_eq!(keys.keys(&head(&[])).unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn empty_non_utf8_and_missing_required_headers_are_refused() {
+        let keys = header("idempotency-key", "idem");
+        let text = |parts: &Parts| keys.keys(parts).unwrap_err().body_text().to_owned();
+        assert_eq!(
+            text(&head(&[("idempotency-key", b" ")])),
+            "the `idempotency-key` header is empty"
+        );
+        assert_eq!(
+            text(&head(&[("idempotency-key", &[b'a', 0xff])])),
+            "the `idempotency-key` header is not valid UTF-8"
+        );
+        let required = keys.clone().required();
+        assert_eq!(
+            required.keys(&head(&[])).unwrap_err().body_text(),
+            "the request needs the `idempotency-key` header"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "keys::header needs a valid header name")]
+    fn an_invalid_header_name_is_a_panic_at_start_up() {
+        let _ = header("not a header", "x");
+    }
+}
