@@ -274,6 +274,8 @@ use http::{request::Parts, Request};
 mod adapter;
 mod all;
 mod body;
+#[cfg(test)]
+mod fuzz;
 mod head;
 mod json;
 mod normalize;

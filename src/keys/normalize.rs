@@ -16,49 +16,56 @@ pub(crate) struct KeyPolicy {
 ///
 /// Every stored key starts with the prefix, so nothing a client sends can name a key
 /// outside the namespace. Sorting makes the batch the same whatever order the request
-/// listed its resources in.
+/// listed its resources in, and so does the answer to a batch that breaks a limit: the
+/// checks look at the sorted set (the longest key, the number of distinct keys), never at
+/// whichever bad key came first. Keys are compared byte for byte, as the store does.
 ///
 /// # Errors
 ///
 /// 400 for an empty key or one longer than `max_key_len` bytes; 413 for more than
-/// `max_keys` distinct keys.
-pub(crate) fn normalize(keys: Vec<String>, policy: &KeyPolicy) -> Result<Vec<String>, Rejection> {
-    let mut stored = Vec::with_capacity(keys.len());
-    for key in keys {
-        if key.is_empty() {
-            return Err(Rejection::limit(
-                StatusCode::BAD_REQUEST,
-                "empty_key",
-                "a lock key is empty; every resource the request touches needs a name".to_owned(),
-            ));
-        }
-        if key.len() > policy.max_key_len {
-            return Err(Rejection::limit(
-                StatusCode::BAD_REQUEST,
-                "max_key_len",
-                format!(
-                    "a lock key is {} bytes long; the limit is {} bytes",
-                    key.len(),
-                    policy.max_key_len
-                ),
-            ));
-        }
-        stored.push(format!("{}{key}", policy.prefix));
+/// `max_keys` distinct keys. When several limits are broken, that order decides which one
+/// the answer names.
+pub(crate) fn normalize(
+    mut keys: Vec<String>,
+    policy: &KeyPolicy,
+) -> Result<Vec<String>, Rejection> {
+    keys.sort_unstable();
+    keys.dedup();
+    // Sorted, so an empty key would be the first.
+    if keys.first().is_some_and(String::is_empty) {
+        return Err(Rejection::limit(
+            StatusCode::BAD_REQUEST,
+            "empty_key",
+            "a lock key is empty; every resource the request touches needs a name".to_owned(),
+        ));
     }
-    stored.sort_unstable();
-    stored.dedup();
-    if stored.len() > policy.max_keys {
+    let longest = keys.iter().map(String::len).max().unwrap_or(0);
+    if longest > policy.max_key_len {
+        return Err(Rejection::limit(
+            StatusCode::BAD_REQUEST,
+            "max_key_len",
+            format!(
+                "a lock key is {longest} bytes long; the limit is {} bytes",
+                policy.max_key_len
+            ),
+        ));
+    }
+    if keys.len() > policy.max_keys {
         return Err(Rejection::limit(
             StatusCode::PAYLOAD_TOO_LARGE,
             "max_keys",
             format!(
                 "the request locks {} resources; the limit is {} at once",
-                stored.len(),
+                keys.len(),
                 policy.max_keys
             ),
         ));
     }
-    Ok(stored)
+    // One prefix in front of every key keeps them in the order just sorted.
+    Ok(keys
+        .into_iter()
+        .map(|key| format!("{}{key}", policy.prefix))
+        .collect())
 }
 
 #[cfg(test)]
@@ -99,6 +106,17 @@ mod tests {
             err.body_text(),
             "the request locks 4 resources; the limit is 3 at once"
         );
+    }
+
+    #[test]
+    fn names_the_longest_key_whatever_the_order() {
+        for order in [["123456789", "1234567890"], ["1234567890", "123456789"]] {
+            let err = normalize(keys(&order), &policy()).unwrap_err();
+            assert_eq!(
+                err.body_text(),
+                "a lock key is 10 bytes long; the limit is 8 bytes"
+            );
+        }
     }
 
     #[test]
