@@ -24,7 +24,7 @@ use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
 use tower::ServiceExt;
-use tower_batch_lock::{keys::DEFAULT_BODY_LIMIT, Locks};
+use tower_batch_lock::Locks;
 
 use orders::Store;
 
@@ -666,149 +666,7 @@ async fn redis_order_of_3000_skus_with_one_held_sku_is_refused_whole() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 4. Bad bodies: a 4xx problem document each, and no lock left behind
-
-fn request(method: Method, uri: &str, content_type: Option<&str>, body: String) -> Request<Body> {
-    let mut request = Request::builder().method(method).uri(uri);
-    if let Some(content_type) = content_type {
-        request = request.header(header::CONTENT_TYPE, content_type);
-    }
-    request.body(body.into()).unwrap()
-}
-
-/// Requests the lock layer or the handler must refuse, with the status each must get.
-fn bad_requests() -> Vec<(&'static str, Request<Body>, StatusCode)> {
-    use StatusCode as S;
-    const JSON: Option<&str> = Some("application/json");
-    let post = |body: &str| request(Method::POST, "/orders", JSON, body.to_owned());
-    let put = |body: &str| request(Method::PUT, "/stock/x", JSON, body.to_owned());
-    let fine = order("a", &[("x", 1)]).to_string();
-    // Valid JSON, but for its length.
-    let oversized = fine.clone() + &" ".repeat(DEFAULT_BODY_LIMIT);
-    let mut announced_oversized = post(&oversized);
-    let length = oversized.len().into();
-    announced_oversized
-        .headers_mut()
-        .insert(header::CONTENT_LENGTH, length);
-    vec![
-        (
-            "truncated JSON",
-            post(r#"{"order_id": "a", "items": [{"sku""#),
-            S::BAD_REQUEST,
-        ),
-        ("not JSON", post("order a, 3 apples"), S::BAD_REQUEST),
-        (
-            "wrong types",
-            post(r#"{"order_id": 7, "items": "x"}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "a negative qty",
-            post(r#"{"order_id": "a", "items": [{"sku": "x", "qty": -1}]}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "no items field",
-            post(r#"{"order_id": "a"}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "an item without qty",
-            post(r#"{"order_id": "a", "items": [{"sku": "x"}]}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "text/plain",
-            request(Method::POST, "/orders", Some("text/plain"), fine.clone()),
-            S::UNSUPPORTED_MEDIA_TYPE,
-        ),
-        (
-            "no content type",
-            request(Method::POST, "/orders", None, fine),
-            S::UNSUPPORTED_MEDIA_TYPE,
-        ),
-        (
-            "over 2 MiB, announced",
-            announced_oversized,
-            S::PAYLOAD_TOO_LARGE,
-        ),
-        (
-            "over 2 MiB, streamed",
-            post(&oversized),
-            S::PAYLOAD_TOO_LARGE,
-        ),
-        // Well-formed, and refused by the handler.
-        (
-            "no items",
-            post(r#"{"order_id": "a", "items": []}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "qty 0",
-            post(&order("a", &[("x", 1), ("y", 0)]).to_string()),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "an empty sku",
-            post(&order("a", &[("", 1)]).to_string()),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "an empty order_id",
-            post(&order("", &[("x", 1)]).to_string()),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "quantities that overflow",
-            post(&order("a", &[("x", u64::MAX), ("x", 1)]).to_string()),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            "stock: a string qty",
-            put(r#"{"qty": "ten"}"#),
-            S::UNPROCESSABLE_ENTITY,
-        ),
-        ("stock: truncated JSON", put(r#"{"qty": "#), S::BAD_REQUEST),
-        (
-            "stock: text/plain",
-            request(Method::PUT, "/stock/x", Some("text/plain"), "10".to_owned()),
-            S::UNSUPPORTED_MEDIA_TYPE,
-        ),
-    ]
-}
-
-async fn bad_bodies(app: &Router) {
-    for (what, request, status) in bad_requests() {
-        let reply = send(app, request).await;
-        assert_eq!(reply.status, status, "{what}: {}", reply.body);
-        let detail = reply.problem_detail();
-        eprintln!("{what}: {status} {detail}");
-    }
-    assert_eq!(get(app, "/orders/a").await.status, StatusCode::NOT_FOUND);
-    assert_eq!(
-        stock(app, "x").await,
-        None,
-        "a refused PUT set a stock level"
-    );
-}
-
-#[tokio::test]
-async fn memory_bad_bodies_get_problem_documents() {
-    bad_bodies(&memory_app(Duration::ZERO)).await;
-}
-
-#[cfg(feature = "redis")]
-#[tokio::test]
-async fn redis_bad_bodies_get_problem_documents_and_leave_no_lock() {
-    let server = support::RedisServer::start();
-    bad_bodies(&redis_app(&server, Duration::ZERO, true)).await;
-    assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
-    assert_eq!(
-        server.keys("orders:*"),
-        Vec::<String>::new(),
-        "a refused request wrote data"
-    );
-}
+// 4. Bad bodies: see tests/malformed.rs, which sends a corpus of them through this router
 
 // ---------------------------------------------------------------------------------------
 // 5. The real binary
