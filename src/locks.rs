@@ -122,7 +122,8 @@ impl Locks {
     /// any process releases their keys. `rediss://` and credentials go in the URL.
     ///
     /// Needs a Redis with Lua scripting (2.6.12 or later) or a compatible server. The
-    /// subscription opens when the first request waits; fail-fast use never opens it.
+    /// subscription opens at once when this is called inside a Tokio runtime, and
+    /// otherwise when the first request waits.
     ///
     /// # Errors
     ///
@@ -325,11 +326,13 @@ impl Locks {
         let granted = self.acquire_waiting(&keys, span).await;
         span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
         let (mut guard, fencing_token) = granted?;
+        // `max_hold` counts from here: the time spent waiting for the keys is not holding.
+        let granted_at = Instant::now();
         span.record("outcome", "granted");
 
         let lease = guard.lease(policy.keys.prefix.len(), fencing_token);
         if policy.renew {
-            guard.renew(policy.ttl, policy.max_hold.map(|max| started + max));
+            guard.renew(policy.ttl, policy.max_hold.map(|max| granted_at + max));
         }
         if let Some(lease) = &lease {
             request.extensions_mut().insert(lease.clone());

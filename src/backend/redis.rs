@@ -119,11 +119,27 @@ impl RedisBackend {
     /// `subscriber`: the Redis to listen on for other processes' releases; without it,
     /// waiters wake on this process's releases and otherwise poll.
     pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
-        Self {
+        let backend = Self {
             pool,
             wakeups: Arc::new(Wakeups::new()),
             subscriber,
             subscribed: OnceLock::new(),
+        };
+        // Built inside a runtime (the usual case), subscribe now, so that the first waiter
+        // already hears of releases; otherwise on first use.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            backend.listen_for_releases();
+        }
+        backend
+    }
+
+    /// Starts relaying other processes' releases to this process's waiters, once.
+    fn listen_for_releases(&self) {
+        if let Some(client) = &self.subscriber {
+            self.subscribed.get_or_init(|| {
+                let (client, wakeups) = (client.clone(), Arc::downgrade(&self.wakeups));
+                tokio::spawn(listen_for_releases(client, wakeups));
+            });
         }
     }
 
@@ -212,13 +228,7 @@ impl Backend for RedisBackend {
     }
 
     fn wakeups(&self) -> &Wakeups {
-        if let Some(client) = &self.subscriber {
-            // Subscribe on first use, from a task on the runtime of the first waiter.
-            self.subscribed.get_or_init(|| {
-                let (client, wakeups) = (client.clone(), Arc::downgrade(&self.wakeups));
-                tokio::spawn(listen_for_releases(client, wakeups));
-            });
-        }
+        self.listen_for_releases();
         &self.wakeups
     }
 }
