@@ -125,6 +125,20 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
+            // No exact size while keys remain to release: given one, hyper frames the
+            // response with a Content-Length, stops polling once that many bytes are out
+            // and drops the body, so the release would run in the background after the
+            // client has the whole response. Without one it polls to the end, and the
+            // release comes first.
+            Kind::Inner {
+                body,
+                guard,
+                release,
+            } if guard.is_some() || release.is_some() => {
+                let mut hint = SizeHint::new();
+                hint.set_lower(body.size_hint().lower());
+                hint
+            }
             Kind::Inner { body, .. } => body.size_hint(),
             Kind::Refusal { body } => body.size_hint(),
         }

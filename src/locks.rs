@@ -266,6 +266,11 @@ impl Locks {
     /// Whether the keys stay locked until the response body has been sent (`true`), for
     /// streaming responses, or are released as soon as the response head is ready
     /// (`false`, the default).
+    ///
+    /// A held response states no exact body size, so HTTP/1.1 sends it chunked: the
+    /// server then reads the body to its end, and the release happens before the client
+    /// has the last byte. (A response without a body on the wire, to `HEAD` or with 204 or
+    /// 304, is released in the background as soon as it is sent.)
     pub fn hold_until_body_end(self, hold: bool) -> Self {
         self.tune(|p| p.hold_until_body_end = hold)
     }
