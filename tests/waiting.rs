@@ -1,0 +1,1459 @@
+//! Waiting, lease renewal, lost leases, fencing tokens and locks held until the response
+//! body ends, driven through the layer the way users drive it (an axum `Router` called with
+//! `oneshot`, or served over a real TCP listener), against real `redis-server` processes
+//! started by `support` on free loopback ports, and against the memory store where that
+//! is cheap.
+//!
+//! Two `Locks` handles on one Redis stand for two server processes: they share nothing but
+//! the Redis. Timing figures go to stderr (`cargo test --test waiting -- --nocapture`).
+//! Every wait is bounded in count and time.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashSet},
+    future::Future,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{body::Body, routing::post, Extension, Router};
+use bytes::Bytes;
+use http::{header, request::Parts, HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use support::RedisServer;
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::TcpStream,
+    sync::Notify,
+};
+use tower::ServiceExt;
+use tower_batch_lock::{Lease, Locks, OnLostLease, Rejection, Wait};
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// Keys from the comma-separated `x-keys` header.
+fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
+    let value = parts
+        .headers
+        .get("x-keys")
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| Rejection::new(StatusCode::BAD_REQUEST, "send an x-keys header"))?;
+    Ok(value.split(',').map(str::to_owned).collect())
+}
+
+/// A route `POST /work` that locks the keys of the `x-keys` header around `handler`.
+fn router<H, T>(locks: &Locks, handler: H) -> Router
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    Router::new().route("/work", post(handler).layer(locks.layer(header_keys)))
+}
+
+/// A router whose handler does nothing: a competitor that only wants to know whether the
+/// keys are free.
+fn probe_router(locks: &Locks) -> Router {
+    router(locks, || async {})
+}
+
+/// `POST /work` locking `keys`.
+fn work(keys: &[&str]) -> Request<Body> {
+    Request::post("/work")
+        .header("x-keys", keys.join(","))
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// A response, read to the end.
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    /// The problem+json document of a refusal.
+    fn problem(&self) -> serde_json::Value {
+        assert_eq!(
+            self.headers[header::CONTENT_TYPE],
+            "application/problem+json",
+            "a refusal is problem+json: {self:?}"
+        );
+        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(problem["status"], self.status.as_u16(), "{problem}");
+        problem
+    }
+
+    fn retry_after(&self) -> u64 {
+        self.headers
+            .get(header::RETRY_AFTER)
+            .unwrap_or_else(|| panic!("no Retry-After on {self:?}"))
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// `future`, or a panic naming `what` after `limit`.
+async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
+}
+
+/// Polls `check` every 2 ms until it holds; how long that took, or `None` after `limit`.
+async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if check() {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The median of some durations, and the list sorted, for reports.
+fn median(durations: &[Duration]) -> (Duration, Vec<Duration>) {
+    let mut sorted = durations.to_vec();
+    sorted.sort_unstable();
+    (sorted[sorted.len() / 2], sorted)
+}
+
+fn ms(durations: &[Duration]) -> String {
+    let figures: Vec<String> = durations
+        .iter()
+        .map(|d| format!("{:.1}", d.as_secs_f64() * 1e3))
+        .collect();
+    format!("[{}] ms", figures.join(", "))
+}
+
+/// Looks at the server from outside the crate, with plain synchronous connections.
+#[derive(Clone)]
+struct Store {
+    url: String,
+}
+
+impl Store {
+    fn of(server: &RedisServer) -> Self {
+        Self { url: server.url() }
+    }
+
+    fn cmd<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> T {
+        let client = redis::Client::open(self.url.as_str()).unwrap();
+        let mut connection = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect to the test redis-server");
+        connection
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        cmd.query(&mut connection).unwrap()
+    }
+
+    fn get(&self, key: &str) -> Option<String> {
+        self.cmd(redis::cmd("GET").arg(key))
+    }
+
+    fn pttl(&self, key: &str) -> i64 {
+        self.cmd(redis::cmd("PTTL").arg(key))
+    }
+
+    fn del(&self, key: &str) -> u64 {
+        self.cmd(redis::cmd("DEL").arg(key))
+    }
+
+    fn set(&self, key: &str, value: &str) {
+        self.cmd::<()>(redis::cmd("SET").arg(key).arg(value));
+    }
+
+    /// The lock keys on the server (the namespace's fencing counter, the bare prefix
+    /// `lock:`, is not a lock).
+    fn locks(&self) -> BTreeSet<String> {
+        self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
+            .into_iter()
+            .filter(|key| key != "lock:")
+            .collect()
+    }
+
+    /// How many script calls (`EVALSHA` and `EVAL`) the server has received.
+    fn script_calls(&self) -> u64 {
+        let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
+        info.lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+            })
+            .map(|line| {
+                let calls = line.split("calls=").nth(1).expect("calls=");
+                calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
+            })
+            .sum()
+    }
+}
+
+/// A handler that says it entered and then waits until the test opens the gate.
+#[derive(Default)]
+struct Gate {
+    entered: Notify,
+    open: Notify,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    async fn pass(&self) {
+        self.entered.notify_one();
+        self.open.notified().await;
+    }
+
+    async fn wait_entered(&self) {
+        within(
+            Duration::from_secs(5),
+            "the handler entered",
+            self.entered.notified(),
+        )
+        .await;
+    }
+
+    fn open(&self) {
+        self.open.notify_one();
+    }
+}
+
+fn gated_router(locks: &Locks, gate: &Arc<Gate>) -> Router {
+    let gate = gate.clone();
+    router(locks, move || {
+        let gate = gate.clone();
+        async move { gate.pass().await }
+    })
+}
+
+/// Runs a handler whenever a request is granted, and counts them.
+fn counting_router(locks: &Locks, runs: &Arc<AtomicUsize>) -> Router {
+    let runs = runs.clone();
+    router(locks, move || {
+        let runs = runs.clone();
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Waiters are granted soon after a release
+// ---------------------------------------------------------------------------------------
+
+/// In each of `rounds` rounds: `holder` takes a key, a request through `waiter` starts
+/// waiting for it, and 200 ms later the holder's handler returns. Gives, per round, the
+/// time from the holder's handler returning (before its release is even sent) to the
+/// waiter's handler starting.
+async fn release_to_grant(holder: &Locks, waiter: &Locks, rounds: usize) -> Vec<Duration> {
+    let gate = Gate::new();
+    let released_at = Arc::new(Mutex::new(None::<Instant>));
+    let holder = {
+        let (gate, released_at) = (gate.clone(), released_at.clone());
+        router(holder, move || {
+            let (gate, released_at) = (gate.clone(), released_at.clone());
+            async move {
+                gate.pass().await;
+                *released_at.lock().unwrap() = Some(Instant::now());
+            }
+        })
+    };
+    let granted_at = Arc::new(Mutex::new(None::<Instant>));
+    let waiter = {
+        let granted_at = granted_at.clone();
+        router(
+            &waiter.clone().wait(Wait::up_to(Duration::from_secs(5))),
+            move || {
+                let granted_at = granted_at.clone();
+                async move {
+                    *granted_at.lock().unwrap() = Some(Instant::now());
+                }
+            },
+        )
+    };
+
+    let mut latencies = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let key = format!("hot{round}");
+        let held = tokio::spawn({
+            let (holder, key) = (holder.clone(), key.clone());
+            async move { send(&holder, work(&[&key])).await }
+        });
+        gate.wait_entered().await;
+        let waiting = tokio::spawn({
+            let waiter = waiter.clone();
+            async move { send(&waiter, work(&[&key])).await }
+        });
+        // Long enough for the waiter's fallback pause to have grown to tens of ms, so that
+        // a waiter that merely polls would be seen to.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            granted_at.lock().unwrap().is_none(),
+            "round {round}: the waiter ran while the key was held"
+        );
+        gate.open();
+        let held = within(Duration::from_secs(5), "the holder's response", held).await;
+        assert_eq!(held.unwrap().status, StatusCode::OK);
+        let waited = within(Duration::from_secs(5), "the waiter's grant", waiting).await;
+        let waited = waited.unwrap();
+        assert_eq!(waited.status, StatusCode::OK, "round {round}: {waited:?}");
+        let released = released_at.lock().unwrap().take().unwrap();
+        let granted = granted_at.lock().unwrap().take().unwrap();
+        latencies.push(granted.saturating_duration_since(released));
+    }
+    latencies
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let ttl = Duration::from_secs(10);
+
+    // Two processes, each with its own pool and its own subscription.
+    let holder = Locks::redis_url(&server.url()).unwrap().ttl(ttl);
+    let waiter = Locks::redis_url(&server.url()).unwrap().ttl(ttl);
+    let subscribed = release_to_grant(&holder, &waiter, 8).await;
+
+    // The same two processes without a subscription: the waiter can only poll. This is
+    // what the figures above would look like if the wake-up did not travel.
+    let holder = Locks::redis(server.pool()).ttl(ttl);
+    let waiter = Locks::redis(server.pool()).ttl(ttl);
+    let polled = release_to_grant(&holder, &waiter, 6).await;
+
+    let (subscribed_median, subscribed) = median(&subscribed);
+    let (polled_median, polled) = median(&polled);
+    eprintln!(
+        "release to grant across processes: with pub/sub {} (median {subscribed_median:?}); \
+         polling without a subscription {} (median {polled_median:?})",
+        ms(&subscribed),
+        ms(&polled)
+    );
+    assert!(
+        subscribed_median < Duration::from_millis(20),
+        "a waiter in another process should wake on the published release: {}",
+        ms(&subscribed)
+    );
+    assert!(
+        subscribed_median < polled_median,
+        "pub/sub {} is no faster than polling {}",
+        ms(&subscribed),
+        ms(&polled)
+    );
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let latencies = release_to_grant(&locks, &locks, 8).await;
+    let (median, sorted) = median(&latencies);
+    eprintln!(
+        "release to grant in one process (Locks::redis(pool)): {} (median {median:?})",
+        ms(&sorted)
+    );
+    assert!(
+        median < Duration::from_millis(20),
+        "a waiter should wake on its own process's release: {}",
+        ms(&sorted)
+    );
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_on_the_memory_store_is_woken_by_the_release() {
+    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let latencies = release_to_grant(&locks, &locks, 8).await;
+    let (median, sorted) = median(&latencies);
+    eprintln!(
+        "release to grant on the memory store: {} (median {median:?})",
+        ms(&sorted)
+    );
+    assert!(
+        median < Duration::from_millis(10),
+        "a waiter should wake on the release: {}",
+        ms(&sorted)
+    );
+}
+
+/// A waiter whose bound passes gets the contention response at the bound, and leaves no
+/// key of its batch behind.
+async fn bound_passes(locks: &Locks, store: Option<&Store>) -> Duration {
+    let gate = Gate::new();
+    let holder = gated_router(locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["busy"])).await });
+    gate.wait_entered().await;
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let bound = Duration::from_millis(300);
+    let waiter = counting_router(&locks.clone().wait(Wait::up_to(bound)), &runs);
+    let started = Instant::now();
+    let refused = send(&waiter, work(&["busy", "free"])).await;
+    let took = started.elapsed();
+
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+    assert!(refused.retry_after() >= 1);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["busy"])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    if let Some(store) = store {
+        assert_eq!(
+            store.get("lock:free"),
+            None,
+            "the waiter left `free` behind"
+        );
+    }
+    assert!(
+        took >= bound && took < bound + Duration::from_millis(100),
+        "refused after {took:?} with a bound of {bound:?}"
+    );
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let on_redis = bound_passes(
+        &Locks::redis_url(&server.url())
+            .unwrap()
+            .ttl(Duration::from_secs(10)),
+        Some(&store),
+    )
+    .await;
+    let in_memory = bound_passes(&Locks::memory().ttl(Duration::from_secs(10)), None).await;
+    eprintln!("a 300 ms bound ran out after {on_redis:?} on Redis, {in_memory:?} in memory");
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let holder_locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let gate = Gate::new();
+    let holder = gated_router(&holder_locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
+    gate.wait_entered().await;
+
+    // The waiter is another process, so only its own polling could wake it.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let waiter_locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let waiter = counting_router(&waiter_locks, &runs);
+    let waiting = tokio::spawn(async move { send(&waiter, work(&["k"])).await });
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let before = store.script_calls();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let while_waiting = store.script_calls() - before;
+    assert!(
+        while_waiting >= 2,
+        "the waiter should still be trying: {while_waiting} attempts in 250 ms"
+    );
+
+    // The client goes away: the server drops the request's future.
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    // An attempt that was in flight may still land (and its guard then releases it).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let after_abort = store.script_calls();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let attempts_after = store.script_calls() - after_abort;
+    eprintln!(
+        "aborted waiter: {while_waiting} script calls in the 250 ms before the abort, \
+         {attempts_after} in the 400 ms after it"
+    );
+    assert_eq!(attempts_after, 0, "the aborted waiter kept trying");
+
+    // When the key is released, nobody takes it: the aborted waiter is gone.
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(store.get("lock:k"), None, "the aborted waiter took the key");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    // The same on the memory store: after the release the key is free, and the aborted
+    // waiter's handler never ran.
+    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
+    gate.wait_entered().await;
+    let waiter = counting_router(
+        &locks.clone().wait(Wait::up_to(Duration::from_secs(5))),
+        &runs,
+    );
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { send(&waiter, work(&["k"])).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let probe = probe_router(&locks);
+    assert_eq!(send(&probe, work(&["k"])).await.status, StatusCode::OK);
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. A waiting request never holds part of its batch
+// ---------------------------------------------------------------------------------------
+
+async fn waiting_holds_nothing(locks: &Locks, store: Option<&Store>) {
+    let gate = Gate::new();
+    let holder = gated_router(locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["a"])).await });
+    gate.wait_entered().await;
+
+    // While it runs, the waiter's handler records who holds `a` and `b` in the store.
+    let owners = Arc::new(Mutex::new(None));
+    let waiter = {
+        let (owners, store) = (owners.clone(), store.cloned());
+        router(
+            &locks.clone().wait(Wait::up_to(Duration::from_secs(5))),
+            move || {
+                let (owners, store) = (owners.clone(), store.clone());
+                async move {
+                    let seen = store.map(|s| (s.get("lock:a"), s.get("lock:b")));
+                    *owners.lock().unwrap() = Some(seen);
+                }
+            },
+        )
+    };
+    let waiting = tokio::spawn(async move { send(&waiter, work(&["a", "b"])).await });
+
+    // Another process (a handle of its own on the same store) takes `b` again and again
+    // while the waiter waits for `a`.
+    let other = probe_router(locks);
+    for round in 0..6 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some(store) = store {
+            assert_eq!(
+                store.get("lock:b"),
+                None,
+                "round {round}: the waiter holds `b`"
+            );
+        }
+        let reply = send(&other, work(&["b"])).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "round {round}: `b` is not free while the waiter waits for `a`: {}",
+            reply.text()
+        );
+    }
+    assert!(owners.lock().unwrap().is_none(), "the waiter ran too early");
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let waited = within(Duration::from_secs(5), "the waiter's grant", waiting).await;
+    assert_eq!(waited.unwrap().status, StatusCode::OK);
+    let owners = owners.lock().unwrap().take().expect("the waiter ran");
+    if let Some((Some(a), Some(b))) = &owners {
+        assert_eq!(a, b, "the waiter holds both keys under one token");
+    } else if store.is_some() {
+        panic!("the waiter ran without both keys in the store: {owners:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_request_holds_none_of_its_batch() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let ttl = Duration::from_secs(10);
+    waiting_holds_nothing(&Locks::redis(server.pool()).ttl(ttl), Some(&store)).await;
+    waiting_holds_nothing(&Locks::memory().ttl(ttl), None).await;
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Leases: renewed while the handler runs, never after the release; lost and reported
+// ---------------------------------------------------------------------------------------
+
+/// Script calls in the order the server received them, each with when the monitor saw it;
+/// `None` for a call the server refused with NOSCRIPT (it ran nothing).
+type Calls = Arc<Mutex<Vec<Option<(Instant, Script)>>>>;
+
+/// The script calls a Redis server runs, from `MONITOR`.
+struct Monitor {
+    seen: Calls,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Script {
+    Acquire,
+    Extend,
+    Release,
+}
+
+impl Monitor {
+    async fn start(server: &RedisServer) -> Self {
+        let stream = TcpStream::connect(("127.0.0.1", server.port()))
+            .await
+            .unwrap();
+        let mut lines = BufReader::new(stream);
+        lines.get_mut().write_all(b"MONITOR\r\n").await.unwrap();
+        let mut line = String::new();
+        lines.read_line(&mut line).await.unwrap();
+        assert_eq!(line.trim_end(), "+OK", "MONITOR refused");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let seen = seen.clone();
+            async move {
+                // Per client, where its last script call is in `seen`.
+                let mut last_call = BTreeMap::new();
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if lines.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let Some((client, command)) = Self::parse(&line) else {
+                        continue;
+                    };
+                    let mut seen = seen.lock().unwrap();
+                    if command
+                        .to_ascii_lowercase()
+                        .starts_with("\"script\" \"load\"")
+                    {
+                        // The client's last call found no script (NOSCRIPT) and ran
+                        // nothing; the client sends it again after loading it.
+                        if let Some(i) = last_call.remove(client) {
+                            seen[i] = None;
+                        }
+                    } else if let Some(script) = Self::script(command) {
+                        last_call.insert(client.to_owned(), seen.len());
+                        seen.push(Some((Instant::now(), script)));
+                    }
+                }
+            }
+        });
+        Self { seen, task }
+    }
+
+    /// The client and the command of a MONITOR line: `+1700000000.000001 [0
+    /// 127.0.0.1:5000] "EVALSHA" ...`. Commands that scripts run (`[0 lua] ...`) count as
+    /// a client of their own.
+    fn parse(line: &str) -> Option<(&str, &str)> {
+        let client = &line[line.find('[')? + 1..line.find(']')?];
+        Some((client, line[line.find("] ")? + 2..].trim_end()))
+    }
+
+    /// Which script a command calls, if any: the acquisition names the fencing counter
+    /// `lock:` as its first key, the release names the release channel.
+    fn script(command: &str) -> Option<Script> {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let name = words.first()?.to_ascii_lowercase();
+        if name != "\"evalsha\"" && name != "\"eval\"" {
+            return None;
+        }
+        Some(if command.contains("\"tower-batch-lock:released\"") {
+            Script::Release
+        } else if words.get(3) == Some(&"\"lock:\"") {
+            Script::Acquire
+        } else {
+            Script::Extend
+        })
+    }
+
+    fn seen(&self) -> Vec<(Instant, Script)> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .flatten()
+            .copied()
+            .collect()
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_renewed_lease_outlives_its_ttl_and_never_its_release() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let monitor = Monitor::start(&server).await;
+    let ttl = Duration::from_millis(300);
+    let handler_time = Duration::from_millis(1500);
+    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(true);
+    let entered = Arc::new(Notify::new());
+    let app = {
+        let entered = entered.clone();
+        router(&locks, move || {
+            let entered = entered.clone();
+            async move {
+                entered.notify_one();
+                tokio::time::sleep(handler_time).await;
+            }
+        })
+    };
+    let held = tokio::spawn(async move { send(&app, work(&["renewed"])).await });
+    within(
+        Duration::from_secs(5),
+        "the handler entered",
+        entered.notified(),
+    )
+    .await;
+    let entered_at = Instant::now();
+
+    // Another process asks for the key every 50 ms while the handler runs, five times
+    // longer than the TTL: it is refused every time, and the key never has more than a
+    // TTL left.
+    let competitor = probe_router(&Locks::redis(server.pool()));
+    let mut refusals = 0;
+    let mut pttls = Vec::new();
+    while entered_at.elapsed() < handler_time - Duration::from_millis(150) && refusals < 40 {
+        let reply = send(&competitor, work(&["renewed"])).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CONFLICT,
+            "after {:?} the renewed key was free: {}",
+            entered_at.elapsed(),
+            reply.text()
+        );
+        refusals += 1;
+        let pttl = store.pttl("lock:renewed");
+        assert!(pttl > 0 && pttl <= 300, "PTTL {pttl} ms");
+        pttls.push(pttl);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refusals >= 15, "only {refusals} polls");
+
+    let reply = within(Duration::from_secs(5), "the response", held).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    let answered = Instant::now();
+    assert_eq!(
+        store.get("lock:renewed"),
+        None,
+        "the key outlived the response"
+    );
+    // Longer than a TTL and a renewal period: an extension that came late would show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(store.get("lock:renewed"), None, "the key came back");
+    assert_eq!(store.pttl("lock:renewed"), -2);
+
+    let seen = monitor.seen();
+    let releases: Vec<usize> = (0..seen.len())
+        .filter(|&i| seen[i].1 == Script::Release)
+        .collect();
+    assert_eq!(releases.len(), 1, "{seen:?}");
+    let release = releases[0];
+    let extends_before = seen[..release]
+        .iter()
+        .filter(|(_, s)| *s == Script::Extend)
+        .count();
+    let extends_after = seen[release..]
+        .iter()
+        .filter(|(_, s)| *s == Script::Extend)
+        .count();
+    let late = seen
+        .iter()
+        .filter(|(at, s)| *s == Script::Extend && *at > answered)
+        .count();
+    eprintln!(
+        "renewal: {refusals} competitors refused over {handler_time:?} with a {ttl:?} TTL \
+         (PTTL {}..={} ms); {extends_before} extensions before the release, \
+         {extends_after} after it",
+        pttls.iter().min().unwrap(),
+        pttls.iter().max().unwrap()
+    );
+    // Every TTL / 3 = 100 ms over 1.5 s: about 15.
+    assert!(extends_before >= 10, "{extends_before} extensions");
+    assert_eq!(
+        extends_after, 0,
+        "an extension reached the store after the release"
+    );
+    assert_eq!(late, 0, "an extension reached the store after the response");
+}
+
+/// A handler that stops when its lease is lost, and says when.
+fn lost_router(locks: &Locks, lost_at: &Arc<Mutex<BTreeMap<String, (Instant, bool)>>>) -> Router {
+    let lost_at = lost_at.clone();
+    router(locks, move |Extension(lease): Extension<Lease>| {
+        let lost_at = lost_at.clone();
+        async move {
+            let key = lease.keys().next().unwrap().to_owned();
+            tokio::select! {
+                () = lease.lost() => {
+                    lost_at.lock().unwrap().insert(key, (Instant::now(), lease.is_lost()));
+                    "lost"
+                }
+                () = tokio::time::sleep(Duration::from_secs(6)) => "not lost",
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_lease_is_reported_within_a_renewal_period() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    // Renewed every second; unrenewed, the keys would live 3 s.
+    let ttl = Duration::from_secs(3);
+    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(true);
+    let lost_at = Arc::new(Mutex::new(BTreeMap::new()));
+    let app = lost_router(&locks, &lost_at);
+    let requests: Vec<_> = ["gone", "taken"]
+        .into_iter()
+        .map(|key| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, work(&[key])).await })
+        })
+        .collect();
+    let both_held = eventually(Duration::from_secs(5), || {
+        store.get("lock:gone").is_some() && store.get("lock:taken").is_some()
+    })
+    .await;
+    assert!(both_held.is_some(), "the handlers did not get their keys");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // From outside: one key is deleted, the other taken by someone else.
+    assert_eq!(store.del("lock:gone"), 1);
+    store.set("lock:taken", "intruder");
+    let cut = Instant::now();
+
+    for request in requests {
+        let reply = within(Duration::from_secs(5), "the handler's answer", request).await;
+        let reply = reply.unwrap();
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.text(), "lost");
+    }
+    let lost_at = lost_at.lock().unwrap().clone();
+    let mut figures = Vec::new();
+    for key in ["gone", "taken"] {
+        let (at, is_lost) = lost_at[key];
+        let after = at.saturating_duration_since(cut);
+        figures.push(format!("{key}: {after:?}"));
+        assert!(is_lost, "{key}: lost() resolved but is_lost() says no");
+        // One renewal period (1 s) and slack; the TTL would have run for 3 s.
+        assert!(
+            after < Duration::from_millis(1500),
+            "{key}: the loss was reported {after:?} after it happened"
+        );
+    }
+    eprintln!("lost lease reported after: {}", figures.join(", "));
+    // The release left the intruder's value alone.
+    assert_eq!(store.get("lock:taken").as_deref(), Some("intruder"));
+    assert_eq!(store.pttl("lock:taken"), -1);
+    assert_eq!(store.get("lock:gone"), None);
+}
+
+/// Sets its flag when dropped: tells whether a handler's future was dropped.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(3))
+        .renew_lease(true)
+        .on_lost_lease(OnLostLease::Cancel);
+    let (dropped, finished) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let entered = Arc::new(Notify::new());
+    let app = {
+        let (dropped, finished, entered) = (dropped.clone(), finished.clone(), entered.clone());
+        router(&locks, move || {
+            let (dropped, finished, entered) = (dropped.clone(), finished.clone(), entered.clone());
+            async move {
+                let _flag = DropFlag(dropped);
+                entered.notify_one();
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                finished.store(true, Ordering::SeqCst);
+                "finished"
+            }
+        })
+    };
+    let request = tokio::spawn(async move { send(&app, work(&["cancel"])).await });
+    within(
+        Duration::from_secs(5),
+        "the handler entered",
+        entered.notified(),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!dropped.load(Ordering::SeqCst));
+
+    assert_eq!(store.del("lock:cancel"), 1);
+    let cut = Instant::now();
+    let reply = within(Duration::from_secs(5), "the 503", request)
+        .await
+        .unwrap();
+    let after = cut.elapsed();
+    eprintln!("lost lease cancelled the handler {after:?} after the keys were deleted");
+
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.problem()["status"], 503);
+    assert!(
+        after < Duration::from_millis(1500),
+        "answered {after:?} after the loss"
+    );
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the handler's future lives on"
+    );
+    assert!(!finished.load(Ordering::SeqCst));
+    // Nothing is left, and the key is free for the next request at once.
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    let probe = probe_router(&Locks::redis(server.pool()));
+    assert_eq!(send(&probe, work(&["cancel"])).await.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_hold_counts_from_the_grant_not_from_the_start_of_the_wait() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let gate = Gate::new();
+    let holder = gated_router(
+        &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+        &gate,
+    );
+    let held = tokio::spawn(async move { send(&holder, work(&["m"])).await });
+    gate.wait_entered().await;
+
+    // Held for at most 1 s, renewed every 100 ms until then; the request first waits
+    // 800 ms for the key.
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_millis(300))
+        .renew_lease(true)
+        .max_hold(Duration::from_secs(1))
+        .wait(Wait::up_to(Duration::from_secs(3)));
+    let seen = Arc::new(Mutex::new(None));
+    let app = {
+        let (seen, store) = (seen.clone(), store.clone());
+        router(&locks, move |Extension(lease): Extension<Lease>| {
+            let (seen, store) = (seen.clone(), store.clone());
+            async move {
+                let granted = Instant::now();
+                tokio::time::sleep_until((granted + Duration::from_millis(600)).into()).await;
+                let early = (lease.is_lost(), store.get("lock:m").is_some());
+                tokio::time::sleep_until((granted + Duration::from_millis(1600)).into()).await;
+                let late = (lease.is_lost(), store.get("lock:m").is_some());
+                *seen.lock().unwrap() = Some((early, late));
+            }
+        })
+    };
+    let waiting = tokio::spawn(async move { send(&app, work(&["m"])).await });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(Duration::from_secs(5), "the waiter's answer", waiting).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+
+    let ((lost_early, kept_early), (lost_late, kept_late)) =
+        seen.lock().unwrap().take().expect("the handler ran");
+    assert!(
+        !lost_early && kept_early,
+        "held 600 ms of a 1 s max_hold, the lease was lost (is_lost {lost_early}, key in \
+         the store {kept_early}): the waiting time was counted as holding time"
+    );
+    assert!(
+        lost_late && !kept_late,
+        "held 1.6 s, past max_hold and a TTL, the lease still lives (is_lost {lost_late}, \
+         key in the store {kept_late})"
+    );
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Fencing tokens
+// ---------------------------------------------------------------------------------------
+
+/// One granted request, as its handler saw it.
+#[derive(Debug)]
+struct Grant {
+    /// The order in which handlers started.
+    entered: u64,
+    token: u64,
+    keys: Vec<String>,
+}
+
+/// Sends `requests` requests at once over overlapping sets of six keys, spread over
+/// `handles` (separate processes, or clones of one memory store), every one willing to wait.
+/// Checks that the sections never overlapped, and gives the grants.
+async fn concurrent_grants(handles: &[Locks], requests: usize) -> Vec<Grant> {
+    let order = Arc::new(AtomicU64::new(0));
+    let in_use = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let apps: Vec<Router> = handles
+        .iter()
+        .map(|locks| {
+            let (order, in_use, overlaps, grants) = (
+                order.clone(),
+                in_use.clone(),
+                overlaps.clone(),
+                grants.clone(),
+            );
+            let locks = locks.clone().wait(Wait::up_to(Duration::from_secs(10)));
+            router(&locks, move |Extension(lease): Extension<Lease>| {
+                let (order, in_use, overlaps, grants) = (
+                    order.clone(),
+                    in_use.clone(),
+                    overlaps.clone(),
+                    grants.clone(),
+                );
+                async move {
+                    let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
+                    let entered = order.fetch_add(1, Ordering::SeqCst);
+                    {
+                        let mut in_use = in_use.lock().unwrap();
+                        for key in &keys {
+                            if !in_use.insert(key.clone()) {
+                                overlaps.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    {
+                        let mut in_use = in_use.lock().unwrap();
+                        for key in &keys {
+                            in_use.remove(key);
+                        }
+                    }
+                    grants.lock().unwrap().push(Grant {
+                        entered,
+                        token: lease.fencing_token().get(),
+                        keys,
+                    });
+                }
+            })
+        })
+        .collect();
+
+    let mut rng = fastrand::Rng::with_seed(7);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..requests)
+        .map(|i| {
+            let count = rng.usize(1..=3);
+            let keys: Vec<String> = (0..count)
+                .map(|_| format!("k{}", rng.usize(0..6)))
+                .collect();
+            let app = apps[i % apps.len()].clone();
+            tokio::spawn(async move {
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                send(&app, work(&keys)).await
+            })
+        })
+        .collect();
+    let mut statuses = BTreeMap::new();
+    for task in tasks {
+        let reply = within(Duration::from_secs(20), "a concurrent request", task).await;
+        *statuses.entry(reply.unwrap().status).or_insert(0) += 1;
+    }
+    eprintln!(
+        "{requests} concurrent requests over {} handle(s): {statuses:?} in {:?}",
+        handles.len(),
+        started.elapsed()
+    );
+    assert_eq!(
+        statuses.get(&StatusCode::OK),
+        Some(&requests),
+        "{statuses:?}"
+    );
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "critical sections overlapped"
+    );
+    let grants = std::mem::take(&mut *grants.lock().unwrap());
+    grants
+}
+
+/// Tokens are distinct, and for every key they strictly increase in the order in which
+/// the holders of that key entered their critical sections.
+fn assert_fenced(grants: &[Grant]) {
+    let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();
+    assert_eq!(tokens.len(), grants.len(), "two grants got the same token");
+    let mut per_key: BTreeMap<&str, Vec<&Grant>> = BTreeMap::new();
+    for grant in grants {
+        for key in &grant.keys {
+            per_key.entry(key).or_default().push(grant);
+        }
+    }
+    for (key, grants) in &mut per_key {
+        grants.sort_by_key(|g| g.entered);
+        for pair in grants.windows(2) {
+            assert!(
+                pair[0].token < pair[1].token,
+                "key {key}: entered with token {} and then with token {}",
+                pair[0].token,
+                pair[1].token
+            );
+        }
+    }
+    let sizes: Vec<String> = per_key
+        .iter()
+        .map(|(k, g)| format!("{k}: {}", g.len()))
+        .collect();
+    eprintln!("grants per key: {}", sizes.join(", "));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_tokens_strictly_increase_per_key_across_processes() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let ttl = Duration::from_secs(10);
+    let handles = [
+        Locks::redis_url(&server.url()).unwrap().ttl(ttl),
+        Locks::redis_url(&server.url()).unwrap().ttl(ttl),
+    ];
+    let grants = concurrent_grants(&handles, 100).await;
+    assert_fenced(&grants);
+    // One counter for the namespace, counted once per grant and never for a refusal.
+    let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();
+    assert_eq!(tokens, (1..=100).collect::<BTreeSet<u64>>());
+    assert_eq!(store.get("lock:").as_deref(), Some("100"));
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_tokens_strictly_increase_per_key_in_memory() {
+    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let grants = concurrent_grants(&[locks.clone(), locks], 100).await;
+    assert_fenced(&grants);
+    let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();
+    assert_eq!(tokens, (1..=100).collect::<BTreeSet<u64>>());
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Streaming responses hold their keys until the body ends
+// ---------------------------------------------------------------------------------------
+
+/// A route whose response body is `chunks` chunks, `every` apart.
+fn streaming_router(locks: &Locks, chunks: usize, every: Duration) -> Router {
+    router(locks, move || async move {
+        let stream = futures_util::stream::unfold(0, move |i| async move {
+            if i == chunks {
+                return None;
+            }
+            if i > 0 {
+                tokio::time::sleep(every).await;
+            }
+            Some((
+                Ok::<_, std::io::Error>(Bytes::from(format!("chunk {i}\n"))),
+                i + 1,
+            ))
+        });
+        Body::from_stream(stream)
+    })
+}
+
+/// Serves `app` on a loopback port.
+async fn serve(app: Router) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let serving = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (address, serving)
+}
+
+/// A bare HTTP/1.1 client that reads a chunked response one chunk at a time.
+struct Client {
+    reader: BufReader<TcpStream>,
+    /// The Content-Length of the response being read; `None` when it is chunked.
+    length: Option<usize>,
+}
+
+impl Client {
+    /// Sends `POST /work` locking `keys`, and reads the response head; gives its status.
+    async fn post(address: std::net::SocketAddr, keys: &[&str]) -> (Self, u16) {
+        let stream = TcpStream::connect(address).await.unwrap();
+        let mut client = Self {
+            reader: BufReader::new(stream),
+            length: None,
+        };
+        let status = client.send("/work", keys).await;
+        (client, status)
+    }
+
+    /// Sends `POST {path}` locking `keys` on this connection, and reads the response head;
+    /// gives its status.
+    async fn send(&mut self, path: &str, keys: &[&str]) -> u16 {
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nhost: test\r\nx-keys: {}\r\ncontent-length: 0\r\n\r\n",
+            keys.join(",")
+        );
+        self.reader
+            .get_mut()
+            .write_all(request.as_bytes())
+            .await
+            .unwrap();
+        let status_line = self.line().await;
+        let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+        self.length = None;
+        loop {
+            let line = self.line().await.to_ascii_lowercase();
+            if line.is_empty() {
+                break;
+            }
+            if let Some(length) = line.strip_prefix("content-length: ") {
+                self.length = Some(length.parse().unwrap());
+            }
+        }
+        status
+    }
+
+    /// The whole body, whether it comes chunked or with a length.
+    async fn body(&mut self) -> Vec<u8> {
+        if let Some(length) = self.length {
+            let mut body = vec![0; length];
+            self.reader.read_exact(&mut body).await.unwrap();
+            return body;
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = self.chunk().await {
+            body.extend(chunk);
+        }
+        body
+    }
+
+    async fn line(&mut self) -> String {
+        let mut line = String::new();
+        let read = within(
+            Duration::from_secs(5),
+            "a line of the response",
+            self.reader.read_line(&mut line),
+        )
+        .await;
+        assert!(read.unwrap() > 0, "the server closed the connection");
+        line.trim_end().to_owned()
+    }
+
+    /// The next chunk of the body, or `None` after the last (zero-size) one.
+    async fn chunk(&mut self) -> Option<Vec<u8>> {
+        assert_eq!(self.length, None, "expected a chunked response");
+        let size = usize::from_str_radix(&self.line().await, 16).unwrap();
+        if size == 0 {
+            assert_eq!(self.line().await, "", "no trailers expected");
+            return None;
+        }
+        let mut data = vec![0; size + 2];
+        self.reader.read_exact(&mut data).await.unwrap();
+        data.truncate(size);
+        Some(data)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_streamed_body_keeps_its_keys_until_it_ends_only_when_asked() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let every = Duration::from_millis(100);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(5));
+    // The competitor is another process, refused at once when the key is busy.
+    let competitor = probe_router(&Locks::redis(server.pool()));
+
+    let (address, serving) = serve(streaming_router(
+        &locks.clone().hold_until_body_end(true),
+        5,
+        every,
+    ))
+    .await;
+    let (mut client, status) = Client::post(address, &["stream"]).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        send(&competitor, work(&["stream"])).await.status,
+        StatusCode::CONFLICT,
+        "free after the head, though the body goes on"
+    );
+    // While the body streams (the first four chunks are each followed by a 100 ms
+    // pause), the key stays held.
+    for i in 0..4 {
+        let chunk = client.chunk().await.expect("a chunk");
+        assert_eq!(chunk, format!("chunk {i}\n").as_bytes());
+        let reply = send(&competitor, work(&["stream"])).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CONFLICT,
+            "free after chunk {i}: {}",
+            reply.text()
+        );
+    }
+    assert_eq!(client.chunk().await.expect("the last chunk"), b"chunk 4\n");
+    // The end of the body reaches the client only after the release.
+    assert_eq!(client.chunk().await, None);
+    let reply = send(&competitor, work(&["stream"])).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "held after the body ended: {}",
+        reply.text()
+    );
+    serving.abort();
+
+    // Without the option the key is free as soon as the head is out.
+    let (address, serving) = serve(streaming_router(&locks, 5, every)).await;
+    let (mut client, status) = Client::post(address, &["plain"]).await;
+    assert_eq!(status, 200);
+    let reply = send(&competitor, work(&["plain"])).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "held after the head: {}",
+        reply.text()
+    );
+    let mut chunks = 0;
+    while client.chunk().await.is_some() {
+        chunks += 1;
+    }
+    assert_eq!(chunks, 5, "the body streams on without its lock");
+    serving.abort();
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_drops_a_held_body_midway_releases_its_keys_promptly() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let every = Duration::from_millis(100);
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(5))
+        .hold_until_body_end(true);
+
+    // Through the service: the body is dropped after two chunks, 300 ms before its end.
+    let app = streaming_router(&locks, 5, every);
+    let response = app.oneshot(work(&["dropped"])).await.unwrap();
+    let mut body = response.into_body();
+    for _ in 0..2 {
+        let frame = within(Duration::from_secs(5), "a frame", body.frame()).await;
+        assert!(frame.unwrap().unwrap().is_data());
+    }
+    assert!(store.get("lock:dropped").is_some(), "held while streaming");
+    drop(body);
+    let dropped = eventually(Duration::from_secs(2), || {
+        store.get("lock:dropped").is_none()
+    })
+    .await
+    .expect("the keys of a dropped body were never released");
+
+    // Over TCP: the client hangs up after two chunks of twenty, 1.8 s before the end.
+    let (address, serving) = serve(streaming_router(&locks, 20, every)).await;
+    let (mut client, status) = Client::post(address, &["hung-up"]).await;
+    assert_eq!(status, 200);
+    client.chunk().await.unwrap();
+    client.chunk().await.unwrap();
+    assert!(store.get("lock:hung-up").is_some(), "held while streaming");
+    drop(client);
+    let hung_up = eventually(Duration::from_secs(3), || {
+        store.get("lock:hung-up").is_none()
+    })
+    .await
+    .expect("the keys of a body whose client left were never released");
+    serving.abort();
+
+    eprintln!(
+        "held body released after: a dropped body {dropped:?}, a client that hung up {hung_up:?}"
+    );
+    assert!(dropped < Duration::from_millis(50), "{dropped:?}");
+    assert!(hung_up < Duration::from_millis(500), "{hung_up:?}");
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_response_of_known_length_is_released_before_the_client_has_it() {
+    let server = RedisServer::start();
+    let store = Store::of(&server);
+    let locks = Locks::redis(server.pool())
+        .ttl(Duration::from_secs(5))
+        .hold_until_body_end(true);
+    let competitor = probe_router(&Locks::redis(server.pool()));
+    // Bodies whose size is known up front: HTTP/1.1 may frame them with a length and stop
+    // polling them once that many bytes are out.
+    let sized = Router::new()
+        .route("/text", post(|| async { "done" }))
+        .route("/empty", post(|| async {}))
+        .layer(locks.layer(header_keys));
+    let (address, serving) = serve(sized).await;
+
+    // One client, one keep-alive connection; as soon as it has a whole response it asks
+    // for the same key through another process.
+    let stream = TcpStream::connect(address).await.unwrap();
+    let mut client = Client {
+        reader: BufReader::new(stream),
+        length: None,
+    };
+    let mut held = Vec::new();
+    for i in 0..100 {
+        let (path, expected): (&str, &[u8]) = if i % 2 == 0 {
+            ("/text", b"done")
+        } else {
+            ("/empty", b"")
+        };
+        let key = format!("sized{i}");
+        assert_eq!(client.send(path, &[&key]).await, 200);
+        assert_eq!(client.body().await, expected);
+        let reply = send(&competitor, work(&[&key])).await;
+        if reply.status != StatusCode::OK {
+            held.push(format!("{path} #{i}: {}", reply.status));
+        }
+    }
+    serving.abort();
+    assert!(
+        held.is_empty(),
+        "{} of 100 requests still held their key after the client had the whole \
+         response: {held:?}",
+        held.len()
+    );
+    assert!(store.locks().is_empty(), "{:?}", store.locks());
+}
