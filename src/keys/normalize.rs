@@ -31,7 +31,8 @@ pub(crate) fn normalize(
 ) -> Result<Vec<String>, Rejection> {
     keys.sort_unstable();
     keys.dedup();
-    // Sorted, so an empty key would be the first.
+    // Sorted, so an empty key would be the first. Refusing it also keeps clients off the
+    // bare prefix, which a store may use for itself (the Redis store's fencing counter).
     if keys.first().is_some_and(String::is_empty) {
         return Err(Rejection::limit(
             StatusCode::BAD_REQUEST,
