@@ -47,7 +47,7 @@ impl LockGuard {
     /// A guard for `keys` under `owner`, made *before* the acquisition is sent: if the
     /// acquiring future is dropped mid-flight, the store may have granted the batch, and
     /// only this guard's drop then releases it. `expires_at` is the acquisition's start
-    /// plus the TTL: the keys never expire earlier.
+    /// plus the TTL (less the store's clock-drift allowance): the keys never expire earlier.
     pub(crate) fn new(
         backend: Arc<dyn Backend>,
         keys: Arc<[String]>,
@@ -251,7 +251,8 @@ impl Renewer {
             .await;
             match extended {
                 Ok(Ok(true)) => {
-                    self.status.send_modify(|s| s.expires_at = now + self.ttl);
+                    let valid_for = self.ttl.saturating_sub(self.backend.drift(self.ttl));
+                    self.status.send_modify(|s| s.expires_at = now + valid_for);
                     next = now + every;
                     continue;
                 }

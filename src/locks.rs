@@ -379,7 +379,7 @@ impl Locks {
                 keys.clone(),
                 owner,
                 policy.backend_timeout,
-                attempted + policy.ttl,
+                attempted + policy.ttl.saturating_sub(self.backend.drift(policy.ttl)),
             );
             let outcome = tokio::time::timeout(
                 policy.backend_timeout,

@@ -140,6 +140,13 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         owner: OwnerToken,
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
 
+    /// How much sooner than `ttl` after an acquisition or extension was sent its lease must
+    /// be taken as over: an allowance for the stores' clocks running at different rates.
+    /// None for a single store, whose own clock is the only one that counts.
+    fn drift(&self, _ttl: Duration) -> Duration {
+        Duration::ZERO
+    }
+
     /// Where waiters learn of releases: this process's own, and, where the store can tell,
     /// other processes' too.
     fn wakeups(&self) -> &Wakeups;
