@@ -33,7 +33,8 @@ use tokio::sync::watch;
 /// In SQL the same check is `UPDATE … SET value = $1, fence = $2 WHERE id = $3 AND fence <= $2`.
 ///
 /// Tokens strictly increase across every grant that shares any key: with Redis there is one
-/// counter per key namespace (the prefix), in memory one per store.
+/// counter per key namespace (the prefix), in memory one per store. With Redlock they do
+/// as long as no master loses its counter; [`Redlock`](crate::Redlock) says why and when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
@@ -120,7 +121,8 @@ impl Lease {
 
     /// When the locks expire if they are not renewed again: the TTL counted from the
     /// moment the last acquisition or renewal was sent, so the real expiry in the store is
-    /// never earlier.
+    /// never earlier. With [`Redlock`](crate::Redlock) it is the validity deadline, sooner
+    /// by the allowance for clock drift between the masters (`ttl / 100 + 2 ms`).
     pub fn expires_at(&self) -> Instant {
         self.status.borrow().expires_at
     }

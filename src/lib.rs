@@ -34,6 +34,9 @@
 //! - [`Locks::memory`] and [`Locks::global`] (what [`LockLayer::new`] uses): one process.
 //! - [`Locks::redis_url`] and [`Locks::redis`] (feature `redis`, on by default): every
 //!   process that shares a Redis.
+//! - [`Locks::redlock`] and [`Redlock`] (feature `redis`): every process that shares a
+//!   majority of several independent Redis masters, so that the locks outlive any minority
+//!   of them.
 //!
 //! # Responses
 //!
@@ -72,6 +75,8 @@ mod rejection;
 mod service;
 mod wait;
 
+#[cfg(feature = "redis")]
+pub use backend::redlock::Redlock;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use keys::KeyExtractor;

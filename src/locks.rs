@@ -157,7 +157,42 @@ impl Locks {
         )))
     }
 
-    fn with_backend(backend: Arc<dyn Backend>) -> Self {
+    /// Locks over several independent Redis masters with the Redlock algorithm, shared by
+    /// every process that uses the same masters and prefix: a batch is locked when a
+    /// majority of the masters locked all of it, so the locks outlive the loss of any
+    /// minority of them. [`Redlock`](crate::Redlock) explains what that guarantees, and
+    /// sets the per-master timeout (100 ms by default).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_batch_lock::Locks;
+    ///
+    /// # fn main() -> Result<(), redis::RedisError> {
+    /// let locks = Locks::redlock([
+    ///     "redis://10.0.0.1:6379/",
+    ///     "redis://10.0.0.2:6379/",
+    ///     "redis://10.0.0.3:6379/",
+    /// ])?
+    /// .ttl(Duration::from_secs(10));
+    /// # drop(locks);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When there are fewer than three URLs, one is not a valid Redis URL, or two name the
+    /// same server. Nothing connects yet.
+    #[cfg(feature = "redis")]
+    pub fn redlock<I>(urls: I) -> Result<Self, redis::RedisError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        crate::Redlock::new(urls).build()
+    }
+
+    pub(crate) fn with_backend(backend: Arc<dyn Backend>) -> Self {
         Self {
             backend,
             policy: Arc::new(Policy::default()),

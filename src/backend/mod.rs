@@ -11,6 +11,8 @@ use uuid::Uuid;
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(feature = "redis")]
+pub(crate) mod redlock;
 pub(crate) mod wake;
 
 use crate::FencingToken;
@@ -22,7 +24,7 @@ pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 ///
 /// It is a capability (whoever knows it can release the keys), so it never leaves the
 /// process except to the lock store, and it is never derived from a thread or process id.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct OwnerToken(Uuid);
 
 impl OwnerToken {
@@ -113,7 +115,8 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
     ///
     /// A grant carries a fencing token larger than that of every earlier grant in the
     /// same `namespace` (the key prefix), so larger than every earlier grant of any of
-    /// these keys.
+    /// these keys. (Redlock promises less: larger than every earlier grant that shares a
+    /// key, while no master loses its counter; see `Redlock`.)
     fn acquire<'a>(
         &'a self,
         namespace: &'a str,

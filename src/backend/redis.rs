@@ -98,6 +98,21 @@ return released
     )
 });
 
+/// KEYS: the fencing counter. ARGV: a floor. Raises the counter to the floor if it is
+/// lower, never lowers it. Redlock uses it to bring a node's counter up to the token a
+/// majority agreed on (see `redlock`), so that the next grant anywhere in that majority
+/// counts on from there.
+static RAISE_FENCE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+",
+    )
+});
+
 pub(crate) struct RedisBackend {
     pool: Pool,
     wakeups: Arc<Wakeups>,
@@ -145,6 +160,22 @@ impl RedisBackend {
 
     async fn connection(&self) -> Result<deadpool_redis::Connection, BackendError> {
         self.pool.get().await.map_err(BackendError::not_sent)
+    }
+
+    /// Raises the fencing counter of `namespace` to at least `floor`.
+    pub(crate) async fn raise_fence(
+        &self,
+        namespace: &str,
+        floor: u64,
+    ) -> Result<(), BackendError> {
+        let mut conn = self.connection().await?;
+        let _: i64 = RAISE_FENCE
+            .key(namespace)
+            .arg(floor)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(BackendError::unknown)?;
+        Ok(())
     }
 }
 
