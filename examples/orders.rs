@@ -22,6 +22,9 @@
 //! - `ORDERS_ADDR`: where to listen, default `127.0.0.1:3000`.
 //! - `REDIS_URL`: keep the locks and the data in this Redis, shared by every instance that
 //!   uses it (`redis://127.0.0.1/`). Without it, both live in this process's memory.
+//! - `REDIS_URLS`: instead, lock with Redlock over these independent Redis masters,
+//!   comma-separated (`redis://10.0.0.1/,redis://10.0.0.2/,redis://10.0.0.3/`), and keep
+//!   the data in the first of them. Set one of `REDIS_URL` and `REDIS_URLS`, not both.
 //! - `WORK_DELAY_MS`: how long an order's slow work takes inside the lock, default 0.
 //! - `LOCK_TTL_MS`: the lease on the locks, default 30000; renewed every third of it while
 //!   an order works, so slow work never outlives its locks.
@@ -31,6 +34,8 @@
 //!
 //! ```text
 //! REDIS_URL=redis://127.0.0.1/ WORK_DELAY_MS=50 cargo run --example orders
+//! REDIS_URLS=redis://127.0.0.1:7001/,redis://127.0.0.1:7002/,redis://127.0.0.1:7003/ \
+//!     cargo run --example orders
 //! curl -X PUT localhost:3000/stock/apple -H 'content-type: application/json' -d '{"qty": 10}'
 //! curl -X POST localhost:3000/orders -H 'content-type: application/json' \
 //!      -d '{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}'
@@ -404,6 +409,16 @@ fn order_key(order_id: &str) -> String {
     format!("orders:order:{order_id}")
 }
 
+/// A pool on the Redis at `url`, checked: fail at start-up, not at the first request, when
+/// Redis is not there.
+#[cfg(feature = "redis")]
+async fn redis_pool(url: &str) -> Result<deadpool_redis::Pool, StoreError> {
+    let pool =
+        deadpool_redis::Config::from_url(url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    drop(pool.get().await?);
+    Ok(pool)
+}
+
 /// A duration in milliseconds from the environment, or `default`.
 fn env_ms(name: &str, default: u64) -> Result<u64, StoreError> {
     match env::var(name) {
@@ -425,24 +440,49 @@ async fn main() -> Result<(), StoreError> {
     let work_delay = Duration::from_millis(env_ms("WORK_DELAY_MS", 0)?);
     let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
     let lock_wait = Duration::from_millis(env_ms("LOCK_WAIT_MS", 0)?);
-    let (store, locks, backend) = match env::var("REDIS_URL") {
+    let (store, locks, backend) = match (env::var("REDIS_URL"), env::var("REDIS_URLS")) {
+        (Ok(_), Ok(_)) => {
+            return Err("set REDIS_URL (one Redis) or REDIS_URLS (Redlock), not both".into())
+        }
         #[cfg(feature = "redis")]
-        Ok(url) => {
-            let pool = deadpool_redis::Config::from_url(&url)
-                .create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
-            // Fail now, not at the first request, when Redis is not there.
-            drop(pool.get().await?);
+        (Ok(url), Err(_)) => {
+            let pool = redis_pool(&url).await?;
             // The locks get a pool of their own, and a subscription that wakes waiting
             // requests when any instance releases their keys.
-            (Store::redis(pool), Locks::redis_url(&url)?, "Redis")
-        }
-        #[cfg(not(feature = "redis"))]
-        Ok(_) => {
-            return Err(
-                "REDIS_URL is set, but this build has no Redis: add `--features redis`".into(),
+            (
+                Store::redis(pool),
+                Locks::redis_url(&url)?,
+                "locks and data in Redis".to_owned(),
             )
         }
-        Err(_) => (Store::memory(), Locks::memory(), "memory"),
+        #[cfg(feature = "redis")]
+        (Err(_), Ok(urls)) => {
+            let urls: Vec<&str> = urls
+                .split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .collect();
+            let data = urls.first().ok_or("REDIS_URLS names no Redis")?;
+            let pool = redis_pool(data).await?;
+            // Each master gets a pool of its own; the locks hold while a majority answers.
+            let locks = Locks::redlock(&urls)?;
+            // (No URL in the log: it may carry a password.)
+            let backend = format!("locks on {} Redlock masters, data in the first", urls.len());
+            (Store::redis(pool), locks, backend)
+        }
+        #[cfg(not(feature = "redis"))]
+        (Ok(_), _) | (_, Ok(_)) => {
+            return Err(
+                "REDIS_URL or REDIS_URLS is set, but this build has no Redis: add \
+                 `--features redis`"
+                    .into(),
+            )
+        }
+        (Err(_), Err(_)) => (
+            Store::memory(),
+            Locks::memory(),
+            "locks and data in memory".to_owned(),
+        ),
     };
     let locks = locks
         .ttl(lock_ttl)
@@ -451,7 +491,7 @@ async fn main() -> Result<(), StoreError> {
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(
-        "orders listening on http://{}, locks and data in {backend}",
+        "orders listening on http://{}, {backend}",
         listener.local_addr()?
     );
     axum::serve(listener, app(store, Some(locks), work_delay))

@@ -505,6 +505,27 @@ async fn redis_racing_orders_on_two_instances_never_oversell() {
     assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
 }
 
+/// `REDIS_URLS`: two instances lock with Redlock over three masters and keep their data
+/// in the first.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_racing_orders_on_two_instances_never_oversell() {
+    let masters: Vec<_> = (0..3).map(|_| support::RedisServer::start()).collect();
+    let urls: Vec<String> = masters.iter().map(support::RedisServer::url).collect();
+    let instance = || {
+        let locks = Locks::redlock(&urls).expect("three valid URLs");
+        orders::app(Store::redis(masters[0].pool()), Some(locks), WORK_DELAY)
+    };
+    let race = race(&[instance(), instance()]).await;
+    assert_no_overselling(&race);
+    let released = within(Duration::from_secs(2), "every master released", async {
+        while masters.iter().any(|m| !m.keys("lock:?*").is_empty()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    released.await;
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_control_without_locks_loses_updates() {
@@ -820,5 +841,80 @@ mod binary {
         data.sort();
         // `lock:` itself is the namespace's fencing counter, never a lock.
         assert_eq!(data, ["lock:", "orders:order:smoke", "orders:stock:apple"]);
+    }
+
+    /// `REDIS_URLS`: the locks on three Redlock masters, the data in the first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_binary_serves_orders_on_redlock() {
+        let masters: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
+        let binary = build_example().await;
+        let addr: SocketAddr = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap()
+        };
+        let mut example = Example(
+            Command::new(&binary)
+                .env("ORDERS_ADDR", addr.to_string())
+                .env("REDIS_URLS", urls.join(","))
+                .env_remove("REDIS_URL")
+                .env("LOCK_TTL_MS", "3000")
+                .env("RUST_LOG", "info")
+                .env_remove("WORK_DELAY_MS")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display())),
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).await.is_err() {
+            if let Some(exit) = example.0.try_wait().unwrap() {
+                panic!("the example exited before listening: {exit}");
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never listened");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let stdout = example.0.stdout.take().unwrap();
+        let first_line = within(Duration::from_secs(5), "the start-up log line", async {
+            BufReader::new(stdout).lines().next_line().await
+        })
+        .await
+        .expect("read the log")
+        .expect("a log line");
+        assert!(
+            first_line.contains("3 Redlock masters"),
+            "the start-up line should say the locks are on Redlock: {first_line:?}"
+        );
+
+        assert_eq!(
+            http(addr, "PUT", "/stock/apple", r#"{"qty": 3}"#).await.0,
+            200
+        );
+        let order = r#"{"order_id": "smoke", "items": [{"sku": "apple", "qty": 2}]}"#;
+        let (status, body) = http(addr, "POST", "/orders", order).await;
+        assert_eq!(status, 201, "{body}");
+        assert!(body.contains(r#""fence":"#), "{body}");
+        let (status, body) = http(addr, "GET", "/stock/apple", "").await;
+        assert_eq!((status, body.as_str()), (200, r#"{"sku":"apple","qty":1}"#));
+
+        let mut data = masters[0].keys("orders:*");
+        data.sort();
+        assert_eq!(data, ["orders:order:smoke", "orders:stock:apple"]);
+        for master in &masters[1..] {
+            assert_eq!(
+                master.keys("orders:*"),
+                Vec::<String>::new(),
+                "data off the first"
+            );
+        }
+        // A response waits for a majority of the masters to release; the rest follow.
+        for master in &masters {
+            let released = within(Duration::from_secs(2), "the release", async {
+                while !master.keys("lock:?*").is_empty() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            });
+            released.await;
+        }
     }
 }
