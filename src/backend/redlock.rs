@@ -131,8 +131,10 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 ///   Salvatore Sanfilippo's reply, *Is Redlock safe?* (2016), holds that the algorithm
 ///   only assumes clocks that advance at about the same rate (no jumps: slew, do not step,
 ///   with NTP), and that the validity check after acquiring covers delays before the grant.
-///   Both agree that nothing covers a pause *after* the grant except the resource itself,
-///   which is what fencing tokens are for.
+///   Both agree that a pause *after* the grant hits every lock that expires, and that only
+///   the resource can then refuse the stale writer: Kleppmann with fencing tokens (which,
+///   he notes, Redlock has no way to produce), antirez also by checking the holder's
+///   unique value. This crate does produce tokens, under the conditions below.
 /// - **Fencing tokens.** Each master counts grants per namespace, as a single Redis does.
 ///   The token of a grant is the largest count among the masters that granted it. A
 ///   maximum over different majorities does not grow by itself: a master that refused
@@ -147,7 +149,7 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 ///   counter (a restart without persistence, a failover to a replica that missed an
 ///   increment) breaks that: the next tokens may repeat or go back, and delayed restarts
 ///   do not help, since the counter is lost for good. If you rely on fencing, run the
-///   masters with `appendfsync always`, or keep the token out of the decision.
+///   masters with `appendfsync always`, and do not let the token alone decide.
 ///
 /// Use Redlock when one Redis is a single point of failure you cannot accept and you can
 /// run three (or five) independent masters; not to make a lock stronger than the
