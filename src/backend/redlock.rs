@@ -221,6 +221,7 @@ impl Redlock {
         }
         let mut servers = HashSet::new();
         let mut nodes = Vec::with_capacity(count);
+        let mut addresses = Vec::with_capacity(count);
         for url in &self.urls {
             let info = url.as_str().into_connection_info()?;
             let server = info.addr().to_string();
@@ -241,6 +242,7 @@ impl Redlock {
                 .build()
                 .map_err(|e| config_error(format!("could not create a Redis pool: {e}")))?;
             nodes.push(Arc::new(RedisBackend::new(pool, None)));
+            addresses.push(server);
         }
         if count.is_multiple_of(2) {
             tracing::warn!(
@@ -252,6 +254,9 @@ impl Redlock {
         let backend = RedlockBackend {
             quorum: count / 2 + 1,
             nodes: nodes.into(),
+            addresses: addresses.into(),
+            warned_at_ms: (0..count).map(|_| AtomicU64::new(0)).collect(),
+            epoch: Instant::now(),
             node_timeout: self.node_timeout,
             longest_ttl_ms: AtomicU64::new(0),
             late: Mutex::default(),
@@ -271,6 +276,11 @@ fn config_error(detail: String) -> redis::RedisError {
 
 pub(crate) struct RedlockBackend {
     nodes: Box<[Arc<RedisBackend>]>,
+    /// `host:port` of each master, for the logs (never the URL: it may carry a password).
+    addresses: Box<[String]>,
+    /// When each master's failure was last logged as a warning, in ms since `epoch`.
+    warned_at_ms: Box<[AtomicU64]>,
+    epoch: Instant,
     quorum: usize,
     node_timeout: Duration,
     /// The longest TTL asked for so far: no key of ours outlives it on a master after the
@@ -286,6 +296,7 @@ pub(crate) struct RedlockBackend {
 impl fmt::Debug for RedlockBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedlockBackend")
+            .field("masters", &self.addresses)
             .field("nodes", &self.nodes)
             .field("quorum", &self.quorum)
             .field("node_timeout", &self.node_timeout)
@@ -299,6 +310,15 @@ enum NodeFailure {
     /// No answer within the node timeout: the command may still run there.
     TimedOut,
     Failed(BackendError),
+}
+
+impl fmt::Display for NodeFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TimedOut => f.write_str("no answer within the node timeout"),
+            Self::Failed(error) => error.fmt(f),
+        }
+    }
 }
 
 impl NodeFailure {
@@ -338,35 +358,25 @@ async fn release_on(
     give_up_at: Instant,
 ) -> NodeReply<usize> {
     let reply = bounded(timeout, master.release(&keys, owner)).await;
-    match &reply {
-        Err(failure) if failure.may_have_applied() => {
-            tokio::spawn(async move {
-                let mut pause = Duration::from_millis(50);
-                while Instant::now() + pause < give_up_at {
-                    tokio::time::sleep(pause).await;
-                    match bounded(timeout, master.release(&keys, owner)).await {
-                        Err(failure) if failure.may_have_applied() => {}
-                        // Answered, or the master cannot be reached at all (so it runs
-                        // nothing of ours): whatever it holds expires with its TTL.
-                        _ => return,
-                    }
-                    pause = (pause * 2).min(Duration::from_secs(1));
+    if matches!(&reply, Err(failure) if failure.may_have_applied()) {
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(50);
+            while Instant::now() + pause < give_up_at {
+                tokio::time::sleep(pause).await;
+                match bounded(timeout, master.release(&keys, owner)).await {
+                    Err(failure) if failure.may_have_applied() => {}
+                    // Answered, or the master cannot be reached at all (so it runs nothing
+                    // of ours): whatever it holds expires with its TTL.
+                    _ => return,
                 }
-                tracing::warn!(
-                    node,
-                    keys = keys.len(),
-                    "a Redlock master never answered a release; its keys expire with their TTL"
-                );
-            });
-        }
-        Err(failure) => {
-            tracing::debug!(
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            tracing::warn!(
                 node,
-                ?failure,
-                "a Redlock master could not be reached to release"
-            )
-        }
-        Ok(_) => {}
+                keys = keys.len(),
+                "a Redlock master never answered a release; its keys expire with their TTL"
+            );
+        });
     }
     reply
 }
@@ -397,11 +407,6 @@ impl Tally {
             Ok(Acquire::Granted(fence)) => self.granted.push((node, fence.get())),
             Ok(Acquire::Held(contention)) => self.held.push(contention),
             Err(failure) => {
-                tracing::debug!(
-                    node,
-                    ?failure,
-                    "a Redlock master did not answer an acquisition"
-                );
                 self.failed += 1;
                 if matches!(failure, NodeFailure::TimedOut) {
                     self.timed_out.push(node);
@@ -449,6 +454,35 @@ impl RedlockBackend {
         self.start_on(nodes, |node, master| {
             release_on(node, master, keys.clone(), owner, timeout, give_up_at)
         })
+    }
+
+    /// Logs that a master did not answer a call: as a warning at most every 10 s per
+    /// master, so that a master that is down shows in the logs without flooding them
+    /// (requests that still find a majority succeed without a word); at debug level
+    /// otherwise.
+    fn report(&self, node: usize, call: &'static str, failure: &NodeFailure) {
+        const WARN_EVERY_MS: u64 = 10_000;
+        let now = u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let warned = &self.warned_at_ms[node];
+        let last = warned.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= WARN_EVERY_MS;
+        let master = &self.addresses[node];
+        if due
+            && warned
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                %master,
+                call,
+                %failure,
+                "a Redlock master did not answer (warned at most every 10 s per master)"
+            );
+        } else {
+            tracing::debug!(%master, call, %failure, "a Redlock master did not answer");
+        }
     }
 
     fn note_ttl(&self, ttl: Duration) {
@@ -564,6 +598,9 @@ impl Backend for RedlockBackend {
                 let Some((node, reply)) = replies.next().await else {
                     break;
                 };
+                if let Err(failure) = &reply {
+                    self.report(node, "acquire", failure);
+                }
                 tally.record(node, reply);
             }
             let mut why = "no majority of the Redlock masters granted the batch";
@@ -586,6 +623,9 @@ impl Backend for RedlockBackend {
             // Failed. Every master answers (or times out) before the rollback, so that a
             // release never overtakes the acquisition it undoes.
             while let Some((node, reply)) = replies.next().await {
+                if let Err(failure) = &reply {
+                    self.report(node, "acquire", failure);
+                }
                 tally.record(node, reply);
             }
             self.roll_back(&keys, owner, &tally).await;
@@ -626,13 +666,7 @@ impl Backend for RedlockBackend {
                 match reply {
                     Ok(true) => kept += 1,
                     Ok(false) => lost += 1,
-                    Err(failure) => {
-                        tracing::debug!(
-                            node,
-                            ?failure,
-                            "a Redlock master did not answer an extension"
-                        )
-                    }
+                    Err(failure) => self.report(node, "extend", &failure),
                 }
                 if kept >= self.quorum || lost > masters - self.quorum {
                     break;
@@ -665,13 +699,16 @@ impl Backend for RedlockBackend {
             let started = Instant::now();
             let mut replies = self.start_releases(0..self.nodes.len(), &keys, owner);
             let (mut answered, mut deleted, mut unsure) = (0, 0, false);
-            while let Some((_, reply)) = replies.next().await {
+            while let Some((node, reply)) = replies.next().await {
                 match reply {
                     Ok(count) => {
                         answered += 1;
                         deleted = deleted.max(count);
                     }
-                    Err(failure) => unsure |= failure.may_have_applied(),
+                    Err(failure) => {
+                        self.report(node, "release", &failure);
+                        unsure |= failure.may_have_applied();
+                    }
                 }
                 if answered >= self.quorum {
                     // A majority suffices. The others get as long again, so that the next
