@@ -1,0 +1,489 @@
+//! Cost of one uncontended acquire + release of a batch of n keys on one local Redis: the
+//! crate through its public API, two ways peers do it, and Redis's own time for the crate's
+//! two scripts (the floor).
+//!
+//! - `tower-batch-lock`: a tower service behind `locks.layer(extractor)`, called with
+//!   `oneshot`; the extractor, a closure over the request head, names the n keys. One
+//!   `EVALSHA` acquires the batch, one releases it, and the response waits for the release.
+//! - `pipelined SETNX`: round trip 1, a pipeline of n `SETNX key token`; round trip 2, a
+//!   pipeline of n `EXPIRE key 30`; release, one `DEL` of all n keys. (Not even safe: a
+//!   crash between the two round trips leaves keys that never expire, and the release
+//!   deletes keys whoever holds them.)
+//! - `naive SET NX PX`: n sequential `SET key token NX PX 30000` round trips, and n
+//!   sequential `DEL key` round trips to release: a lock per resource, taken one by one.
+//! - `floor`: `CONFIG RESETSTAT` before the crate's measured rounds, then the `usec` of
+//!   `evalsha` and `eval` in `INFO commandstats`, divided by the rounds: the time Redis
+//!   itself spends running the two scripts of one cycle. No client can beat it.
+
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use axum::body::Body;
+use deadpool_redis::Pool;
+use http::{request::Parts, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use tower::{service_fn, ServiceBuilder, ServiceExt};
+use tower_batch_lock::Locks;
+
+use crate::{
+    progress,
+    stats::{self, count, human, Budget, Summary},
+    target::Target,
+};
+
+/// The batch sizes the issue asks for.
+pub(crate) const SIZES: [usize; 7] = [1, 10, 100, 1_000, 3_000, 10_000, 100_000];
+
+pub(crate) const CRATE: &str = "tower-batch-lock";
+pub(crate) const PIPELINED: &str = "pipelined SETNX + EXPIRE";
+pub(crate) const NAIVE: &str = "naive SET NX PX loop";
+pub(crate) const FLOOR: &str = "floor: Redis time of our scripts";
+
+const TTL: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Algorithm {
+    Crate,
+    Pipelined,
+    Naive,
+}
+
+impl Algorithm {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Crate => CRATE,
+            Self::Pipelined => PIPELINED,
+            Self::Naive => NAIVE,
+        }
+    }
+
+    /// The commands whose server time is this algorithm's. Redis 7 also counts the
+    /// commands a script calls under their own names, so the crate's are `evalsha` and
+    /// `eval` alone.
+    fn commands(self) -> &'static [&'static str] {
+        match self {
+            Self::Crate => &["evalsha", "eval"],
+            Self::Pipelined => &["setnx", "expire", "del"],
+            Self::Naive => &["set", "del"],
+        }
+    }
+
+    fn budget(self, keys: usize, quick: bool) -> Budget {
+        let time = if quick {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(3)
+        };
+        match self {
+            // 2 n round trips a cycle: the 100,000-key cycle alone takes seconds.
+            Self::Naive if keys >= 100_000 => Budget {
+                min: 1,
+                max: 1,
+                time,
+            },
+            Self::Naive if keys >= 10_000 => Budget {
+                min: 1,
+                max: 3,
+                time,
+            },
+            _ => Budget {
+                min: 3,
+                max: 5_000,
+                time,
+            },
+        }
+    }
+
+    fn warmup(self, keys: usize) -> u64 {
+        match (self, keys) {
+            (Self::Naive, 10_000..) => 0,
+            (_, ..=100) => 50,
+            (_, ..=3_000) => 3,
+            _ => 1,
+        }
+    }
+}
+
+/// Runs every size with every algorithm, smallest first.
+pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
+    let algorithms = [Algorithm::Crate, Algorithm::Pipelined, Algorithm::Naive];
+    let total = SIZES.len() * algorithms.len();
+    let mut cases = Vec::new();
+    let mut index = 0;
+    for keys in SIZES {
+        for algorithm in algorithms {
+            index += 1;
+            if quick && algorithm == Algorithm::Naive && keys >= 100_000 {
+                continue;
+            }
+            let label = format!(
+                "batch {index}/{total} {}, {} keys",
+                algorithm.name(),
+                count(keys as u64)
+            );
+            let budget = algorithm.budget(keys, quick);
+            progress::begin(label, "rounds", budget.max);
+            let case = match measure(pool, algorithm, keys, budget).await {
+                Ok(case) => case,
+                Err(error) => {
+                    progress::end(&format!("FAILED: {error}"));
+                    cases.push(json!({
+                        "algorithm": algorithm.name(),
+                        "keys": keys,
+                        "error": error,
+                    }));
+                    continue;
+                }
+            };
+            progress::end(&format!(
+                "median {} a cycle, {:.2} µs a key, {} rounds",
+                human(case.summary.median),
+                per_key_us(case.summary.median, keys),
+                case.summary.rounds
+            ));
+            cases.push(case.to_json(algorithm, keys));
+        }
+    }
+    let targets = targets(&cases);
+    Ok(json!({
+        "method": {
+            CRATE: "a tower service behind Locks::redis(pool).max_keys(100_000).backend_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
+            PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys",
+            NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips",
+            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles",
+            "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out",
+        },
+        "ttl_ms": TTL.as_millis() as u64,
+        "sizes": SIZES,
+        "cases": cases,
+        "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+struct Case {
+    summary: Summary,
+    /// Redis's time per cycle for this algorithm's commands, from `INFO commandstats`.
+    server: Duration,
+    /// Calls per cycle of those commands.
+    server_calls: f64,
+    /// The pool's connection checks per cycle, each a round trip of its own.
+    pings: f64,
+}
+
+impl Case {
+    fn to_json(&self, algorithm: Algorithm, keys: usize) -> Value {
+        let mut case = json!({
+            "algorithm": algorithm.name(),
+            "keys": keys,
+            "per_key_us": per_key_us(self.summary.median, keys),
+            "server_ms": stats::ms(self.server),
+            "server_per_key_us": per_key_us(self.server, keys),
+            "server_calls_per_cycle": stats::round(self.server_calls, 2),
+            "pool_pings_per_cycle": stats::round(self.pings, 2),
+        });
+        merge(&mut case, self.summary.to_json());
+        case
+    }
+}
+
+fn per_key_us(duration: Duration, keys: usize) -> f64 {
+    stats::round(duration.as_secs_f64() * 1e6 / keys as f64, 4)
+}
+
+fn merge(into: &mut Value, from: Value) {
+    if let (Value::Object(into), Value::Object(from)) = (into, from) {
+        into.extend(from);
+    }
+}
+
+async fn measure(
+    pool: &Pool,
+    algorithm: Algorithm,
+    keys: usize,
+    budget: Budget,
+) -> Result<Case, String> {
+    let cycle = Cycle::new(pool, algorithm, keys);
+    for _ in 0..algorithm.warmup(keys) {
+        cycle.run().await?;
+    }
+    // Held out of the pool for the whole case, so that its own checkouts (which ping) do
+    // not count among the cycles'.
+    let mut stats_conn = pool.get().await.map_err(|e| e.to_string())?;
+    reset_stats(&mut stats_conn).await?;
+    let samples = stats::rounds(budget, |_| cycle.run()).await?;
+    let stats = command_stats(&mut stats_conn).await?;
+    let (usec, calls) = sum(&stats, algorithm.commands());
+    // deadpool-redis pings a pooled connection (UNWATCH + PING, one round trip) each time it
+    // hands it out again: count those round trips too.
+    let (_, pings) = sum(&stats, &["ping"]);
+    drop(stats_conn);
+    check_clean(pool).await?;
+    let rounds = samples.len() as f64;
+    Ok(Case {
+        summary: Summary::of(samples),
+        server: Duration::from_secs_f64(usec as f64 / 1e6 / rounds),
+        server_calls: calls as f64 / rounds,
+        pings: pings as f64 / rounds,
+    })
+}
+
+/// One acquire + release cycle of one algorithm, set up once per case.
+struct Cycle {
+    algorithm: Algorithm,
+    pool: Pool,
+    /// The keys as stored, for the baselines.
+    stored: Arc<[String]>,
+    /// The crate's service, for [`Algorithm::Crate`].
+    service: Option<BatchService>,
+}
+
+pub(crate) type BatchService =
+    tower::util::BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
+
+/// A service that locks `names` through `locks.layer(..)`, as users write it, around a
+/// handler that does nothing.
+pub(crate) fn layered(locks: &Locks, names: Arc<[String]>) -> BatchService {
+    let extractor = move |_: &Parts| Ok::<_, Infallible>(names.to_vec());
+    let service = ServiceBuilder::new()
+        .layer(locks.layer(extractor))
+        .service(service_fn(|_: Request<Body>| async {
+            Ok::<_, Infallible>(Response::new(Body::empty()))
+        }))
+        .map_response(|response| response.map(Body::new));
+    tower::util::BoxCloneSyncService::new(service)
+}
+
+/// One request through `service`: lock, run the handler, release.
+pub(crate) async fn call(service: BatchService) -> Result<(), String> {
+    let response = service
+        .oneshot(Request::new(Body::empty()))
+        .await
+        .unwrap_or_else(|never| match never {});
+    if response.status() == StatusCode::OK {
+        return Ok(());
+    }
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+        .await
+        .unwrap_or_default();
+    Err(format!(
+        "the layer answered {status}: {}",
+        String::from_utf8_lossy(&body)
+    ))
+}
+
+impl Cycle {
+    fn new(pool: &Pool, algorithm: Algorithm, keys: usize) -> Self {
+        let names: Arc<[String]> = (0..keys).map(|i| format!("bench:{i:06}")).collect();
+        // The crate stores `lock:` + name; the baselines store the very same keys.
+        let stored = names.iter().map(|name| format!("lock:{name}")).collect();
+        let service = (algorithm == Algorithm::Crate).then(|| {
+            // A 100,000-key script runs for most of a second: more than the default 2 s
+            // `backend_timeout` leaves room for on a busy 2-core machine.
+            let locks = Locks::redis(pool.clone())
+                .ttl(TTL)
+                .max_keys(100_000)
+                .backend_timeout(Duration::from_secs(30));
+            layered(&locks, names)
+        });
+        Self {
+            algorithm,
+            pool: pool.clone(),
+            stored,
+            service,
+        }
+    }
+
+    async fn run(&self) -> Result<Duration, String> {
+        let started = Instant::now();
+        match self.algorithm {
+            Algorithm::Crate => self.through_layer().await?,
+            Algorithm::Pipelined => self.pipelined().await?,
+            Algorithm::Naive => self.naive().await?,
+        }
+        Ok(started.elapsed())
+    }
+
+    async fn through_layer(&self) -> Result<(), String> {
+        let service = self
+            .service
+            .clone()
+            .expect("the crate's case has a service");
+        call(service).await
+    }
+
+    async fn pipelined(&self) -> Result<(), String> {
+        let mut conn = self.pool.get().await.map_err(|e| e.to_string())?;
+        let token = token();
+        let mut setnx = redis::pipe();
+        for key in self.stored.iter() {
+            setnx.cmd("SETNX").arg(key).arg(&token);
+        }
+        let set: Vec<bool> = setnx.query_async(&mut conn).await.map_err(redis_error)?;
+        if set.iter().any(|set| !set) {
+            return Err("an uncontended SETNX found its key taken".to_owned());
+        }
+        let mut expire = redis::pipe();
+        for key in self.stored.iter() {
+            expire.cmd("EXPIRE").arg(key).arg(TTL.as_secs()).ignore();
+        }
+        let () = expire.query_async(&mut conn).await.map_err(redis_error)?;
+        let deleted: usize = redis::cmd("DEL")
+            .arg(&*self.stored)
+            .query_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        if deleted != self.stored.len() {
+            return Err(format!("DEL deleted {deleted} of {}", self.stored.len()));
+        }
+        Ok(())
+    }
+
+    async fn naive(&self) -> Result<(), String> {
+        let mut conn = self.pool.get().await.map_err(|e| e.to_string())?;
+        let token = token();
+        let ttl = TTL.as_millis() as u64;
+        let n = self.stored.len() as u64;
+        for (i, key) in self.stored.iter().enumerate() {
+            let set: Option<String> = redis::cmd("SET")
+                .arg(key)
+                .arg(&token)
+                .arg("NX")
+                .arg("PX")
+                .arg(ttl)
+                .query_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+            if set.is_none() {
+                return Err("an uncontended SET NX found its key taken".to_owned());
+            }
+            if i % 1_000 == 999 {
+                progress::within(i as u64 + 1, 2 * n, "round trips");
+            }
+        }
+        for (i, key) in self.stored.iter().enumerate() {
+            let _: usize = redis::cmd("DEL")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+            if i % 1_000 == 999 {
+                progress::within(n + i as u64 + 1, 2 * n, "round trips");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An owner token like the crate's: 128 random bits from the OS, as 32 hex digits.
+fn token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+fn redis_error(error: redis::RedisError) -> String {
+    error.to_string()
+}
+
+async fn reset_stats(conn: &mut deadpool_redis::Connection) -> Result<(), String> {
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(conn)
+        .await
+        .map_err(redis_error)
+}
+
+type CommandStats = BTreeMap<String, BTreeMap<String, f64>>;
+
+/// `INFO commandstats` by command: `cmdstat_evalsha:calls=4,usec=120,...`.
+async fn command_stats(conn: &mut deadpool_redis::Connection) -> Result<CommandStats, String> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .map_err(redis_error)?;
+    Ok(info
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("cmdstat_"))
+        .filter_map(|line| line.split_once(':'))
+        .map(|(command, fields)| {
+            let fields = fields
+                .split(',')
+                .filter_map(|field| field.split_once('='))
+                .filter_map(|(name, value)| Some((name.to_owned(), value.parse().ok()?)))
+                .collect();
+            (command.to_owned(), fields)
+        })
+        .collect())
+}
+
+/// The `usec` and `calls` of `commands`, summed.
+fn sum(stats: &CommandStats, commands: &[&str]) -> (u64, u64) {
+    let (mut usec, mut calls) = (0, 0);
+    for command in commands {
+        if let Some(stat) = stats.get(*command) {
+            usec += stat.get("usec").copied().unwrap_or(0.0) as u64;
+            calls += stat.get("calls").copied().unwrap_or(0.0) as u64;
+        }
+    }
+    (usec, calls)
+}
+
+/// Every cycle released what it took: only the fencing counter may be left.
+async fn check_clean(pool: &Pool) -> Result<(), String> {
+    let mut conn = pool.get().await.map_err(|e| e.to_string())?;
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg("lock:bench:*")
+        .query_async(&mut conn)
+        .await
+        .map_err(redis_error)?;
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} keys were left locked", left.len()))
+    }
+}
+
+/// The median of `algorithm` at `keys`, and its server time, from the cases' JSON.
+fn find(cases: &[Value], algorithm: &str, keys: usize) -> Option<(f64, f64)> {
+    let case = cases
+        .iter()
+        .find(|c| c["algorithm"] == algorithm && c["keys"] == keys)?;
+    Some((case["median_ms"].as_f64()?, case["server_ms"].as_f64()?))
+}
+
+fn targets(cases: &[Value]) -> Vec<Target> {
+    let crate_3k = find(cases, CRATE, 3_000);
+    let pipelined_3k = find(cases, PIPELINED, 3_000);
+    let crate_1k = find(cases, CRATE, 1_000);
+    let crate_100k = find(cases, CRATE, 100_000);
+    vec![
+        Target::at_most(
+            "3,000 keys: crate / floor",
+            crate_3k.map(|(median, floor)| median / floor),
+            1.5,
+        ),
+        Target::at_least(
+            "3,000 keys: pipelined SETNX / crate",
+            crate_3k
+                .zip(pipelined_3k)
+                .map(|((ours, _), (theirs, _))| theirs / ours),
+            10.0,
+        ),
+        Target::holds(
+            "100,000 keys in one batch without error",
+            crate_100k.is_some(),
+        ),
+        Target::at_most(
+            "cost per key, 100,000 vs 1,000 keys (larger / smaller)",
+            crate_1k.zip(crate_100k).map(|((small, _), (large, _))| {
+                let (small, large) = (small / 1e3, large / 1e5);
+                small.max(large) / small.min(large)
+            }),
+            2.0,
+        ),
+    ]
+}

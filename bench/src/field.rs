@@ -1,0 +1,136 @@
+//! One key, locked and unlocked, against the field: the `rslock` crate (Redlock) on one
+//! node and on three, next to this crate's single-key cycle on one Redis and on three
+//! Redlock masters.
+//!
+//! rslock's cycle is `LockManager::lock(resource, ttl)` then `unlock(&lock)`; this crate's
+//! is one request through `locks.layer(..)` (acquire, an empty handler, release), which
+//! does a little more: the HTTP service around it, a fencing token, and a release message
+//! for waiters.
+
+use std::{sync::Arc, time::Duration};
+
+use deadpool_redis::Pool;
+use rslock::LockManager;
+use serde_json::{json, Value};
+use tower_batch_lock::Locks;
+
+use crate::{
+    batch::{self, BatchService},
+    progress,
+    stats::{self, human, Budget, Summary},
+    support::RedisServer,
+};
+
+const TTL: Duration = Duration::from_secs(30);
+const WARMUP: u64 = 50;
+
+enum Contender {
+    Layer(BatchService),
+    Rslock(LockManager),
+}
+
+impl Contender {
+    async fn cycle(&self) -> Result<(), String> {
+        match self {
+            Self::Layer(service) => batch::call(service.clone()).await,
+            Self::Rslock(manager) => {
+                let lock = manager
+                    .lock(b"bench:field".as_slice(), TTL)
+                    .await
+                    .map_err(|e| format!("rslock: {e:?}"))?;
+                manager.unlock(&lock).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Result<Value, String> {
+    // Three independent masters, as Redlock wants them.
+    let trio: Vec<RedisServer> =
+        tokio::task::spawn_blocking(|| (0..3).map(|_| RedisServer::start()).collect::<Vec<_>>())
+            .await
+            .map_err(|e| e.to_string())?;
+    let trio_urls: Vec<String> = trio.iter().map(RedisServer::url).collect();
+
+    let one_key: Arc<[String]> = Arc::from(vec!["bench:field".to_owned()]);
+    let layer_one_node = batch::layered(&Locks::redis(pool.clone()).ttl(TTL), one_key.clone());
+    let contenders: Vec<(&str, usize, Contender)> = vec![
+        ("tower-batch-lock", 1, Contender::Layer(layer_one_node)),
+        (
+            "rslock",
+            1,
+            Contender::Rslock(LockManager::new(vec![single.url()])),
+        ),
+        (
+            "rslock",
+            3,
+            Contender::Rslock(LockManager::new(trio_urls.clone())),
+        ),
+        (
+            "tower-batch-lock Redlock",
+            3,
+            Contender::Layer(batch::layered(
+                &Locks::redlock(&trio_urls)
+                    .map_err(|e| e.to_string())?
+                    .ttl(TTL),
+                one_key,
+            )),
+        ),
+    ];
+
+    let budget = Budget {
+        min: 10,
+        max: 20_000,
+        time: if quick {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(3)
+        },
+    };
+    let total = contenders.len();
+    let mut cases = Vec::new();
+    for (index, (name, nodes, contender)) in contenders.iter().enumerate() {
+        progress::begin(
+            format!("field {}/{total} {name}, {nodes} node(s), 1 key", index + 1),
+            "cycles",
+            budget.max,
+        );
+        for _ in 0..WARMUP {
+            contender.cycle().await?;
+        }
+        let samples = stats::rounds(budget, |_| async {
+            let started = std::time::Instant::now();
+            contender.cycle().await?;
+            Ok(started.elapsed())
+        })
+        .await?;
+        let summary = Summary::of(samples);
+        progress::end(&format!("median {} a cycle", human(summary.median)));
+        let mut case = json!({ "library": name, "nodes": nodes, "keys": 1 });
+        if let (Value::Object(case), Value::Object(summary)) = (&mut case, summary.to_json()) {
+            case.extend(summary);
+        }
+        cases.push(case);
+    }
+    drop(trio);
+
+    let median = |library: &str, nodes: u64| {
+        cases
+            .iter()
+            .find(|c| c["library"] == library && c["nodes"] == nodes)
+            .and_then(|c| c["median_ms"].as_f64())
+    };
+    let ours = median("tower-batch-lock", 1);
+    let ratios = json!({
+        "rslock_1_node_over_ours_1_node": ours.zip(median("rslock", 1)).map(|(o, t)| stats::round(t / o, 3)),
+        "rslock_3_nodes_over_ours_1_node": ours.zip(median("rslock", 3)).map(|(o, t)| stats::round(t / o, 3)),
+        "rslock_3_nodes_over_ours_redlock_3_nodes": median("tower-batch-lock Redlock", 3).zip(median("rslock", 3)).map(|(o, t)| stats::round(t / o, 3)),
+    });
+    Ok(json!({
+        "method": "single-key lock + unlock; rslock: LockManager::lock then unlock; tower-batch-lock: one request through the layer (acquire, empty handler, release)",
+        "cases": cases,
+        "ratios": ratios,
+        "targets": [],
+    }))
+}

@@ -1,0 +1,473 @@
+//! Requests per second and latency through axum: bare, with the layer (memory; Redis with
+//! 1 and 100 keys), and with a hand-written handler that does the same Redis work itself.
+//!
+//! The server runs in this process on 127.0.0.1:0 (a multi-threaded runtime); the load
+//! generator ([`crate::load`]) runs on a thread and runtime of its own. Each request names
+//! its keys in the `x-key` header: a value of its own (uncontended) or one shared value
+//! (contended: one request at a time gets the keys, the others get 409). Every case runs
+//! `REPS` times, the cases taking turns, so that a slow moment of the machine does not land
+//! on one case alone; requests per second is the median of the runs, the latency
+//! percentiles are over every request of every run.
+
+use std::{net::SocketAddr, sync::LazyLock, time::Duration};
+
+use axum::{
+    extract::State,
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use deadpool_redis::Pool;
+use http::{request::Parts, HeaderMap, StatusCode};
+use redis::Script;
+use serde_json::{json, Value};
+use tower_batch_lock::Locks;
+
+use crate::{
+    load::{self, Load, Outcome},
+    progress,
+    stats::{self, percentile},
+    target::Target,
+};
+
+/// Concurrent keep-alive connections of the load generator.
+const CONNECTIONS: usize = 16;
+/// A run stops at whichever comes first: its duration or this many requests.
+const MAX_REQUESTS: u64 = 1_000_000;
+const TTL: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    path: &'static str,
+    name: &'static str,
+    /// Whether the route locks anything (bare axum has nothing to contend for).
+    locks: bool,
+}
+
+const ROUTES: [Route; 6] = [
+    Route {
+        path: "/bare",
+        name: "bare axum",
+        locks: false,
+    },
+    Route {
+        path: "/memory/1",
+        name: "layer, memory, 1 key",
+        locks: true,
+    },
+    Route {
+        path: "/redis/1",
+        name: "layer, Redis, 1 key",
+        locks: true,
+    },
+    Route {
+        path: "/hand/1",
+        name: "hand-written, Redis, 1 key",
+        locks: true,
+    },
+    Route {
+        path: "/redis/100",
+        name: "layer, Redis, 100 keys",
+        locks: true,
+    },
+    Route {
+        path: "/hand/100",
+        name: "hand-written, Redis, 100 keys",
+        locks: true,
+    },
+];
+
+pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
+    let (reps, duration, warmup) = if quick {
+        (1, Duration::from_millis(400), Duration::from_millis(100))
+    } else {
+        (5, Duration::from_secs(2), Duration::from_millis(300))
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let pool = pool.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app(pool))
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    // Every route uncontended, then the locking ones contended: the routes a target
+    // compares run next to each other.
+    let cases: Vec<(Route, bool)> = ROUTES
+        .iter()
+        .map(|route| (*route, false))
+        .chain(
+            ROUTES
+                .iter()
+                .filter(|route| route.locks)
+                .map(|route| (*route, true)),
+        )
+        .collect();
+    let mut outcomes: Vec<Vec<Outcome>> = cases.iter().map(|_| Vec::new()).collect();
+    let total = cases.len() * reps;
+    let mut run = 0;
+    for rep in 0..reps {
+        for (index, (route, contended)) in cases.iter().enumerate() {
+            run += 1;
+            let mode = if *contended {
+                "contended"
+            } else {
+                "uncontended"
+            };
+            let load = Load {
+                path: route.path.to_owned(),
+                shared_key: *contended,
+                connections: CONNECTIONS,
+                duration,
+                max_requests: MAX_REQUESTS,
+            };
+            progress::begin(
+                format!(
+                    "http {run}/{total} {}, {mode} (run {}/{reps})",
+                    route.name,
+                    rep + 1
+                ),
+                "requests",
+                MAX_REQUESTS,
+            );
+            drive(
+                addr,
+                Load {
+                    duration: warmup,
+                    ..load.clone()
+                },
+            )
+            .await?;
+            let outcome = drive(addr, load).await?;
+            progress::end(&format!(
+                "{:.0} requests/s, statuses {:?}, {} errors",
+                outcome.per_second(),
+                outcome.statuses,
+                outcome.errors
+            ));
+            outcomes[index].push(outcome);
+        }
+    }
+    let _ = stop.send(());
+    let _ = server.await;
+
+    let in_process = in_process(quick).await?;
+    let results: Vec<Value> = cases
+        .iter()
+        .zip(outcomes)
+        .map(|((route, contended), outcomes)| summarize(route, *contended, outcomes))
+        .collect();
+    let targets = targets(&results);
+    Ok(json!({
+        "method": format!(
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the same two scripts as the crate (acquire, release) with EVALSHA, each on a connection checked out of the same pool, as the layer does",
+            duration.as_secs_f64()
+        ),
+        "connections": CONNECTIONS,
+        "runs_per_case": reps,
+        "run_seconds": duration.as_secs_f64(),
+        "cases": results,
+        "in_process": in_process,
+        "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// What the memory layer costs a request without the network: bare axum and the layered
+/// route called with `oneshot` in a loop, on one task, taking turns.
+async fn in_process(quick: bool) -> Result<Value, String> {
+    let (reps, limit) = if quick {
+        (1, Duration::from_millis(200))
+    } else {
+        (3, Duration::from_secs(1))
+    };
+    let memory = Locks::memory().ttl(TTL);
+    let routers = [
+        ("bare axum", Router::new().route("/", get(ok))),
+        (
+            "layer, memory, 1 key",
+            Router::new().route("/", get(ok).layer(memory.layer(one_key))),
+        ),
+    ];
+    let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); routers.len()];
+    for rep in 0..reps {
+        for (index, (name, router)) in routers.iter().enumerate() {
+            progress::begin(
+                format!("http in-process {name} (run {}/{reps})", rep + 1),
+                "requests",
+                1_000_000,
+            );
+            let started = std::time::Instant::now();
+            let mut done = 0u64;
+            while started.elapsed() < limit && done < 1_000_000 {
+                let request = http::Request::get("/")
+                    .header("x-key", done.to_string())
+                    .body(axum::body::Body::empty())
+                    .expect("a valid request");
+                let response = tower::ServiceExt::oneshot(router.clone(), request)
+                    .await
+                    .unwrap_or_else(|never| match never {});
+                if response.status() != StatusCode::OK {
+                    return Err(format!("{name} answered {}", response.status()));
+                }
+                done += 1;
+                if done.is_multiple_of(10_000) {
+                    progress::tick(done);
+                }
+            }
+            let ns = started.elapsed().as_secs_f64() * 1e9 / done as f64;
+            progress::end(&format!("{ns:.0} ns a request"));
+            per_request[index].push(ns);
+        }
+    }
+    let bare = median(per_request[0].clone());
+    let layered = median(per_request[1].clone());
+    Ok(json!({
+        "method": "Router::oneshot in a loop on one task, no network; median of the runs",
+        "bare_ns_per_request": stats::round(bare, 0),
+        "layer_memory_ns_per_request": stats::round(layered, 0),
+        "layer_adds_ns": stats::round(layered - bare, 0),
+    }))
+}
+
+/// The generator on a thread and a runtime of its own, as a separate client would be.
+async fn drive(addr: SocketAddr, load: Load) -> Result<Outcome, String> {
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        Ok(runtime.block_on(load::drive(addr, load, progress::tick)))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+fn summarize(route: &Route, contended: bool, outcomes: Vec<Outcome>) -> Value {
+    let runs: Vec<f64> = outcomes.iter().map(Outcome::per_second).collect();
+    let median_rps = median(runs.clone());
+    let mut latencies = Vec::new();
+    let mut statuses = std::collections::BTreeMap::<u16, u64>::new();
+    let mut errors = 0;
+    for outcome in outcomes {
+        latencies.extend(outcome.latencies);
+        errors += outcome.errors;
+        for (status, n) in outcome.statuses {
+            *statuses.entry(status).or_default() += n;
+        }
+    }
+    latencies.sort_unstable();
+    let (p50, p99) = if latencies.is_empty() {
+        (Value::Null, Value::Null)
+    } else {
+        (
+            json!(stats::ms(percentile(&latencies, 0.5))),
+            json!(stats::ms(percentile(&latencies, 0.99))),
+        )
+    };
+    json!({
+        "route": route.name,
+        "path": route.path,
+        "contended": contended,
+        "requests_per_second": stats::round(median_rps, 1),
+        "requests_per_second_runs": runs.iter().map(|r| stats::round(*r, 1)).collect::<Vec<_>>(),
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "requests": latencies.len(),
+        "ok": statuses.get(&200).copied().unwrap_or(0),
+        "conflict_409": statuses.get(&409).copied().unwrap_or(0),
+        "other_statuses": statuses.iter().filter(|(s, _)| **s != 200 && **s != 409).map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
+        "transport_errors": errors,
+    })
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Requests per second of each run of the uncontended case of `path`, in run order.
+fn runs(results: &[Value], path: &str) -> Option<Vec<f64>> {
+    let case = results
+        .iter()
+        .find(|r| r["path"] == path && r["contended"] == false)?;
+    case["requests_per_second_runs"]
+        .as_array()?
+        .iter()
+        .map(Value::as_f64)
+        .collect()
+}
+
+/// The median, over the runs, of each run's ratio: two routes that ran back to back saw
+/// the same machine, so a slow moment weighs on both sides of a ratio alike.
+fn paired_ratio(results: &[Value], ours: &str, theirs: &str) -> Option<f64> {
+    let (ours, theirs) = (runs(results, ours)?, runs(results, theirs)?);
+    let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(o, t)| o / t).collect();
+    (!ratios.is_empty()).then(|| median(ratios))
+}
+
+fn targets(results: &[Value]) -> Vec<Target> {
+    let ratio = |ours: &str, theirs: &str| paired_ratio(results, ours, theirs);
+    vec![
+        Target::at_least(
+            "HTTP, Redis, 1 key: layer / hand-written requests/s",
+            ratio("/redis/1", "/hand/1"),
+            0.85,
+        ),
+        Target::at_least(
+            "HTTP, memory, 1 key: layer / bare axum requests/s",
+            ratio("/memory/1", "/bare"),
+            0.95,
+        ),
+    ]
+}
+
+#[derive(Clone)]
+struct Hand {
+    pool: Pool,
+}
+
+fn app(pool: Pool) -> Router {
+    let memory = Locks::memory().ttl(TTL);
+    let redis = Locks::redis(pool.clone()).ttl(TTL);
+    Router::new()
+        .route("/bare", get(ok))
+        .route("/memory/1", get(ok).layer(memory.layer(one_key)))
+        .route("/redis/1", get(ok).layer(redis.layer(one_key)))
+        .route("/redis/100", get(ok).layer(redis.layer(hundred_keys)))
+        .route("/hand/1", get(hand_one))
+        .route("/hand/100", get(hand_hundred))
+        .with_state(Hand { pool })
+}
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+type BadRequest = (StatusCode, &'static str);
+
+fn key_header(headers: &HeaderMap) -> Result<String, BadRequest> {
+    headers
+        .get("x-key")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+        .ok_or((StatusCode::BAD_REQUEST, "x-key header missing"))
+}
+
+fn one_key(parts: &Parts) -> Result<[String; 1], BadRequest> {
+    Ok([format!("k:{}", key_header(&parts.headers)?)])
+}
+
+fn hundred_keys(parts: &Parts) -> Result<Vec<String>, BadRequest> {
+    let key = key_header(&parts.headers)?;
+    Ok((0..100).map(|i| format!("k:{key}:{i}")).collect())
+}
+
+async fn hand_one(State(hand): State<Hand>, headers: HeaderMap) -> Response {
+    hand.locked(&headers, 1).await
+}
+
+async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response {
+    hand.locked(&headers, 100).await
+}
+
+/// The crate's acquire script, word for word: the hand-written handler does the same Redis
+/// work, so the comparison measures what the layer adds around it.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local owner, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local named, conflicts, earliest = {}, 0, -1
+for i = 2, #KEYS do
+  local holder = redis.call('GET', KEYS[i])
+  if holder and holder ~= owner then
+    conflicts = conflicts + 1
+    if #named < report then named[#named + 1] = KEYS[i] end
+    local left = redis.call('PTTL', KEYS[i])
+    if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
+  end
+end
+if conflicts > 0 then return {0, conflicts, earliest, named} end
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], owner, 'PX', ttl)
+end
+return {1, redis.call('INCR', KEYS[1]), -1, {}}
+",
+    )
+});
+
+/// The crate's release script, word for word.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local released = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    released = released + 1
+  end
+end
+if released > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+return released
+",
+    )
+});
+
+impl Hand {
+    /// What a careful handler writes without the layer: acquire every key in one script,
+    /// answer 409 if any is held, do the work, release in one script. It makes the layer's
+    /// round trips: each script on a connection checked out of the pool for it (which
+    /// deadpool-redis pings first).
+    async fn locked(&self, headers: &HeaderMap, keys: usize) -> Response {
+        let key = match key_header(headers) {
+            Ok(key) => key,
+            Err(bad) => return bad.into_response(),
+        };
+        let mut keys: Vec<String> = if keys == 1 {
+            vec![format!("hand:k:{key}")]
+        } else {
+            (0..keys).map(|i| format!("hand:k:{key}:{i}")).collect()
+        };
+        keys.sort_unstable();
+        let owner = uuid::Uuid::new_v4().simple().to_string();
+        // A connection for the acquisition, and another for the release, as the layer does:
+        // the same round trips, and no pooled connection held while the handler works.
+        let Ok(mut conn) = self.pool.get().await else {
+            return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        };
+        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>)> = ACQUIRE
+            .key("hand:")
+            .key(&keys)
+            .arg(&owner)
+            .arg(TTL.as_millis() as u64)
+            .arg(20)
+            .invoke_async(&mut conn)
+            .await;
+        match acquired {
+            Ok((1, ..)) => {}
+            Ok(_) => return (StatusCode::CONFLICT, "held").into_response(),
+            Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        }
+        drop(conn);
+        let response = ok().await.into_response();
+        let Ok(mut conn) = self.pool.get().await else {
+            return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        };
+        let released: redis::RedisResult<i64> = RELEASE
+            .key(&keys)
+            .arg(&owner)
+            .arg("hand:released")
+            .arg("*")
+            .invoke_async(&mut conn)
+            .await;
+        match released {
+            Ok(_) => response,
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        }
+    }
+}
