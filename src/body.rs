@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::{backend::BoxFuture, guard::LockGuard};
+use crate::{backend::BoxFuture, guard::RequestGuard};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -33,7 +33,7 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            guard: Option<LockGuard>,
+            guard: Option<RequestGuard>,
             release: Option<BoxFuture<'static, ()>>,
         },
         Refusal { body: axum::body::Body },
@@ -51,7 +51,7 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn holding(body: B, guard: LockGuard) -> Self {
+    pub(crate) fn holding(body: B, guard: RequestGuard) -> Self {
         Self {
             kind: Kind::Inner {
                 body,

@@ -14,7 +14,7 @@ use tracing::Span;
 
 use crate::{
     backend::BoxFuture,
-    guard::LockGuard,
+    guard::RequestGuard,
     locks::{Holding, Locked},
     Rejection, ResponseBody,
 };
@@ -50,7 +50,7 @@ pin_project! {
         Running {
             #[pin]
             future: S::Future,
-            guard: Option<LockGuard>,
+            guard: Option<RequestGuard>,
             lost: Option<BoxFuture<'static, ()>>,
             until_body_end: bool,
         },
@@ -133,7 +133,7 @@ where
                         )
                         .into_response();
                         let output = Some(Ok(refusal.map(ResponseBody::refusal)));
-                        let release = guard.take().map_or_else(no_release, LockGuard::release);
+                        let release = guard.take().map_or_else(no_release, RequestGuard::release);
                         // Dropping the inner future here is the cancellation.
                         this.state.set(State::Releasing { release, output });
                         continue;

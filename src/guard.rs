@@ -5,15 +5,17 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures_util::future::join_all;
 use tokio::{
     sync::{oneshot, watch},
     task::JoinHandle,
 };
 
 use crate::{
-    backend::{Backend, BoxFuture, OwnerToken},
+    backend::{Backend, BoxFuture, Holder},
     lease::LeaseStatus,
-    FencingToken, Lease,
+    owner::{ExtraHolds, RequestOwner},
+    FencingToken, Lease, Locks,
 };
 
 /// Releases a batch of keys when dropped, unless [released](Self::release) before.
@@ -30,7 +32,7 @@ pub(crate) struct LockGuard {
 struct Held {
     backend: Arc<dyn Backend>,
     keys: Arc<[String]>,
-    owner: OwnerToken,
+    holder: Holder,
     timeout: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
     renewal: Option<Renewal>,
@@ -44,14 +46,14 @@ struct Renewal {
 }
 
 impl LockGuard {
-    /// A guard for `keys` under `owner`, made *before* the acquisition is sent: if the
+    /// A guard for `holder`'s hold on `keys`, made *before* the acquisition is sent: if the
     /// acquiring future is dropped mid-flight, the store may have granted the batch, and
     /// only this guard's drop then releases it. `expires_at` is the acquisition's start
     /// plus the TTL (less the store's clock-drift allowance): the keys never expire earlier.
     pub(crate) fn new(
         backend: Arc<dyn Backend>,
         keys: Arc<[String]>,
-        owner: OwnerToken,
+        holder: Holder,
         timeout: Duration,
         expires_at: Instant,
     ) -> Self {
@@ -64,7 +66,7 @@ impl LockGuard {
             held: Some(Held {
                 backend,
                 keys,
-                owner,
+                holder,
                 timeout,
                 status,
                 renewal: None,
@@ -73,14 +75,27 @@ impl LockGuard {
     }
 
     /// What the handler may see of these locks.
-    pub(crate) fn lease(&self, prefix_len: usize, fencing_token: FencingToken) -> Option<Lease> {
+    /// What the handler may see of these locks, granted by `locks` to `owner`.
+    pub(crate) fn lease(
+        &self,
+        fencing_token: FencingToken,
+        locks: Locks,
+        owner: Arc<RequestOwner>,
+    ) -> Option<Lease> {
         let held = self.held.as_ref()?;
+        let status = held.status.subscribe();
         Some(Lease::new(
             held.keys.clone(),
-            prefix_len,
             fencing_token,
-            held.status.subscribe(),
+            status,
+            locks,
+            owner,
         ))
+    }
+
+    /// The id of this hold, while armed.
+    pub(crate) fn hold(&self) -> Option<u64> {
+        self.held.as_ref().map(|held| held.holder.hold)
     }
 
     /// Extends the lease by `ttl` every `ttl / 3` until the guard releases, or until
@@ -91,7 +106,7 @@ impl LockGuard {
         let renewer = Renewer {
             backend: held.backend.clone(),
             keys: held.keys.clone(),
-            owner: held.owner,
+            holder: held.holder,
             ttl,
             until,
             attempt_limit: held.timeout.min(ttl / 3),
@@ -129,6 +144,28 @@ impl LockGuard {
     }
 }
 
+/// Everything a request gives back when it ends: its layer's guard and, for the layer
+/// that made the request's owner, the holds its handler took through its lease.
+#[derive(Debug)]
+pub(crate) struct RequestGuard {
+    pub(crate) guard: LockGuard,
+    pub(crate) extra: Option<ExtraHolds>,
+}
+
+impl RequestGuard {
+    /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
+    /// a drop midway leaves is released in the background.
+    pub(crate) fn release(self) -> BoxFuture<'static, ()> {
+        let Self { guard, extra } = self;
+        Box::pin(async move {
+            if let Some(extra) = &extra {
+                join_all(extra.take().into_iter().map(LockGuard::release)).await;
+            }
+            guard.release().await;
+        })
+    }
+}
+
 impl Held {
     /// Stops the renewal and waits for an extension in flight to finish, so that the
     /// release that follows is the last word.
@@ -143,7 +180,7 @@ impl Held {
     /// One attempt; whether the store answered.
     async fn release(&self) -> bool {
         let released =
-            tokio::time::timeout(self.timeout, self.backend.release(&self.keys, self.owner)).await;
+            tokio::time::timeout(self.timeout, self.backend.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
                 tracing::trace!(keys = self.keys.len(), released = count, "released locks");
@@ -211,7 +248,7 @@ impl Drop for LockGuard {
 struct Renewer {
     backend: Arc<dyn Backend>,
     keys: Arc<[String]>,
-    owner: OwnerToken,
+    holder: Holder,
     ttl: Duration,
     until: Option<Instant>,
     /// How long one extension may take: never so long that the lease runs out unseen.
@@ -246,7 +283,7 @@ impl Renewer {
             }
             let extended = tokio::time::timeout(
                 self.attempt_limit,
-                self.backend.extend(&self.keys, self.owner, self.ttl),
+                self.backend.extend(&self.keys, self.holder, self.ttl),
             )
             .await;
             match extended {
@@ -284,7 +321,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::backend::{memory::MemoryBackend, wake::Wakeups, Acquire, BackendError};
+    use crate::backend::{memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, OwnerToken};
 
     /// The memory store, except that its next release never answers: a store that went
     /// silent just as a response was finishing.
@@ -299,20 +336,20 @@ mod tests {
             &'a self,
             namespace: &'a str,
             keys: &'a [String],
-            owner: OwnerToken,
+            holder: Holder,
             ttl: Duration,
             report: usize,
         ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
-            self.store.acquire(namespace, keys, owner, ttl, report)
+            self.store.acquire(namespace, keys, holder, ttl, report)
         }
 
         fn extend<'a>(
             &'a self,
             keys: &'a [String],
-            owner: OwnerToken,
+            holder: Holder,
             ttl: Duration,
         ) -> BoxFuture<'a, Result<bool, BackendError>> {
-            self.store.extend(keys, owner, ttl)
+            self.store.extend(keys, holder, ttl)
         }
 
         fn wakeups(&self) -> &Wakeups {
@@ -322,12 +359,12 @@ mod tests {
         fn release<'a>(
             &'a self,
             keys: &'a [String],
-            owner: OwnerToken,
+            holder: Holder,
         ) -> BoxFuture<'a, Result<usize, BackendError>> {
             if self.stall_next.swap(false, Ordering::SeqCst) {
                 return Box::pin(std::future::pending());
             }
-            self.store.release(keys, owner)
+            self.store.release(keys, holder)
         }
     }
 
@@ -338,7 +375,10 @@ mod tests {
             stall_next: AtomicBool::new(true),
         });
         let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-        let (owner, other) = (OwnerToken::random(), OwnerToken::random());
+        let (owner, other) = (
+            Holder::new(OwnerToken::random()),
+            Holder::new(OwnerToken::random()),
+        );
         let ttl = Duration::from_secs(30);
         let granted = backend
             .acquire("lock:", &keys, owner, ttl, 0)

@@ -2,7 +2,13 @@
 
 use std::{fmt, sync::Arc, time::Instant};
 
+use http::HeaderValue;
 use tokio::sync::watch;
+
+use crate::{
+    owner::{HeldKeys, RequestOwner},
+    Locks, Rejection,
+};
 
 /// A number that grows with every grant: give it to the resource you write, and let the
 /// resource refuse writes that carry a smaller one than it has seen.
@@ -89,29 +95,75 @@ pub(crate) struct LeaseStatus {
 #[derive(Debug, Clone)]
 pub struct Lease {
     keys: Arc<[String]>,
-    prefix_len: usize,
     fencing_token: FencingToken,
     status: watch::Receiver<LeaseStatus>,
+    /// The rules and the store these locks came from, for [`Lease::lock`].
+    locks: Locks,
+    owner: Arc<RequestOwner>,
 }
 
 impl Lease {
     pub(crate) fn new(
         keys: Arc<[String]>,
-        prefix_len: usize,
         fencing_token: FencingToken,
         status: watch::Receiver<LeaseStatus>,
+        locks: Locks,
+        owner: Arc<RequestOwner>,
     ) -> Self {
         Self {
             keys,
-            prefix_len,
             fencing_token,
             status,
+            locks,
+            owner,
         }
+    }
+
+    /// Locks more keys for this request, all or none, under the same rules (prefix,
+    /// limits, TTL, renewal, wait policy) as the layer that granted this lease. Keys the
+    /// request already holds are entered again, not contended. They are released with the
+    /// request, or earlier with [`HeldKeys::release`].
+    ///
+    /// ```
+    /// use axum::Extension;
+    /// use tower_batch_lock::{Lease, Rejection};
+    ///
+    /// async fn checkout(Extension(lease): Extension<Lease>) -> Result<String, Rejection> {
+    ///     // Halfway through, the handler learns it must also lock the customer's account.
+    ///     let account = lease.lock(["account:7"]).await?;
+    ///     Ok(format!("under fence {}", account.lease().fencing_token()))
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The [`Rejection`] the layer would have answered: contention (after waiting, if the
+    /// policy waits), an unavailable store, or keys that break the limits.
+    pub async fn lock<I>(&self, keys: I) -> Result<HeldKeys, Rejection>
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let keys = keys.into_iter().map(Into::into).collect();
+        self.locks.lock_for(&self.owner, keys).await
+    }
+
+    /// The request's owner token, to send to a downstream service that shares the lock
+    /// store and trusts this one ([`Locks::trust_owner_header`]), so that it re-enters the
+    /// keys this request holds instead of contending with them.
+    ///
+    /// The token is a capability: whoever presents it can re-enter, and so release its own
+    /// holds on, every key this request holds. Send it only over channels you trust, to
+    /// services that only accept it from you.
+    pub fn owner_header_value(&self) -> HeaderValue {
+        HeaderValue::try_from(self.owner.token.as_hex())
+            .expect("hex digits are a valid header value")
     }
 
     /// The keys held, sorted and without the namespace prefix.
     pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
-        self.keys.iter().map(|k| &k[self.prefix_len..])
+        let prefix_len = self.locks.prefix_len();
+        self.keys.iter().map(move |k| &k[prefix_len..])
     }
 
     /// The fencing token of this grant.

@@ -8,19 +8,20 @@ use std::{
 };
 
 use axum::response::{IntoResponse, Response};
-use http::{Request, StatusCode};
+use http::{request::Parts, HeaderName, Request, StatusCode};
 use tracing::Span;
 
 use crate::{
     backend::{
         memory::MemoryBackend,
         wake::{any_released, Wakeups},
-        Acquire, Backend, BoxFuture, Contention, OwnerToken,
+        Acquire, Backend, BoxFuture, Contention, Holder, OwnerToken,
     },
-    guard::LockGuard,
+    guard::{LockGuard, RequestGuard},
     keys::{normalize, KeyExtractor, KeyPolicy},
+    owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
     wait::Backoff,
-    Lease, LockLayer, Rejection, Wait,
+    FencingToken, Lease, LockLayer, Rejection, Wait,
 };
 
 /// A lock store and the rules for using it; cheap to clone, and every clone shares the store.
@@ -60,6 +61,22 @@ struct Policy {
     max_hold: Option<Duration>,
     on_lost_lease: OnLostLease,
     hold_until_body_end: bool,
+    trusted_owner_header: Option<TrustedOwnerHeader>,
+}
+
+/// A header that carries an owner token from a caller this service trusts.
+#[derive(Clone)]
+struct TrustedOwnerHeader {
+    name: HeaderName,
+    trusts: Arc<dyn Fn(&Parts) -> bool + Send + Sync>,
+}
+
+impl fmt::Debug for TrustedOwnerHeader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TrustedOwnerHeader")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What happens to a request whose lease is lost while its handler runs (see
@@ -97,6 +114,7 @@ impl Default for Policy {
             max_hold: None,
             on_lost_lease: OnLostLease::Continue,
             hold_until_body_end: false,
+            trusted_owner_header: None,
         }
     }
 }
@@ -310,6 +328,39 @@ impl Locks {
         self.tune(|p| p.hold_until_body_end = hold)
     }
 
+    /// Lets trusted callers pass their owner token in the header `name`, so that this
+    /// service re-enters the keys the caller holds instead of contending with them: for a
+    /// request that runs on behalf of another one which shares the lock store (the caller
+    /// sends [`Lease::owner_header_value`]). Off by default.
+    ///
+    /// The token is a capability: whoever presents it re-enters every key its owner holds,
+    /// past the lock that was meant to keep them out. So the header counts only when
+    /// `trusts` accepts the request (check a client certificate, a network peer, a signed
+    /// service credential: never the header itself); from anyone else it is ignored, and
+    /// the request contends like any other.
+    ///
+    /// ```
+    /// use http::{request::Parts, HeaderName};
+    /// use tower_batch_lock::Locks;
+    ///
+    /// // A downstream service that trusts callers its gateway marked as internal.
+    /// let locks = Locks::memory().trust_owner_header(
+    ///     HeaderName::from_static("x-lock-owner"),
+    ///     |parts: &Parts| parts.extensions.get::<InternalCaller>().is_some(),
+    /// );
+    /// # #[derive(Clone)] struct InternalCaller;
+    /// ```
+    pub fn trust_owner_header<F>(self, name: HeaderName, trusts: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        let header = TrustedOwnerHeader {
+            name,
+            trusts: Arc::new(trusts),
+        };
+        self.tune(|p| p.trusted_owner_header = Some(header))
+    }
+
     /// A layer that locks the keys `extractor` reads from each request.
     pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
         LockLayer::with_locks(self.clone(), extractor)
@@ -361,16 +412,35 @@ impl Locks {
             return Ok((request, None));
         }
 
+        // One owner per request: an outer layer's, a trusted caller's, or a new one.
+        let existing = request
+            .extensions()
+            .get::<OwnerExtension>()
+            .map(|o| o.0.clone());
+        let (owner, made_here) = match existing {
+            Some(owner) => (owner, false),
+            None => {
+                let trusted;
+                (request, trusted) = self.trusted_owner(request);
+                let token = trusted.unwrap_or_else(OwnerToken::random);
+                let owner = RequestOwner::new(token);
+                request
+                    .extensions_mut()
+                    .insert(OwnerExtension(owner.clone()));
+                (owner, true)
+            }
+        };
+
         let keys: Arc<[String]> = keys.into();
         let started = Instant::now();
-        let granted = self.acquire_waiting(&keys, span).await;
+        let granted = self.acquire_waiting(&keys, owner.token, span).await;
         span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
-        let (mut guard, fencing_token) = granted?;
+        let (mut guard, fencing_token) = granted.map_err(IntoResponse::into_response)?;
         // `max_hold` counts from here: the time spent waiting for the keys is not holding.
         let granted_at = Instant::now();
         span.record("outcome", "granted");
 
-        let lease = guard.lease(policy.keys.prefix.len(), fencing_token);
+        let lease = guard.lease(fencing_token, self.clone(), owner.clone());
         if policy.renew {
             guard.renew(policy.ttl, policy.max_hold.map(|max| granted_at + max));
         }
@@ -380,14 +450,65 @@ impl Locks {
         let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
             .then_some(lease)
             .flatten();
+        // The layer that made the owner gives back the handler's holds too.
+        let extra = made_here.then(|| ExtraHolds(owner));
         Ok((
             request,
             Some(Holding {
-                guard,
+                guard: RequestGuard { guard, extra },
                 cancel_on_loss,
                 until_body_end: policy.hold_until_body_end,
             }),
         ))
+    }
+
+    /// The owner token a trusted caller sent, if this service trusts the header and the
+    /// caller; and the request back.
+    fn trusted_owner<B>(&self, request: Request<B>) -> (Request<B>, Option<OwnerToken>) {
+        let Some(header) = &self.policy.trusted_owner_header else {
+            return (request, None);
+        };
+        let sent = request
+            .headers()
+            .get(&header.name)
+            .and_then(|v| v.to_str().ok());
+        let Some(token) = sent.and_then(OwnerToken::from_hex) else {
+            return (request, None);
+        };
+        let (parts, body) = request.into_parts();
+        let trusted = (header.trusts)(&parts);
+        (Request::from_parts(parts, body), trusted.then_some(token))
+    }
+
+    /// Locks more keys for a request's owner, for [`Lease::lock`].
+    pub(crate) async fn lock_for(
+        &self,
+        owner: &Arc<RequestOwner>,
+        keys: Vec<String>,
+    ) -> Result<HeldKeys, Rejection> {
+        let policy = &self.policy;
+        let keys: Arc<[String]> = normalize(keys, &policy.keys)?.into();
+        if keys.is_empty() {
+            let detail = "there are no keys to lock".to_owned();
+            return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
+        }
+        let (mut guard, fencing_token) = self
+            .acquire_waiting(&keys, owner.token, &Span::current())
+            .await?;
+        if policy.renew {
+            guard.renew(policy.ttl, policy.max_hold.map(|max| Instant::now() + max));
+        }
+        let lease = guard.lease(fencing_token, self.clone(), owner.clone());
+        let (Some(lease), Some(hold)) = (lease, guard.hold()) else {
+            unreachable!("a granted guard is armed");
+        };
+        owner.keep(hold, guard);
+        Ok(HeldKeys::new(lease, hold, owner.clone()))
+    }
+
+    /// How long the namespace prefix is, to show keys without it.
+    pub(crate) fn prefix_len(&self) -> usize {
+        self.policy.keys.prefix.len()
     }
 
     /// Tries the whole batch until it is granted, the store fails, or the wait bound
@@ -396,10 +517,11 @@ impl Locks {
     async fn acquire_waiting(
         &self,
         keys: &Arc<[String]>,
+        owner: OwnerToken,
         span: &Span,
-    ) -> Result<(LockGuard, crate::FencingToken), Response> {
+    ) -> Result<(LockGuard, FencingToken), Rejection> {
         let policy = &self.policy;
-        let owner = OwnerToken::random();
+        let owner = Holder::new(owner);
         let deadline = Instant::now() + policy.wait.bound();
         let report = if policy.wait.bound().is_zero() {
             policy.name_conflicts
@@ -436,7 +558,7 @@ impl Locks {
                         guard.disarm();
                     }
                     // Otherwise the guard's drop releases whatever the store may have granted.
-                    return Err(Rejection::unavailable().into_response());
+                    return Err(Rejection::unavailable());
                 }
                 Err(_elapsed) => {
                     span.record("outcome", "unavailable");
@@ -445,14 +567,14 @@ impl Locks {
                         keys = keys.len(),
                         "acquiring locks timed out"
                     );
-                    return Err(Rejection::unavailable().into_response());
+                    return Err(Rejection::unavailable());
                 }
             };
             let now = Instant::now();
             if now >= deadline {
                 span.record("outcome", "contended");
                 tracing::debug!(held = contention.total, "locks held by another owner");
-                return Err(self.contention(keys.len(), contention).into_response());
+                return Err(self.contention(keys.len(), contention));
             }
             let mut released = self.wakeups().watch(&contention.keys);
             let wake_at = (now + backoff.pause()).min(deadline);
@@ -487,7 +609,7 @@ impl Locks {
 /// A granted request's hold on its keys, for the response future.
 #[derive(Debug)]
 pub(crate) struct Holding {
-    pub(crate) guard: LockGuard,
+    pub(crate) guard: RequestGuard,
     /// The lease to watch, when losing it cancels the inner service.
     pub(crate) cancel_on_loss: Option<Lease>,
     /// Whether the keys stay locked until the response body ends.

@@ -450,14 +450,16 @@ async fn a_held_batch_is_on_every_master_and_an_intersecting_one_is_refused_by_n
     })
     .await;
     assert!(everywhere.is_some(), "{:?}", masters.all_locks());
-    let tokens: BTreeSet<String> = (0..3)
-        .map(|m| masters.cmd(m, redis::cmd("GET").arg("lock:x")))
+    // A lock key is a hash of hold id -> owner token: the same single hold everywhere.
+    let holds: BTreeSet<Vec<(String, String)>> = (0..3)
+        .map(|m| masters.cmd(m, redis::cmd("HGETALL").arg("lock:x")))
         .collect();
     assert_eq!(
-        tokens.len(),
+        holds.len(),
         1,
-        "one owner token on every master: {tokens:?}"
+        "one hold, of one owner, on every master: {holds:?}"
     );
+    assert_eq!(holds.first().map(Vec::len), Some(1), "{holds:?}");
 
     let runs = Arc::new(AtomicUsize::new(0));
     let contender = counting_router(&other, &runs);

@@ -176,8 +176,18 @@ impl Store {
         cmd.query(&mut connection).unwrap()
     }
 
+    /// What holds `key`: the owner token of a lock (a hash of hold id -> owner token), or
+    /// the plain value of any other key.
     fn get(&self, key: &str) -> Option<String> {
-        self.cmd(redis::cmd("GET").arg(key))
+        let kind: String = self.cmd(redis::cmd("TYPE").arg(key));
+        match kind.as_str() {
+            "none" => None,
+            "hash" => self
+                .cmd::<Vec<String>>(redis::cmd("HVALS").arg(key))
+                .into_iter()
+                .next(),
+            _ => self.cmd(redis::cmd("GET").arg(key)),
+        }
     }
 
     fn pttl(&self, key: &str) -> i64 {

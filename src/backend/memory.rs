@@ -12,7 +12,7 @@ use std::{
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, OwnerToken,
 };
 use crate::FencingToken;
 
@@ -42,6 +42,8 @@ struct Shard {
 #[derive(Debug)]
 struct Entry {
     owner: OwnerToken,
+    /// The owner's holds on the key: it is free when the last one is released.
+    holds: Vec<u64>,
     expires_at: Instant,
 }
 
@@ -49,6 +51,11 @@ impl Entry {
     /// Held by someone else who has not expired.
     fn blocks(&self, owner: OwnerToken, now: Instant) -> bool {
         self.owner != owner && self.expires_at > now
+    }
+
+    /// Still held, by this hold.
+    fn held_by(&self, holder: Holder, now: Instant) -> bool {
+        self.owner == holder.owner && self.expires_at > now && self.holds.contains(&holder.hold)
     }
 }
 
@@ -98,7 +105,7 @@ impl MemoryBackend {
     fn try_acquire(
         &self,
         keys: &[String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
         report: usize,
     ) -> Acquire {
@@ -115,7 +122,7 @@ impl MemoryBackend {
             let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
                 continue;
             };
-            if entry.blocks(owner, now) {
+            if entry.blocks(holder.owner, now) {
                 contention.total += 1;
                 if contention.keys.len() < report {
                     contention.keys.push(key.clone());
@@ -131,9 +138,22 @@ impl MemoryBackend {
 
         let expires_at = now + ttl;
         for (key, &slot) in keys.iter().zip(&slots) {
-            locked(&mut shards, slot)
-                .entries
-                .insert(key.clone(), Entry { owner, expires_at });
+            let entries = &mut locked(&mut shards, slot).entries;
+            match entries.get_mut(key.as_str()) {
+                // The owner's own, still live: enter it again, never shortening it.
+                Some(entry) if entry.expires_at > now => {
+                    entry.holds.push(holder.hold);
+                    entry.expires_at = entry.expires_at.max(expires_at);
+                }
+                _ => {
+                    let entry = Entry {
+                        owner: holder.owner,
+                        holds: vec![holder.hold],
+                        expires_at,
+                    };
+                    entries.insert(key.clone(), entry);
+                }
+            }
         }
         for shard in shards.iter_mut().flatten() {
             shard.sweep_if_grown(now);
@@ -145,7 +165,7 @@ impl MemoryBackend {
         ))
     }
 
-    fn try_extend(&self, keys: &[String], owner: OwnerToken, ttl: Duration) -> bool {
+    fn try_extend(&self, keys: &[String], holder: Holder, ttl: Duration) -> bool {
         let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shards = self.lock_shards(&slots);
         let now = Instant::now();
@@ -153,19 +173,19 @@ impl MemoryBackend {
             locked(&mut shards, slot)
                 .entries
                 .get(key.as_str())
-                .is_some_and(|e| e.owner == owner && e.expires_at > now)
+                .is_some_and(|e| e.held_by(holder, now))
         });
         if held {
             for (key, &slot) in keys.iter().zip(&slots) {
                 if let Some(entry) = locked(&mut shards, slot).entries.get_mut(key.as_str()) {
-                    entry.expires_at = now + ttl;
+                    entry.expires_at = entry.expires_at.max(now + ttl);
                 }
             }
         }
         held
     }
 
-    fn release_owned(&self, keys: &[String], owner: OwnerToken) -> usize {
+    fn release_owned(&self, keys: &[String], holder: Holder) -> usize {
         // Release needs no cross-shard atomicity: a competitor that sees some keys free
         // and others still held is refused, which is what it would see a moment earlier.
         let mut released = 0;
@@ -173,14 +193,20 @@ impl MemoryBackend {
             let mut shard = self.shards[self.shard_of(key)]
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if shard
-                .entries
-                .get(key.as_str())
-                .is_some_and(|e| e.owner == owner)
-            {
-                shard.entries.remove(key.as_str());
-                released += 1;
+            let Some(entry) = shard.entries.get_mut(key.as_str()) else {
+                continue;
+            };
+            let Some(at) = entry.holds.iter().position(|&h| h == holder.hold) else {
+                continue;
+            };
+            if entry.owner != holder.owner {
+                continue;
             }
+            entry.holds.swap_remove(at);
+            if entry.holds.is_empty() {
+                shard.entries.remove(key.as_str());
+            }
+            released += 1;
         }
         self.wakeups.wake_slots(slots_of(keys));
         released
@@ -223,30 +249,30 @@ impl Backend for MemoryBackend {
         &'a self,
         _namespace: &'a str,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(std::future::ready(Ok(
-            self.try_acquire(keys, owner, ttl, report)
+            self.try_acquire(keys, holder, ttl, report)
         )))
     }
 
     fn extend<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
-        Box::pin(std::future::ready(Ok(self.try_extend(keys, owner, ttl))))
+        Box::pin(std::future::ready(Ok(self.try_extend(keys, holder, ttl))))
     }
 
     fn release<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
-        Box::pin(std::future::ready(Ok(self.release_owned(keys, owner))))
+        Box::pin(std::future::ready(Ok(self.release_owned(keys, holder))))
     }
 
     fn wakeups(&self) -> &Wakeups {
@@ -266,6 +292,11 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(30);
 
+    /// A new owner's first hold.
+    fn holder() -> Holder {
+        Holder::new(OwnerToken::random())
+    }
+
     fn granted(outcome: Acquire) -> bool {
         matches!(outcome, Acquire::Granted(_))
     }
@@ -273,7 +304,7 @@ mod tests {
     #[test]
     fn overlapping_batch_is_refused_and_writes_nothing() {
         let backend = MemoryBackend::new();
-        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let (a, b) = (holder(), holder());
         assert!(granted(backend.try_acquire(&keys(&["1", "2"]), a, TTL, 20)));
 
         let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20) else {
@@ -290,7 +321,7 @@ mod tests {
     #[test]
     fn release_only_deletes_the_owners_keys() {
         let backend = MemoryBackend::new();
-        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let (a, b) = (holder(), holder());
         assert!(granted(backend.try_acquire(&keys(&["1"]), a, TTL, 20)));
         assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
         assert!(matches!(
@@ -309,7 +340,7 @@ mod tests {
     #[test]
     fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
         let backend = MemoryBackend::new();
-        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let (a, b) = (holder(), holder());
         let short = Duration::from_millis(20);
         assert!(granted(backend.try_acquire(&keys(&["1"]), a, short, 20)));
         std::thread::sleep(short * 2);
@@ -327,13 +358,8 @@ mod tests {
         let names: Vec<String> = (0..50).map(|i| i.to_string()).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let batch = keys(&names);
-        assert!(granted(backend.try_acquire(
-            &batch,
-            OwnerToken::random(),
-            TTL,
-            20
-        )));
-        let Acquire::Held(c) = backend.try_acquire(&batch, OwnerToken::random(), TTL, 3) else {
+        assert!(granted(backend.try_acquire(&batch, holder(), TTL, 20)));
+        let Acquire::Held(c) = backend.try_acquire(&batch, holder(), TTL, 3) else {
             panic!("granted twice");
         };
         assert_eq!((c.keys.len(), c.total), (3, 50));
@@ -345,22 +371,12 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("lock:{i}")];
-            assert!(granted(backend.try_acquire(
-                &key,
-                OwnerToken::random(),
-                short,
-                0
-            )));
+            assert!(granted(backend.try_acquire(&key, holder(), short, 0)));
         }
         std::thread::sleep(Duration::from_millis(5));
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("again:{i}")];
-            assert!(granted(backend.try_acquire(
-                &key,
-                OwnerToken::random(),
-                TTL,
-                0
-            )));
+            assert!(granted(backend.try_acquire(&key, holder(), TTL, 0)));
         }
         // Without sweeping all 2 * 65,536 entries would remain.
         assert!(
@@ -373,7 +389,7 @@ mod tests {
     #[test]
     fn extend_needs_every_key_still_held_by_the_owner() {
         let backend = MemoryBackend::new();
-        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        let (a, b) = (holder(), holder());
         let short = Duration::from_millis(30);
         assert!(granted(backend.try_acquire(
             &keys(&["1", "2"]),
@@ -404,8 +420,77 @@ mod tests {
             Acquire::Granted(token) => token,
             Acquire::Held(_) => panic!("refused"),
         };
-        let first = fence(backend.try_acquire(&keys(&["1"]), OwnerToken::random(), TTL, 0));
-        let second = fence(backend.try_acquire(&keys(&["2"]), OwnerToken::random(), TTL, 0));
+        let first = fence(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0));
+        let second = fence(backend.try_acquire(&keys(&["2"]), holder(), TTL, 0));
         assert!(second > first);
+    }
+
+    #[test]
+    fn an_owner_reenters_its_keys_and_frees_them_with_its_last_hold() {
+        let backend = MemoryBackend::new();
+        let outer = holder();
+        let inner = Holder::new(outer.owner);
+        let stranger = holder();
+        assert!(granted(backend.try_acquire(&keys(&["1"]), outer, TTL, 0)));
+        // Re-entry, with a new key in the same batch: granted, not contended.
+        assert!(granted(backend.try_acquire(
+            &keys(&["1", "2"]),
+            inner,
+            TTL,
+            0
+        )));
+        assert!(!granted(backend.try_acquire(
+            &keys(&["1"]),
+            stranger,
+            TTL,
+            0
+        )));
+
+        // The inner release keeps the outer hold, and is harmless twice.
+        assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 2);
+        assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 0);
+        assert!(!granted(backend.try_acquire(
+            &keys(&["1"]),
+            stranger,
+            TTL,
+            0
+        )));
+        assert!(granted(backend.try_acquire(
+            &keys(&["2"]),
+            stranger,
+            TTL,
+            0
+        )));
+
+        // The outermost release frees the key.
+        assert_eq!(backend.release_owned(&keys(&["1"]), outer), 1);
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            stranger,
+            TTL,
+            0
+        )));
+    }
+
+    #[test]
+    fn reentry_never_shortens_a_lease_and_extends_only_its_own_hold() {
+        let backend = MemoryBackend::new();
+        let outer = holder();
+        let inner = Holder::new(outer.owner);
+        let short = Duration::from_millis(20);
+        assert!(granted(backend.try_acquire(&keys(&["1"]), outer, TTL, 0)));
+        assert!(granted(backend.try_acquire(&keys(&["1"]), inner, short, 0)));
+        std::thread::sleep(short * 2);
+        assert!(
+            !granted(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0)),
+            "re-entry shortened the lease"
+        );
+        assert!(backend.try_extend(&keys(&["1"]), inner, TTL));
+        assert_eq!(backend.release_owned(&keys(&["1"]), inner), 1);
+        assert!(
+            !backend.try_extend(&keys(&["1"]), inner, TTL),
+            "extended a released hold"
+        );
+        assert!(backend.try_extend(&keys(&["1"]), outer, TTL));
     }
 }

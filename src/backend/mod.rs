@@ -20,10 +20,12 @@ use wake::Wakeups;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Who holds a lock: 128 random bits from the OS generator, fresh for every acquisition.
+/// Who holds a lock: 128 random bits from the OS generator, one per request (nested layers
+/// on a request share it, and so may a trusted downstream service).
 ///
-/// It is a capability (whoever knows it can release the keys), so it never leaves the
-/// process except to the lock store, and it is never derived from a thread or process id.
+/// It is a capability (whoever knows it can re-enter the keys), so it never leaves the
+/// process except to the lock store and to services the user chose to trust, and it is
+/// never derived from a thread or process id.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct OwnerToken(Uuid);
 
@@ -33,9 +35,16 @@ impl OwnerToken {
     }
 
     /// The token as the lock store keeps it: 32 lowercase hex digits.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn as_hex(&self) -> String {
         self.0.simple().to_string()
+    }
+
+    /// A token in the form [`as_hex`](Self::as_hex) gives, from a trusted caller.
+    pub(crate) fn from_hex(hex: &str) -> Option<Self> {
+        (hex.len() == 32)
+            .then(|| Uuid::try_parse(hex).ok())
+            .flatten()
+            .map(Self)
     }
 }
 
@@ -43,6 +52,33 @@ impl fmt::Debug for OwnerToken {
     // The token is a secret: debug output must not leak it into logs.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("OwnerToken(..)")
+    }
+}
+
+/// One acquisition by an owner: the owner, and a random id of this hold.
+///
+/// An owner may hold a key several times over (nested layers, a handler locking more):
+/// each hold is released on its own, and the key is free once its last hold is gone.
+/// Releasing one hold twice is harmless, which a count of re-entries could not promise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Holder {
+    pub(crate) owner: OwnerToken,
+    pub(crate) hold: u64,
+}
+
+impl Holder {
+    /// A new hold of `owner`.
+    pub(crate) fn new(owner: OwnerToken) -> Self {
+        Self {
+            owner,
+            hold: fastrand::u64(..),
+        }
+    }
+
+    /// The hold id as the lock store keeps it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn hold_hex(&self) -> String {
+        format!("{:016x}", self.hold)
     }
 }
 
@@ -110,8 +146,9 @@ impl std::error::Error for BackendError {
 
 /// A lock store. Every call takes the whole batch, so each costs one round trip.
 pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
-    /// Locks every key for `ttl`, or none of them. `report` bounds how many conflicting
-    /// keys a [`Contention`] names.
+    /// Locks every key for `ttl` under a new hold, or none of them: a key held only by
+    /// `holder`'s owner is entered again, and keeps the longer of its ttl and `ttl`.
+    /// `report` bounds how many conflicting keys a [`Contention`] names.
     ///
     /// A grant carries a fencing token larger than that of every earlier grant in the
     /// same `namespace` (the key prefix), so larger than every earlier grant of any of
@@ -121,26 +158,27 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         &'a self,
         namespace: &'a str,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>>;
 
-    /// Sets the expiry of every key to `ttl` from now if every key still holds `owner`;
-    /// otherwise changes nothing and returns `false`: the lease is lost.
+    /// Extends every key to at least `ttl` from now if every key still has `holder`'s
+    /// hold; otherwise changes nothing and returns `false`: the lease is lost.
     fn extend<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>>;
 
-    /// Deletes the keys that still hold `owner`, and returns how many it deleted. Keys that
-    /// expired or that another owner took since are left alone.
+    /// Ends `holder`'s hold on the keys that still have it, and returns how many had it.
+    /// A key is deleted with its last hold; keys that expired or that another owner took
+    /// since are left alone.
     fn release<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
 
     /// How much sooner than `ttl` after an acquisition or extension was sent its lease must

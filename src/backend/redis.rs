@@ -1,7 +1,7 @@
 //! Locks in one Redis, shared by every process that uses it, through a deadpool-redis pool.
 //!
-//! Data model: one string key per resource, `{prefix}{key}` -> owner token, with a `PX`
-//! ttl; the prefix itself (never a lock key: empty keys are refused) holds the namespace's
+//! Data model: one hash per resource, `{prefix}{key}` -> {hold id -> owner token}, with a
+//! `PX` ttl (see [`ACQUIRE`] for why a hash); the prefix itself (never a lock key: empty keys are refused) holds the namespace's
 //! fencing counter. One script acquires a whole batch, one extends it and one releases it,
 //! so a batch of any size costs one round trip each. `redis::Script` sends `EVALSHA` and
 //! falls back to loading the script when the server answers `NOSCRIPT` (after a restart or
@@ -22,7 +22,7 @@ use redis::Script;
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder,
 };
 use crate::FencingToken;
 
@@ -32,9 +32,14 @@ pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 /// A release of more slots than this wakes every waiter instead of naming them.
 const MAX_NAMED_SLOTS: usize = 64;
 
-/// KEYS: the fencing counter, then the batch. ARGV: owner token, ttl in milliseconds, how
-/// many conflicts to name. Returns `{granted (1 or 0), fencing token or conflicts,
-/// earliest pttl or -1, {named conflicting keys}}`.
+/// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
+/// milliseconds, how many conflicts to name. Returns `{granted (1 or 0), fencing token or
+/// conflicts, earliest pttl or -1, {named conflicting keys}}`.
+///
+/// A lock key is a hash of hold id -> owner token: an owner may hold a key several times
+/// (nested layers, a handler locking more), and the key goes with its last hold. A key held
+/// only by the caller's owner is entered again, and keeps the longer of its ttl and this
+/// one; any other value under the name (another owner's hash, or foreign data) conflicts.
 ///
 /// It reads every key before it writes any, so a refused batch writes nothing, and Redis
 /// runs a script without interleaving other commands, so nobody sees half a batch. It
@@ -42,57 +47,68 @@ const MAX_NAMED_SLOTS: usize = 64;
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local owner, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local named, conflicts, earliest = {}, 0, -1
+local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local named, conflicts, earliest, fresh = {}, 0, -1, {}
 for i = 2, #KEYS do
-  local holder = redis.call('GET', KEYS[i])
-  if holder and holder ~= owner then
+  local owners = redis.pcall('HVALS', KEYS[i])
+  local foreign = owners.err ~= nil
+  for _, other in ipairs(foreign and {} or owners) do
+    if other ~= owner then foreign = true break end
+  end
+  if foreign then
     conflicts = conflicts + 1
     if #named < report then named[#named + 1] = KEYS[i] end
     local left = redis.call('PTTL', KEYS[i])
     if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
+  else
+    fresh[i] = #owners == 0
   end
 end
 if conflicts > 0 then return {0, conflicts, earliest, named} end
 for i = 2, #KEYS do
-  redis.call('SET', KEYS[i], owner, 'PX', ttl)
+  redis.call('HSET', KEYS[i], hold, owner)
+  if fresh[i] or redis.call('PTTL', KEYS[i]) < ttl then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  end
 end
 return {1, redis.call('INCR', KEYS[1]), -1, {}}
 ",
     )
 });
 
-/// KEYS: the batch. ARGV: owner token, ttl in milliseconds. Refreshes the ttl of every key
-/// if every key still holds the token, and returns 1; otherwise changes nothing and
-/// returns 0: a lease that lost one key has lost the batch.
+/// KEYS: the batch. ARGV: owner token, hold id, ttl in milliseconds. Extends every key to
+/// at least the ttl if every key still has the hold, and returns 1; otherwise changes
+/// nothing and returns 0: a lease that lost one key has lost the batch.
 static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
+  if redis.pcall('HGET', KEYS[i], ARGV[2]) ~= ARGV[1] then return 0 end
 end
+local ttl = tonumber(ARGV[3])
 for i = 1, #KEYS do
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
 end
 return 1
 ",
     )
 });
 
-/// KEYS: the batch. ARGV: owner token, channel, wake-up slots. Deletes only the keys that
-/// still hold the token, so a late release never frees a key that expired and went to
-/// someone else, and announces the release to waiters in other processes.
+/// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots. Ends the hold on
+/// the keys that still have it (a key goes with its last hold), so a late release never
+/// frees a key that expired and went to someone else, nor another hold of the same owner,
+/// and announces the release to waiters in other processes.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local released = 0
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('DEL', KEYS[i])
+  if redis.pcall('HGET', KEYS[i], ARGV[2]) == ARGV[1] then
+    redis.call('HDEL', KEYS[i], ARGV[2])
     released = released + 1
   end
 end
-if released > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+if released > 0 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
 return released
 ",
     )
@@ -187,7 +203,7 @@ impl Backend for RedisBackend {
         &'a self,
         namespace: &'a str,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
@@ -196,7 +212,8 @@ impl Backend for RedisBackend {
             let (granted, count, earliest, named): AcquireReply = ACQUIRE
                 .key(namespace)
                 .key(keys)
-                .arg(owner.as_hex())
+                .arg(holder.owner.as_hex())
+                .arg(holder.hold_hex())
                 .arg(millis(ttl))
                 .arg(report)
                 .invoke_async(&mut conn)
@@ -220,14 +237,15 @@ impl Backend for RedisBackend {
     fn extend<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
             let mut conn = self.connection().await?;
             let extended: i64 = EXTEND
                 .key(keys)
-                .arg(owner.as_hex())
+                .arg(holder.owner.as_hex())
+                .arg(holder.hold_hex())
                 .arg(millis(ttl))
                 .invoke_async(&mut conn)
                 .await
@@ -239,14 +257,15 @@ impl Backend for RedisBackend {
     fn release<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
             let mut conn = self.connection().await?;
             let slots = slots_of(keys);
             let released = RELEASE
                 .key(keys)
-                .arg(owner.as_hex())
+                .arg(holder.owner.as_hex())
+                .arg(holder.hold_hex())
                 .arg(RELEASED_CHANNEL)
                 .arg(slot_list(&slots))
                 .invoke_async(&mut conn)

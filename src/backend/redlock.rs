@@ -41,7 +41,7 @@ use redis::IntoConnectionInfo;
 use super::{
     redis::RedisBackend,
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, OwnerToken,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder,
 };
 use crate::{FencingToken, Locks};
 
@@ -289,7 +289,7 @@ pub(crate) struct RedlockBackend {
     /// A flag per acquisition that is running or granted, by owner. The release raises it;
     /// a master's acquisition that completes after that releases on its master itself, so
     /// that a release never leaves behind a grant that landed after it.
-    late: Mutex<HashMap<OwnerToken, Arc<AtomicBool>>>,
+    late: Mutex<HashMap<Holder, Arc<AtomicBool>>>,
     wakeups: Wakeups,
 }
 
@@ -353,7 +353,7 @@ async fn release_on(
     node: usize,
     master: Arc<RedisBackend>,
     keys: Arc<[String]>,
-    owner: OwnerToken,
+    owner: Holder,
     timeout: Duration,
     give_up_at: Instant,
 ) -> NodeReply<usize> {
@@ -446,7 +446,7 @@ impl RedlockBackend {
         &self,
         nodes: impl Iterator<Item = usize>,
         keys: &Arc<[String]>,
-        owner: OwnerToken,
+        owner: Holder,
     ) -> Replies<usize> {
         let give_up_at =
             Instant::now() + Duration::from_millis(self.longest_ttl_ms.load(Ordering::Relaxed));
@@ -526,7 +526,7 @@ impl RedlockBackend {
     /// one of them refused (and so wrote nothing). It waits for the masters that answered
     /// the acquisition; those that did not answer in time get their release in the
     /// background rather than hold the request up again.
-    async fn roll_back(&self, keys: &Arc<[String]>, owner: OwnerToken, tally: &Tally) {
+    async fn roll_back(&self, keys: &Arc<[String]>, owner: Holder, tally: &Tally) {
         if tally.granted.is_empty() && tally.failed == 0 {
             return;
         }
@@ -536,7 +536,7 @@ impl RedlockBackend {
         while releases.next().await.is_some() {}
     }
 
-    fn late_acquisitions(&self) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, Arc<AtomicBool>>> {
+    fn late_acquisitions(&self) -> std::sync::MutexGuard<'_, HashMap<Holder, Arc<AtomicBool>>> {
         self.late.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -562,7 +562,7 @@ impl Backend for RedlockBackend {
         &'a self,
         namespace: &'a str,
         keys: &'a [String],
-        owner: OwnerToken,
+        owner: Holder,
         ttl: Duration,
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
@@ -648,7 +648,7 @@ impl Backend for RedlockBackend {
     fn extend<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        owner: Holder,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
@@ -689,7 +689,7 @@ impl Backend for RedlockBackend {
     fn release<'a>(
         &'a self,
         keys: &'a [String],
-        owner: OwnerToken,
+        owner: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
             if let Some(released) = self.late_acquisitions().remove(&owner) {

@@ -1,0 +1,95 @@
+//! One owner per request: shared by nested layers and by the handler's own acquisitions.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::{backend::OwnerToken, guard::LockGuard, Lease};
+
+/// The owner of a request's locks, in the request's extensions: every layer on the request
+/// locks under it, so a key an outer layer holds is re-entered by an inner one instead of
+/// contended, and so are keys the handler locks through its [`Lease`].
+#[derive(Debug)]
+pub(crate) struct RequestOwner {
+    pub(crate) token: OwnerToken,
+    /// The holds the handler took through [`Lease::lock`], released with the request.
+    extra: Mutex<Vec<(u64, LockGuard)>>,
+}
+
+/// How the request's extensions carry its owner.
+#[derive(Debug, Clone)]
+pub(crate) struct OwnerExtension(pub(crate) Arc<RequestOwner>);
+
+impl RequestOwner {
+    pub(crate) fn new(token: OwnerToken) -> Arc<Self> {
+        Arc::new(Self {
+            token,
+            extra: Mutex::default(),
+        })
+    }
+
+    fn extra(&self) -> std::sync::MutexGuard<'_, Vec<(u64, LockGuard)>> {
+        // Every change is one push or one removal: a poisoned list is still whole.
+        self.extra.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn keep(&self, hold: u64, guard: LockGuard) {
+        self.extra().push((hold, guard));
+    }
+
+    fn take(&self, hold: u64) -> Option<LockGuard> {
+        let mut extra = self.extra();
+        let at = extra.iter().position(|(h, _)| *h == hold)?;
+        Some(extra.swap_remove(at).1)
+    }
+
+    fn take_all(&self) -> Vec<LockGuard> {
+        self.extra().drain(..).map(|(_, guard)| guard).collect()
+    }
+}
+
+/// The handler's extra holds of a request, given back when the request ends. Held by the
+/// layer that made the request's owner; dropped early (the request was dropped), it drops
+/// the guards, which release in the background.
+#[derive(Debug)]
+pub(crate) struct ExtraHolds(pub(crate) Arc<RequestOwner>);
+
+impl ExtraHolds {
+    /// Takes the holds out, to release them now.
+    pub(crate) fn take(&self) -> Vec<LockGuard> {
+        self.0.take_all()
+    }
+}
+
+impl Drop for ExtraHolds {
+    fn drop(&mut self) {
+        drop(self.0.take_all());
+    }
+}
+
+/// Keys a handler locked with [`Lease::lock`]: they belong to the request, and are released
+/// with it, or earlier with [`release`](Self::release). Dropping this handle does not
+/// release them.
+#[derive(Debug)]
+pub struct HeldKeys {
+    lease: Lease,
+    hold: u64,
+    owner: Arc<RequestOwner>,
+}
+
+impl HeldKeys {
+    pub(crate) fn new(lease: Lease, hold: u64, owner: Arc<RequestOwner>) -> Self {
+        Self { lease, hold, owner }
+    }
+
+    /// The lease of these keys: their fencing token, expiry and loss.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Releases these keys now rather than with the request. Keys the request also holds
+    /// through a layer (or another [`Lease::lock`]) stay held by it.
+    pub async fn release(self) {
+        if let Some(guard) = self.owner.take(self.hold) {
+            guard.release().await;
+        }
+    }
+}
