@@ -237,9 +237,18 @@ impl Locks {
         self.tune(|p| p.ttl = ttl)
     }
 
-    /// The namespace in front of every key in the store. Default `lock:`.
+    /// The namespace in front of every key in the store. Default `lock:`. The prefix alone
+    /// names the namespace's fencing counter (never a lock: empty keys are refused).
+    ///
+    /// # Panics
+    ///
+    /// If `prefix` is empty: client-supplied keys would then name any key in the store.
     pub fn prefix(self, prefix: impl Into<String>) -> Self {
         let prefix = prefix.into();
+        assert!(
+            !prefix.is_empty(),
+            "a lock prefix must not be empty: it keeps client keys apart from other data"
+        );
         self.tune(|p| p.keys.prefix = prefix)
     }
 

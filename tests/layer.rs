@@ -584,3 +584,9 @@ async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_t
     );
     assert!(closed.iter().all(|l| l.contains("acquire_ms=")), "{output}");
 }
+
+#[test]
+#[should_panic(expected = "a lock prefix must not be empty")]
+fn an_empty_prefix_is_refused_at_configuration() {
+    let _ = Locks::memory().prefix("");
+}
