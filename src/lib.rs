@@ -62,6 +62,13 @@
 //! - [`Lease::fencing_token`]: a [`FencingToken`] that grows with every grant, for
 //!   resources that must refuse a stale holder's writes.
 //! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
+//!
+//! # Re-entrant locks
+//!
+//! A request has one owner, shared by every layer on it: keys an outer layer holds are
+//! entered again by an inner one instead of contended, and freed with their last hold. The
+//! handler can lock more keys for the same owner with [`Lease::lock`] ([`HeldKeys`]), and a
+//! trusted downstream service can re-enter them ([`Locks::trust_owner_header`]).
 
 mod backend;
 mod body;

@@ -356,3 +356,48 @@ async fn a_forged_or_malformed_owner_header_never_reenters() {
     }
     let _ = release.send(());
 }
+
+/// The README's shape: a router-wide layer on the tenant, a route layer on the tenant and
+/// the order (`keys::all`), and a handler that locks one more key.
+#[tokio::test]
+async fn a_router_wide_layer_a_route_layer_and_the_handler_share_one_owner() {
+    let locks = Locks::memory();
+    let update = |Extension(lease): Extension<Lease>| async move {
+        let account = lease.lock(["account:7"]).await?;
+        account.release().await;
+        Ok::<_, Rejection>(lease.keys().collect::<Vec<_>>().join(","))
+    };
+    let tenant_and_order = keys::all((
+        keys::path("tenant").param("tenant"),
+        keys::path("order").param("order"),
+    ));
+    let app = Router::new()
+        .route(
+            "/tenants/{tenant}/orders/{order}",
+            put(update).layer(locks.layer(tenant_and_order)),
+        )
+        .layer(locks.layer(keys::path("tenant").param("tenant")));
+    let request = || {
+        Request::put("/tenants/acme/orders/9")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(
+        send(&app, request()).await,
+        (StatusCode::OK, "order:9,tenant:acme".to_owned())
+    );
+
+    // Everything was released: another owner gets the keys at once.
+    let other = Router::new().route(
+        "/",
+        post(|| async {}).layer(
+            locks.layer(|_: &Parts| Ok::<_, Rejection>(["tenant:acme", "order:9", "account:7"])),
+        ),
+    );
+    assert_eq!(
+        send(&other, Request::post("/").body(Body::empty()).unwrap())
+            .await
+            .0,
+        StatusCode::OK
+    );
+}
