@@ -40,11 +40,14 @@ fn request() -> Request<Body> {
     Request::post("/").body(Body::empty()).unwrap()
 }
 
-/// A's route: holds the key until the gate opens.
-fn holder(locks: &Locks, gate: Arc<Notify>) -> Router {
+/// A's route: says when it holds the key, and holds it until the gate opens.
+fn holder(locks: &Locks, holding: Arc<Notify>, gate: Arc<Notify>) -> Router {
     let handler = post(move || {
-        let gate = gate.clone();
-        async move { gate.notified().await }
+        let (holding, gate) = (holding.clone(), gate.clone());
+        async move {
+            holding.notify_one();
+            gate.notified().await
+        }
     });
     Router::new().route("/", handler.layer(locks.layer(key)))
 }
@@ -67,10 +70,15 @@ enum Retry {
 }
 
 async fn round(a: &Locks, b: &Locks, retry: Retry) -> Result<Duration, String> {
-    let gate = Arc::new(Notify::new());
-    let holding = tokio::spawn(holder(a, gate.clone()).oneshot(request()));
-    // Let A take the key.
-    tokio::time::sleep(Duration::from_millis(2)).await;
+    let (gate, has_key) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let holding = tokio::spawn(holder(a, has_key.clone(), gate.clone()).oneshot(request()));
+    // B starts once A holds the key (a busy machine may take a while to get there).
+    if tokio::time::timeout(WAIT_BOUND, has_key.notified())
+        .await
+        .is_err()
+    {
+        return Err("the holder did not get the key".to_owned());
+    }
 
     let granted = Arc::new(Mutex::new(None));
     let app = waiter(b, granted.clone());
@@ -146,7 +154,9 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             max: rounds,
             time,
         };
-        let samples = stats::rounds(budget, |_| round(&a, &b, retry)).await?;
+        let samples = stats::rounds(budget, |_| round(&a, &b, retry))
+            .await
+            .map_err(|error| format!("{name}: {error}"))?;
         let summary = Summary::of(samples);
         progress::end(&format!(
             "median {}, p99 {}",
