@@ -157,6 +157,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let _ = stop.send(());
     let _ = server.await;
 
+    check_statuses(&cases, &outcomes)?;
     let in_process = in_process(quick).await?;
     let results: Vec<Value> = cases
         .iter()
@@ -166,7 +167,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let targets = targets(&results);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the same two scripts as the crate (acquire, release) with EVALSHA, each on a connection checked out of the same pool, as the layer does",
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/redis.rs) with EVALSHA, each on a connection checked out of the same pool, as the layer does",
             duration.as_secs_f64()
         ),
         "connections": CONNECTIONS,
@@ -176,6 +177,33 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         "in_process": in_process,
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
     }))
+}
+
+/// Every request was answered, with 200, or 409 under contention: anything else means a
+/// route is broken, and its figures would mean nothing.
+fn check_statuses(cases: &[(Route, bool)], outcomes: &[Vec<Outcome>]) -> Result<(), String> {
+    for ((route, contended), outcomes) in cases.iter().zip(outcomes) {
+        for outcome in outcomes {
+            let unexpected: Vec<_> = outcome
+                .statuses
+                .iter()
+                .filter(|(status, _)| **status != 200 && !(*contended && **status == 409))
+                .collect();
+            if !unexpected.is_empty() || outcome.errors > 0 {
+                return Err(format!(
+                    "{} ({}): unexpected statuses {unexpected:?}, {} transport errors",
+                    route.name,
+                    if *contended {
+                        "contended"
+                    } else {
+                        "uncontended"
+                    },
+                    outcome.errors
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What the memory layer costs a request without the network: bare axum and the layered
@@ -376,47 +404,36 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
     hand.locked(&headers, 100).await
 }
 
-/// The crate's acquire script, word for word: the hand-written handler does the same Redis
-/// work, so the comparison measures what the layer adds around it.
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local owner, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local named, conflicts, earliest = {}, 0, -1
-for i = 2, #KEYS do
-  local holder = redis.call('GET', KEYS[i])
-  if holder and holder ~= owner then
-    conflicts = conflicts + 1
-    if #named < report then named[#named + 1] = KEYS[i] end
-    local left = redis.call('PTTL', KEYS[i])
-    if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
-  end
-end
-if conflicts > 0 then return {0, conflicts, earliest, named} end
-for i = 2, #KEYS do
-  redis.call('SET', KEYS[i], owner, 'PX', ttl)
-end
-return {1, redis.call('INCR', KEYS[1]), -1, {}}
-",
-    )
-});
+/// The crate's Redis store, whose scripts the hand-written handler runs: read from the
+/// source, so that the two always do the same Redis work.
+const CRATE_REDIS_STORE: &str = include_str!("../../src/backend/redis.rs");
 
-/// The crate's release script, word for word.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local released = 0
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('DEL', KEYS[i])
-    released = released + 1
-  end
-end
-if released > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
-return released
-",
-    )
-});
+/// The text of the crate's script `static {name}: LazyLock<Script>` (a raw string).
+///
+/// # Panics
+///
+/// When the crate's source no longer has it in that form: then this bench needs updating.
+fn crate_script(name: &str) -> Script {
+    let missing = || {
+        panic!(
+            "src/backend/redis.rs has no script `{name}` in a raw string: update bench/src/http.rs"
+        )
+    };
+    let at = CRATE_REDIS_STORE
+        .find(&format!("static {name}: LazyLock<Script>"))
+        .unwrap_or_else(missing);
+    let rest = &CRATE_REDIS_STORE[at..];
+    let open = rest.find("r\"").unwrap_or_else(missing) + 2;
+    let close = rest[open..].find('"').unwrap_or_else(missing);
+    Script::new(&rest[open..open + close])
+}
+
+/// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
+/// milliseconds, how many conflicts to name.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| crate_script("ACQUIRE"));
+
+/// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| crate_script("RELEASE"));
 
 impl Hand {
     /// What a careful handler writes without the layer: acquire every key in one script,
@@ -435,6 +452,7 @@ impl Hand {
         };
         keys.sort_unstable();
         let owner = uuid::Uuid::new_v4().simple().to_string();
+        let hold = format!("{:016x}", fastrand::u64(..));
         // A connection for the acquisition, and another for the release, as the layer does:
         // the same round trips, and no pooled connection held while the handler works.
         let Ok(mut conn) = self.pool.get().await else {
@@ -444,6 +462,7 @@ impl Hand {
             .key("hand:")
             .key(&keys)
             .arg(&owner)
+            .arg(&hold)
             .arg(TTL.as_millis() as u64)
             .arg(20)
             .invoke_async(&mut conn)
@@ -461,6 +480,7 @@ impl Hand {
         let released: redis::RedisResult<i64> = RELEASE
             .key(&keys)
             .arg(&owner)
+            .arg(&hold)
             .arg("hand:released")
             .arg("*")
             .invoke_async(&mut conn)
