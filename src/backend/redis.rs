@@ -12,13 +12,13 @@
 //! releases their keys.
 
 use std::{
-    sync::{Arc, LazyLock, OnceLock, Weak},
+    sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError, Weak},
     time::Duration,
 };
 
 use deadpool_redis::Pool;
 use futures_util::StreamExt;
-use redis::Script;
+use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult, Script, ScriptInvocation};
 
 use super::{
     wake::{slots_of, Wakeups},
@@ -131,6 +131,11 @@ return 1
 
 pub(crate) struct RedisBackend {
     pool: Pool,
+    /// One connection, taken from the pool and shared by every call: redis-rs pipelines
+    /// concurrent commands over it, where checking a connection out for each call would
+    /// cost a round trip of its own (deadpool-redis checks every connection it hands out
+    /// with a `PING`). One whose call failed or stalled is not used again.
+    shared: Mutex<Shared>,
     wakeups: Arc<Wakeups>,
     /// Where to open the subscription to other processes' releases, if anywhere.
     subscriber: Option<redis::Client>,
@@ -152,6 +157,7 @@ impl RedisBackend {
     pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
         let backend = Self {
             pool,
+            shared: Mutex::default(),
             wakeups: Arc::new(Wakeups::new()),
             subscriber,
             subscribed: OnceLock::new(),
@@ -174,8 +180,67 @@ impl RedisBackend {
         }
     }
 
-    async fn connection(&self) -> Result<deadpool_redis::Connection, BackendError> {
-        self.pool.get().await.map_err(BackendError::not_sent)
+    /// Runs a script on the shared connection. A connection that broke since its last use
+    /// (the server restarted, say) fails the first command sent on it: then the script runs
+    /// once more on a new one. Every script here is idempotent for its hold (acquiring
+    /// again rewrites the same field; at worst it takes one more fencing number), so
+    /// running one twice is harmless.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+    ) -> Result<T, BackendError> {
+        let mut call = self.call().await?;
+        let result = script.invoke_async(&mut call.connection).await;
+        match result {
+            Err(error) if call.reused && broken(&error) => {
+                drop(call);
+                let mut call = self.call().await?;
+                let result = script.invoke_async(&mut call.connection).await;
+                call.end(result)
+            }
+            result => call.end(result),
+        }
+    }
+
+    /// The shared connection for one call, taken from the pool if there is none.
+    async fn call(&self) -> Result<Call<'_>, BackendError> {
+        let cached = self.shared().connection.clone();
+        let reused = cached.is_some();
+        let (connection, generation) = match cached {
+            Some(cached) => cached,
+            None => {
+                let pooled = self.pool.get().await.map_err(BackendError::not_sent)?;
+                let connection = deadpool_redis::Connection::take(pooled);
+                let mut shared = self.shared();
+                shared.generation += 1;
+                shared.connection = Some((connection.clone(), shared.generation));
+                (connection, shared.generation)
+            }
+        };
+        Ok(Call {
+            connection,
+            generation,
+            reused,
+            backend: self,
+            ended: false,
+        })
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
+        // Every change is one assignment: a poisoned state is still whole.
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Stops sharing the connection of `generation`, if it is still the shared one.
+    fn forget(&self, generation: u64) {
+        let mut shared = self.shared();
+        if shared
+            .connection
+            .as_ref()
+            .is_some_and(|(_, g)| *g == generation)
+        {
+            shared.connection = None;
+        }
     }
 
     /// Raises the fencing counter of `namespace` to at least `floor`.
@@ -184,13 +249,9 @@ impl RedisBackend {
         namespace: &str,
         floor: u64,
     ) -> Result<(), BackendError> {
-        let mut conn = self.connection().await?;
-        let _: i64 = RAISE_FENCE
-            .key(namespace)
-            .arg(floor)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(BackendError::unknown)?;
+        let mut script = RAISE_FENCE.prepare_invoke();
+        script.key(namespace).arg(floor);
+        self.invoke::<i64>(&script).await?;
         Ok(())
     }
 }
@@ -208,17 +269,14 @@ impl Backend for RedisBackend {
         report: usize,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(async move {
-            let mut conn = self.connection().await?;
-            let (granted, count, earliest, named): AcquireReply = ACQUIRE
-                .key(namespace)
-                .key(keys)
+            let mut script = ACQUIRE.prepare_invoke();
+            script.key(namespace).key(keys);
+            script
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex())
                 .arg(millis(ttl))
-                .arg(report)
-                .invoke_async(&mut conn)
-                .await
-                .map_err(BackendError::unknown)?;
+                .arg(report);
+            let (granted, count, earliest, named): AcquireReply = self.invoke(&script).await?;
             if granted == 1 {
                 let fence = u64::try_from(count).map_err(|_| {
                     BackendError::unknown(format!("the fencing counter {namespace:?} is negative"))
@@ -241,16 +299,13 @@ impl Backend for RedisBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
-            let mut conn = self.connection().await?;
-            let extended: i64 = EXTEND
+            let mut script = EXTEND.prepare_invoke();
+            script
                 .key(keys)
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex())
-                .arg(millis(ttl))
-                .invoke_async(&mut conn)
-                .await
-                .map_err(BackendError::unknown)?;
-            Ok(extended == 1)
+                .arg(millis(ttl));
+            Ok(self.invoke::<i64>(&script).await? == 1)
         })
     }
 
@@ -260,17 +315,14 @@ impl Backend for RedisBackend {
         holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let mut conn = self.connection().await?;
             let slots = slots_of(keys);
-            let released = RELEASE
+            let mut script = RELEASE.prepare_invoke();
+            script
                 .key(keys)
                 .arg(holder.owner.as_hex())
-                .arg(holder.hold_hex())
-                .arg(RELEASED_CHANNEL)
-                .arg(slot_list(&slots))
-                .invoke_async(&mut conn)
-                .await
-                .map_err(BackendError::unknown)?;
+                .arg(holder.hold_hex());
+            script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+            let released = self.invoke(&script).await?;
             // This process's waiters need not wait for the message to come back.
             self.wakeups.wake_slots(slots);
             Ok(released)
@@ -280,6 +332,49 @@ impl Backend for RedisBackend {
     fn wakeups(&self) -> &Wakeups {
         self.listen_for_releases();
         &self.wakeups
+    }
+}
+
+/// The shared connection, and which one it is: connections are replaced, and a late failure
+/// of an old one must not throw away its successor.
+#[derive(Default)]
+struct Shared {
+    connection: Option<(MultiplexedConnection, u64)>,
+    generation: u64,
+}
+
+/// One call on the shared connection. If the call fails with the connection (not with an
+/// answer from Redis), or is dropped before it ends (a timeout around it gave up), the
+/// connection may be broken or stalled, and the next call takes a new one from the pool.
+struct Call<'a> {
+    connection: MultiplexedConnection,
+    generation: u64,
+    /// Whether the connection served calls before this one.
+    reused: bool,
+    backend: &'a RedisBackend,
+    ended: bool,
+}
+
+impl Call<'_> {
+    fn end<T>(mut self, result: RedisResult<T>) -> Result<T, BackendError> {
+        self.ended = match &result {
+            Ok(_) => true,
+            Err(error) => !(broken(error) || error.is_timeout()),
+        };
+        result.map_err(BackendError::unknown)
+    }
+}
+
+/// An error of the connection rather than an answer from Redis.
+fn broken(error: &redis::RedisError) -> bool {
+    error.is_unrecoverable_error() || error.is_connection_dropped() || error.is_io_error()
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.backend.forget(self.generation);
+        }
     }
 }
 
