@@ -35,7 +35,8 @@ impl Wakeups {
     /// Wakes the waiters of these slots.
     pub(crate) fn wake_slots(&self, slots: impl IntoIterator<Item = usize>) {
         for s in slots {
-            if let Some(sender) = self.slots.get(s) {
+            // Nobody watching: nothing to wake, and no lock to take on the release path.
+            if let Some(sender) = self.slots.get(s).filter(|s| s.receiver_count() > 0) {
                 sender.send_replace(());
             }
         }
