@@ -168,6 +168,11 @@ impl Locks {
     /// A pool knows no URL to subscribe with, so waiting requests wake at once for this
     /// process's releases and otherwise poll (every 5 to 100 ms); [`Locks::redis_url`]
     /// wakes them for every process's releases.
+    ///
+    /// The locks take one connection out of the pool for good and share it (redis-rs
+    /// pipelines concurrent commands over one connection, and a checkout from a
+    /// deadpool-redis pool costs a `PING` round trip); after a connection error they take
+    /// another. The pool is one connection smaller each time.
     #[cfg(feature = "redis")]
     pub fn redis(pool: deadpool_redis::Pool) -> Self {
         Self::with_backend(Arc::new(crate::backend::redis::RedisBackend::new(
