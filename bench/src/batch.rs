@@ -25,6 +25,7 @@ use std::{
 use axum::body::Body;
 use deadpool_redis::Pool;
 use http::{request::Parts, Request, Response, StatusCode};
+use redis::aio::MultiplexedConnection;
 use serde_json::{json, Value};
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 use tower_batch_lock::Locks;
@@ -152,10 +153,10 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     Ok(json!({
         "method": {
             CRATE: "a tower service behind Locks::redis(pool).max_keys(100_000).backend_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
-            PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys",
-            NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips",
+            PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys, on one multiplexed connection shared by the case's cycles",
+            NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles",
-            "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out",
+            "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
         },
         "ttl_ms": TTL.as_millis() as u64,
         "sizes": SIZES,
@@ -206,7 +207,7 @@ async fn measure(
     keys: usize,
     budget: Budget,
 ) -> Result<Case, String> {
-    let cycle = Cycle::new(pool, algorithm, keys);
+    let cycle = Cycle::new(pool, algorithm, keys).await?;
     for _ in 0..algorithm.warmup(keys) {
         cycle.run().await?;
     }
@@ -234,7 +235,9 @@ async fn measure(
 /// One acquire + release cycle of one algorithm, set up once per case.
 struct Cycle {
     algorithm: Algorithm,
-    pool: Pool,
+    /// The baselines' connection: one multiplexed connection taken out of the pool once, as
+    /// the crate's Redis store does, so that no cycle pays for a checkout.
+    conn: MultiplexedConnection,
     /// The keys as stored, for the baselines.
     stored: Arc<[String]>,
     /// The crate's service, for [`Algorithm::Crate`].
@@ -277,7 +280,7 @@ pub(crate) async fn call(service: BatchService) -> Result<(), String> {
 }
 
 impl Cycle {
-    fn new(pool: &Pool, algorithm: Algorithm, keys: usize) -> Self {
+    async fn new(pool: &Pool, algorithm: Algorithm, keys: usize) -> Result<Self, String> {
         let names: Arc<[String]> = (0..keys).map(|i| format!("bench:{i:06}")).collect();
         // The crate stores `lock:` + name; the baselines store the very same keys.
         let stored = names.iter().map(|name| format!("lock:{name}")).collect();
@@ -290,12 +293,13 @@ impl Cycle {
                 .backend_timeout(Duration::from_secs(30));
             layered(&locks, names)
         });
-        Self {
+        let pooled = pool.get().await.map_err(|e| e.to_string())?;
+        Ok(Self {
             algorithm,
-            pool: pool.clone(),
+            conn: deadpool_redis::Connection::take(pooled),
             stored,
             service,
-        }
+        })
     }
 
     async fn run(&self) -> Result<Duration, String> {
@@ -317,7 +321,7 @@ impl Cycle {
     }
 
     async fn pipelined(&self) -> Result<(), String> {
-        let mut conn = self.pool.get().await.map_err(|e| e.to_string())?;
+        let mut conn = self.conn.clone();
         let token = token();
         let mut setnx = redis::pipe();
         for key in self.stored.iter() {
@@ -344,7 +348,7 @@ impl Cycle {
     }
 
     async fn naive(&self) -> Result<(), String> {
-        let mut conn = self.pool.get().await.map_err(|e| e.to_string())?;
+        let mut conn = self.conn.clone();
         let token = token();
         let ttl = TTL.as_millis() as u64;
         let n = self.stored.len() as u64;

@@ -19,6 +19,7 @@ use axum::{
 };
 use deadpool_redis::Pool;
 use http::{request::Parts, HeaderMap, StatusCode};
+use redis::aio::MultiplexedConnection;
 use redis::Script;
 use serde_json::{json, Value};
 use tower_batch_lock::Locks;
@@ -89,8 +90,10 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let pool = pool.clone();
+    let pooled = pool.get().await.map_err(|e| e.to_string())?;
+    let conn = deadpool_redis::Connection::take(pooled);
     let server = tokio::spawn(async move {
-        axum::serve(listener, app(pool))
+        axum::serve(listener, app(pool, conn))
             .with_graceful_shutdown(async {
                 let _ = stopped.await;
             })
@@ -167,7 +170,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let targets = targets(&results);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/redis.rs) with EVALSHA, each on a connection checked out of the same pool, as the layer does",
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/redis.rs) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does",
             duration.as_secs_f64()
         ),
         "connections": CONNECTIONS,
@@ -357,10 +360,11 @@ fn targets(results: &[Value]) -> Vec<Target> {
 
 #[derive(Clone)]
 struct Hand {
-    pool: Pool,
+    /// One multiplexed connection shared by every request, as the crate's Redis store has.
+    conn: MultiplexedConnection,
 }
 
-fn app(pool: Pool) -> Router {
+fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
     let memory = Locks::memory().ttl(TTL);
     let redis = Locks::redis(pool.clone()).ttl(TTL);
     Router::new()
@@ -370,7 +374,7 @@ fn app(pool: Pool) -> Router {
         .route("/redis/100", get(ok).layer(redis.layer(hundred_keys)))
         .route("/hand/1", get(hand_one))
         .route("/hand/100", get(hand_hundred))
-        .with_state(Hand { pool })
+        .with_state(Hand { conn })
 }
 
 async fn ok() -> &'static str {
@@ -437,9 +441,8 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| crate_script("RELEASE"));
 
 impl Hand {
     /// What a careful handler writes without the layer: acquire every key in one script,
-    /// answer 409 if any is held, do the work, release in one script. It makes the layer's
-    /// round trips: each script on a connection checked out of the pool for it (which
-    /// deadpool-redis pings first).
+    /// answer 409 if any is held, do the work, release in one script, on the connection all
+    /// requests share: the layer's round trips.
     async fn locked(&self, headers: &HeaderMap, keys: usize) -> Response {
         let key = match key_header(headers) {
             Ok(key) => key,
@@ -453,11 +456,7 @@ impl Hand {
         keys.sort_unstable();
         let owner = uuid::Uuid::new_v4().simple().to_string();
         let hold = format!("{:016x}", fastrand::u64(..));
-        // A connection for the acquisition, and another for the release, as the layer does:
-        // the same round trips, and no pooled connection held while the handler works.
-        let Ok(mut conn) = self.pool.get().await else {
-            return StatusCode::SERVICE_UNAVAILABLE.into_response();
-        };
+        let mut conn = self.conn.clone();
         let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>)> = ACQUIRE
             .key("hand:")
             .key(&keys)
@@ -472,11 +471,7 @@ impl Hand {
             Ok(_) => return (StatusCode::CONFLICT, "held").into_response(),
             Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
         }
-        drop(conn);
         let response = ok().await.into_response();
-        let Ok(mut conn) = self.pool.get().await else {
-            return StatusCode::SERVICE_UNAVAILABLE.into_response();
-        };
         let released: redis::RedisResult<i64> = RELEASE
             .key(&keys)
             .arg(&owner)
