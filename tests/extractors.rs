@@ -1,6 +1,8 @@
 //! The key extractors, through the layer and an axum `Router`, on the in-memory store: which
 //! keys each one locks, what it hands the handler, and how it refuses bad input.
 
+mod support;
+
 use std::{
     convert::Infallible,
     sync::{
@@ -17,54 +19,9 @@ use axum::{
 };
 use http::{header, request::Parts, HeaderValue, Request, StatusCode};
 use serde::Deserialize;
+use support::http::send_text;
 use tokio::sync::Notify;
-use tower::ServiceExt;
 use tower_batch_lock::{keys, Lease, Locks, Rejection};
-
-/// A response, read to the end.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    content_type: Option<String>,
-    body: String,
-}
-
-impl Reply {
-    /// The problem document of a refusal, after checking that it is one.
-    fn problem(&self) -> serde_json::Value {
-        assert_eq!(
-            self.content_type.as_deref(),
-            Some("application/problem+json"),
-            "{} {}",
-            self.status,
-            self.body
-        );
-        let problem: serde_json::Value = serde_json::from_str(&self.body).unwrap();
-        assert_eq!(problem["status"], self.status.as_u16());
-        problem
-    }
-
-    fn detail(&self) -> String {
-        self.problem()["detail"].as_str().unwrap().to_owned()
-    }
-}
-
-async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .map(|v| v.to_str().unwrap().to_owned());
-    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    Reply {
-        status,
-        content_type,
-        body: String::from_utf8_lossy(&bytes).into_owned(),
-    }
-}
 
 /// The keys the handler holds, one per line; `-` when it runs unlocked.
 async fn held(lease: Option<Extension<Lease>>) -> String {
@@ -148,27 +105,27 @@ async fn from_parts_runs_any_head_extractor_and_answers_with_its_rejection() {
             ))),
         );
 
-    let reply = send(&app, empty("/shops/a%20b/items/7")).await;
+    let reply = send_text(&app, empty("/shops/a%20b/items/7")).await;
     assert_eq!(
         (reply.status, reply.body.as_str()),
         (StatusCode::OK, "item:a b/7")
     );
-    let reply = send(&app, empty("/seats?from=3&to=6")).await;
+    let reply = send_text(&app, empty("/seats?from=3&to=6")).await;
     assert_eq!(reply.body, "seat:3\nseat:4\nseat:5");
     let mut request = empty("/mine/x");
     request
         .headers_mut()
         .insert("x-tenant", HeaderValue::from_static("acme"));
-    assert_eq!(send(&app, request).await.body, "doc:acme/x");
+    assert_eq!(send_text(&app, request).await.body, "doc:acme/x");
 
     // Each extractor's own refusal, as it is: axum's in text, the custom one a problem.
-    let reply = send(&app, empty("/shops/a/items/seven")).await;
+    let reply = send_text(&app, empty("/shops/a/items/seven")).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert!(reply.body.contains("`seven`"), "{}", reply.body);
-    let reply = send(&app, empty("/seats?from=3")).await;
+    let reply = send_text(&app, empty("/seats?from=3")).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert!(reply.body.contains("to"), "{}", reply.body);
-    let reply = send(&app, empty("/mine/x")).await;
+    let reply = send_text(&app, empty("/mine/x")).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(reply.detail(), "who are you? send x-tenant");
 }
@@ -215,7 +172,7 @@ async fn from_request_hands_the_handler_the_same_bytes_and_head() {
 
     // Odd spacing and escapes survive: the handler gets the bytes, not a re-encoding.
     let body = " [ \"a\\u0062\" ,\n\"é\" ] ";
-    let reply = send(&app, json("/raw", body)).await;
+    let reply = send_text(&app, json("/raw", body)).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
     assert_eq!(reply.body, format!("req-1 {body}"));
 
@@ -223,7 +180,7 @@ async fn from_request_hands_the_handler_the_same_bytes_and_head() {
         .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
         .body(Body::from("from=a%2Fb&to=c+d"))
         .unwrap();
-    let reply = send(&app, form).await;
+    let reply = send_text(&app, form).await;
     assert_eq!(reply.body, "a/b -> c d: account:a/b\naccount:c d");
 }
 
@@ -252,13 +209,13 @@ async fn from_request_answers_with_the_extractors_rejection() {
         ),
     ];
     for (request, status) in cases {
-        let reply = send(&app, request).await;
+        let reply = send_text(&app, request).await;
         assert_eq!(reply.status, status, "{}", reply.body);
         // axum's rejections, as a handler taking the same extractor would answer.
         assert!(reply.content_type.unwrap().starts_with("text/plain"));
         assert!(!reply.body.is_empty());
     }
-    let reply = send(&app, json("/json", "[3, 1, 3]")).await;
+    let reply = send_text(&app, json("/json", "[3, 1, 3]")).await;
     assert_eq!(reply.body, "n:1\nn:3");
 }
 
@@ -277,7 +234,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
                 keys::from_request(|body: Bytes| [format!("{}", body.len())]).limit(64 * 1024),
             )),
         );
-    let reply = send(
+    let reply = send_text(
         &app,
         Request::post("/").body(Body::from_stream(endless)).unwrap(),
     )
@@ -295,7 +252,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
         .body(Body::empty())
         .unwrap();
     assert_eq!(
-        send(&app, declared).await.status,
+        send_text(&app, declared).await.status,
         StatusCode::PAYLOAD_TOO_LARGE
     );
 }
@@ -330,16 +287,16 @@ async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
     let first = tokio::spawn({
         let app = app.clone();
         let request = with_key("/slow", "k 1 {é}".as_bytes());
-        async move { send(&app, request).await }
+        async move { send_text(&app, request).await }
     });
     gate.entered.notified().await;
-    let retry = send(&app, with_key("/pay", "k 1 {é}".as_bytes())).await;
+    let retry = send_text(&app, with_key("/pay", "k 1 {é}".as_bytes())).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(
         retry.problem()["conflicting_keys"],
         serde_json::json!(["idem:k 1 {é}"])
     );
-    let other = send(&app, with_key("/pay", b"k-2")).await;
+    let other = send_text(&app, with_key("/pay", b"k-2")).await;
     assert_eq!(
         (other.status, other.body.as_str()),
         (StatusCode::OK, "idem:k-2")
@@ -347,20 +304,22 @@ async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
     gate.release.notify_one();
     assert_eq!(first.await.unwrap().status, StatusCode::OK);
     assert_eq!(
-        send(&app, with_key("/pay", b"k 1 {\xc3\xa9}")).await.status,
+        send_text(&app, with_key("/pay", b"k 1 {\xc3\xa9}"))
+            .await
+            .status,
         StatusCode::OK
     );
 
     // No header: unlocked, unless it is required.
-    assert_eq!(send(&app, empty("/pay")).await.body, "-");
-    let refused = send(&app, empty("/strict")).await;
+    assert_eq!(send_text(&app, empty("/pay")).await.body, "-");
+    let refused = send_text(&app, empty("/strict")).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         refused.detail(),
         "the request needs the `idempotency-key` header"
     );
     // Bytes that are not UTF-8 are refused, not guessed at.
-    let refused = send(&app, with_key("/pay", b"k\xff")).await;
+    let refused = send_text(&app, with_key("/pay", b"k\xff")).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         refused.detail(),
@@ -386,7 +345,7 @@ async fn query_and_path_keys_name_one_resource_alike() {
             post(held).layer(locks.layer(keys::query("sku", "sku"))),
         );
 
-    let reply = send(
+    let reply = send_text(
         &app,
         empty("/restock?sku=c+d&sku=%E2%82%AC&other=%FF&sku=c%20d"),
     )
@@ -399,7 +358,7 @@ async fn query_and_path_keys_name_one_resource_alike() {
     let holder = tokio::spawn({
         let app = app.clone();
         async move {
-            send(
+            send_text(
                 &app,
                 Request::put("/stock/a%2Fb").body(Body::empty()).unwrap(),
             )
@@ -407,7 +366,7 @@ async fn query_and_path_keys_name_one_resource_alike() {
         }
     });
     gate.entered.notified().await;
-    let reply = send(&app, empty("/restock?sku=a%2Fb")).await;
+    let reply = send_text(&app, empty("/restock?sku=a%2Fb")).await;
     assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.body);
     assert_eq!(
         reply.problem()["conflicting_keys"],
@@ -416,16 +375,16 @@ async fn query_and_path_keys_name_one_resource_alike() {
     gate.release.notify_one();
     assert_eq!(holder.await.unwrap().status, StatusCode::OK);
 
-    let refused = send(&app, empty("/restock?sku=%FF")).await;
+    let refused = send_text(&app, empty("/restock?sku=%FF")).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         refused.detail(),
         "the query parameter `sku` is not valid UTF-8 once decoded"
     );
-    let refused = send(&app, empty("/restock?sku=")).await;
+    let refused = send_text(&app, empty("/restock?sku=")).await;
     assert_eq!(refused.detail(), "the query parameter `sku` is empty");
     // A path parameter that is not UTF-8 gets a problem document too.
-    let refused = send(
+    let refused = send_text(
         &app,
         Request::put("/stock/%FF").body(Body::empty()).unwrap(),
     )
@@ -461,15 +420,15 @@ async fn all_locks_the_path_and_the_body_as_one_batch() {
     };
 
     // The body reached the handler after the JSON extractor read it.
-    let reply = send(&app, put_lines("7", r#"{"skus": ["b", "a", "b"]}"#)).await;
+    let reply = send_text(&app, put_lines("7", r#"{"skus": ["b", "a", "b"]}"#)).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
     assert_eq!(reply.body, "b,a,b\norder:7\nsku:a\nsku:b");
 
     // The first refusal answers; limits count the keys of all extractors together.
-    let reply = send(&app, put_lines("7", r#"{"skus": "a"}"#)).await;
+    let reply = send_text(&app, put_lines("7", r#"{"skus": "a"}"#)).await;
     assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
     reply.problem();
-    let reply = send(&app, put_lines("7", r#"{"skus": ["a", "b", "c", "d"]}"#)).await;
+    let reply = send_text(&app, put_lines("7", r#"{"skus": ["a", "b", "c", "d"]}"#)).await;
     assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(reply.problem()["limit"], "max_keys");
 }

@@ -1,5 +1,7 @@
 //! The layer's behaviour on the in-memory store, driven the way users drive it.
 
+mod support;
+
 use std::{
     convert::Infallible,
     sync::{
@@ -15,32 +17,17 @@ use axum::{
     routing::{post, put},
     Extension, Router,
 };
-use http::{header, request::Parts, Request, Response, StatusCode};
+use http::{header, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use serde::Deserialize;
+use support::http::{header_keys, post_keys};
 use tokio::sync::Notify;
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_batch_lock::{keys, Lease, LockLayer, Locks, Rejection};
+use tower_batch_lock::{keys, Lease, LockLayer, Locks};
 
-/// Keys from the `x-keys` header, comma-separated: lets a test lock any set it likes.
-fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
-    let keys = parts
-        .headers
-        .get("x-keys")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    Ok(keys
-        .split(',')
-        .filter(|k| !k.is_empty())
-        .map(str::to_owned)
-        .collect())
-}
-
+/// `POST /` locking `keys` (comma-separated).
 fn request(keys: &str) -> Request<Body> {
-    Request::post("/")
-        .header("x-keys", keys)
-        .body(Body::empty())
-        .unwrap()
+    post_keys("/", keys)
 }
 
 async fn problem(

@@ -11,7 +11,6 @@
 #[path = "../examples/orders.rs"]
 mod orders;
 
-#[cfg(feature = "redis")]
 mod support;
 
 use std::{
@@ -27,7 +26,7 @@ use axum::{body::Body, Router};
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, StatusCode};
 use serde_json::{json, Value};
-use tower::ServiceExt;
+use support::http::send_text;
 use tower_batch_lock::{keys::DEFAULT_BODY_LIMIT, Locks};
 
 use orders::Store;
@@ -509,38 +508,11 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
     c.cases
 }
 
-/// A response, read to the end.
-struct Reply {
-    status: StatusCode,
-    content_type: Option<String>,
-    body: String,
-}
-
-async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(request))
-        .await
-        .expect("an answer within 10 s")
-        .expect("the router is infallible");
-    let status = response.status();
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .map(|v| v.to_str().unwrap().to_owned());
-    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    Reply {
-        status,
-        content_type,
-        body: String::from_utf8(bytes.to_vec()).expect("a UTF-8 answer"),
-    }
-}
-
 /// Sends `cases` and checks every answer.
 async fn send_cases(app: &Router, cases: Vec<Case>) {
     for case in cases {
         let what = &case.what;
-        let reply = send(app, case.request).await;
+        let reply = send_text(app, case.request).await;
         assert_eq!(reply.status, case.status, "{what}: {}", reply.body);
         assert_eq!(
             reply.content_type.as_deref(),
@@ -565,9 +537,9 @@ async fn send_cases(app: &Router, cases: Vec<Case>) {
 
 /// The service still works after the corpus: it places an order.
 async fn still_serves(app: &Router) {
-    let reply = send(app, put_stock("apple", r#"{"qty": 1}"#)).await;
+    let reply = send_text(app, put_stock("apple", r#"{"qty": 1}"#)).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-    let reply = send(app, post_json(order_json("after", &[("apple", 1)]))).await;
+    let reply = send_text(app, post_json(order_json("after", &[("apple", 1)]))).await;
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
 }
 
@@ -601,7 +573,7 @@ async fn memory_malformed_requests_get_the_right_4xx() {
     send_cases(&app, layer).await;
     assert_read_at_most_the_cap(&pulled);
     send_cases(&app, handler).await;
-    let reply = send(&app, Request::get("/orders/a").body(Body::empty()).unwrap()).await;
+    let reply = send_text(&app, Request::get("/orders/a").body(Body::empty()).unwrap()).await;
     assert_eq!(
         reply.status,
         StatusCode::NOT_FOUND,

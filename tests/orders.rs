@@ -10,11 +10,9 @@
 #[path = "../examples/orders.rs"]
 mod orders;
 
-#[cfg(feature = "redis")]
 mod support;
 
 use std::{
-    future::Future,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -22,8 +20,8 @@ use std::{
 use axum::{body::Body, Router};
 use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
 use serde_json::{json, Value};
+use support::http::within;
 use tokio::sync::Barrier;
-use tower::ServiceExt;
 use tower_batch_lock::Locks;
 
 use orders::Store;
@@ -60,25 +58,15 @@ impl Reply {
     }
 }
 
+/// [`support::http::send`], with the body read as JSON where it is JSON.
 async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = within(
-        Duration::from_secs(10),
-        "a response",
-        app.clone().oneshot(request),
-    )
-    .await
-    .expect("the router is infallible");
-    let status = response.status();
-    let content_type = header_text(response.headers(), header::CONTENT_TYPE).unwrap_or_default();
-    let retry_after = header_text(response.headers(), header::RETRY_AFTER)
+    let reply = support::http::send(app, request).await;
+    let content_type = header_text(&reply.headers, header::CONTENT_TYPE).unwrap_or_default();
+    let retry_after = header_text(&reply.headers, header::RETRY_AFTER)
         .map(|secs| secs.parse().expect("Retry-After in seconds"));
-    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .expect("a readable body");
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    let body = serde_json::from_slice(&reply.body).unwrap_or_else(|_| Value::String(reply.text()));
     Reply {
-        status,
+        status: reply.status,
         content_type,
         retry_after,
         body,
@@ -133,12 +121,6 @@ fn order<S: AsRef<str>>(order_id: &str, items: &[(S, u64)]) -> Value {
         .map(|(sku, qty)| json!({ "sku": sku.as_ref(), "qty": qty }))
         .collect();
     json!({ "order_id": order_id, "items": items })
-}
-
-async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("no {what} within {limit:?}"))
 }
 
 fn memory_app(work_delay: Duration) -> Router {

@@ -9,8 +9,7 @@
 mod support;
 
 use std::{
-    collections::{BTreeSet, HashMap},
-    future::Future,
+    collections::BTreeSet,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc, Mutex,
@@ -23,339 +22,50 @@ use axum::{
     routing::{post, put},
     Extension, Router,
 };
-use bytes::Bytes;
-use http::{header, request::Parts, HeaderMap, Request, StatusCode};
-use http_body_util::BodyExt;
-use support::RedisServer;
+use http::{Request, StatusCode};
+use support::{
+    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    http::{batch, batch_router, poll_every, post_keys, required_header_keys, send, within, Reply},
+    Observer, RedisServer, Rng,
+};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    sync::{Barrier, Notify},
+    sync::Barrier,
 };
 use tower::{Service, ServiceExt};
-use tower_batch_lock::{keys, Lease, Locks, Rejection};
+use tower_batch_lock::{keys, Lease, Locks};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------
 
-/// A route `POST /batch` that locks the JSON array of strings in the body.
-fn batch_router<H, T>(locks: &Locks, handler: H) -> Router
-where
-    H: axum::handler::Handler<T, ()>,
-    T: 'static,
-{
-    Router::new().route(
-        "/batch",
-        post(handler).layer(locks.layer(keys::json(|keys: Vec<String>| keys))),
-    )
-}
-
-/// `POST /batch` with `keys` as a JSON array.
-fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
-    let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
-    Request::post("/batch")
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(serde_json::to_vec(&keys).unwrap()))
-        .unwrap()
-}
-
-/// Keys from the comma-separated `x-keys` header: a closure extractor over the head.
-fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
-    let value = parts
-        .headers
-        .get("x-keys")
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| Rejection::new(StatusCode::BAD_REQUEST, "send an x-keys header"))?;
-    Ok(value.split(',').map(str::to_owned).collect())
-}
-
+/// `POST path` locking `keys`.
 fn header_request(path: &str, keys: &[String]) -> Request<Body> {
-    Request::post(path)
-        .header("x-keys", keys.join(","))
-        .body(Body::empty())
-        .unwrap()
+    post_keys(path, &keys.join(","))
 }
 
-/// A response, read to the end.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    /// The problem+json document of a refusal.
-    fn problem(&self) -> serde_json::Value {
-        assert_eq!(
-            self.headers[header::CONTENT_TYPE],
-            "application/problem+json",
-            "a refusal is problem+json: {self:?}"
-        );
-        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
-        assert_eq!(problem["status"], self.status.as_u16(), "{problem}");
-        problem
-    }
-
-    fn retry_after(&self) -> u64 {
-        self.headers
-            .get(header::RETRY_AFTER)
-            .unwrap_or_else(|| panic!("no Retry-After on {self:?}"))
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap()
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-}
-
-async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = app.clone().oneshot(request).await.unwrap();
-    let (parts, body) = response.into_parts();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
-}
-
-/// `future`, or a panic naming `what` after `limit`.
-async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
-}
-
-/// Polls `check` every 5 ms until it holds; how long that took, or `None` after `limit`.
-async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if check() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > limit {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Looks at the server from outside the crate, with plain synchronous connections.
-#[derive(Clone)]
-struct Observer {
-    url: String,
-}
-
-/// The prefixes the tests use: each names its namespace's fencing counter, which lives
-/// as long as the server, and is never a lock (empty keys are refused).
-const FENCING_COUNTERS: [&str; 2] = ["lock:", "tenant-a/"];
-
-impl Observer {
-    fn of(server: &RedisServer) -> Self {
-        Self { url: server.url() }
-    }
-
-    fn connection(&self) -> redis::Connection {
-        let client = redis::Client::open(self.url.as_str()).unwrap();
-        let connection = client
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .expect("connect to the test redis-server");
-        connection
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        connection
-    }
-
-    fn cmd<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> T {
-        cmd.query(&mut self.connection()).unwrap()
-    }
-
-    /// Every key on the server but the fencing counters, sorted. (`KEYS *` rather than a
-    /// prefix pattern, so that glob characters inside test keys cannot skew the answer.)
-    fn all_keys(&self) -> BTreeSet<String> {
-        self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
-            .into_iter()
-            .filter(|key| !FENCING_COUNTERS.contains(&key.as_str()))
-            .collect()
-    }
-
-    /// The keys under `prefix`.
-    fn under(&self, prefix: &str) -> BTreeSet<String> {
-        self.all_keys()
-            .into_iter()
-            .filter(|k| k.starts_with(prefix))
-            .collect()
-    }
-
-    fn locks(&self) -> BTreeSet<String> {
-        self.under("lock:")
-    }
-
-    /// What holds `key`: the owner token of a lock (a hash of hold id -> owner token), or
-    /// the plain value of any other key.
-    fn get(&self, key: &str) -> Option<String> {
-        let kind: String = self.cmd(redis::cmd("TYPE").arg(key));
-        match kind.as_str() {
-            "none" => None,
-            "hash" => self
-                .cmd::<Vec<String>>(redis::cmd("HVALS").arg(key))
-                .into_iter()
-                .next(),
-            _ => self.cmd(redis::cmd("GET").arg(key)),
-        }
-    }
-
-    fn set(&self, key: &str, value: &str) {
-        self.cmd::<()>(redis::cmd("SET").arg(key).arg(value));
-    }
-
-    fn pttl(&self, key: &str) -> i64 {
-        self.cmd(redis::cmd("PTTL").arg(key))
-    }
-
-    /// How many keys [`all_keys`](Self::all_keys) would list.
-    fn dbsize(&self) -> u64 {
-        let counters = FENCING_COUNTERS
-            .iter()
-            .map(|&k| self.cmd::<u64>(redis::cmd("EXISTS").arg(k)));
-        self.cmd::<u64>(&mut redis::cmd("DBSIZE")) - counters.sum::<u64>()
-    }
-}
-
-/// A handler that says it entered and then waits until the test opens the gate.
-#[derive(Default)]
-struct Gate {
-    entered: Notify,
-    open: Notify,
-    runs: AtomicUsize,
-}
-
-impl Gate {
-    fn new() -> Arc<Self> {
-        Arc::default()
-    }
-
-    async fn pass(&self) {
-        self.runs.fetch_add(1, Ordering::SeqCst);
-        self.entered.notify_one();
-        self.open.notified().await;
-    }
-
-    async fn wait_entered(&self) {
-        within(
-            Duration::from_secs(5),
-            "the handler entered",
-            self.entered.notified(),
-        )
-        .await;
-    }
-
-    fn open(&self) {
-        self.open.notify_one();
-    }
-
-    fn runs(&self) -> usize {
-        self.runs.load(Ordering::SeqCst)
-    }
+/// Polls every 5 ms: see [`poll_every`].
+async fn eventually(limit: Duration, check: impl FnMut() -> bool) -> Option<Duration> {
+    poll_every(Duration::from_millis(5), limit, check).await
 }
 
 fn gated_router(locks: &Locks, gate: &Arc<Gate>) -> Router {
-    let gate = gate.clone();
-    batch_router(locks, move || {
-        let gate = gate.clone();
-        async move { gate.pass().await }
-    })
+    batch_router(locks, gated_handler(gate))
 }
 
-/// A handler that counts its runs and returns at once.
 fn counting_router(locks: &Locks, runs: &Arc<AtomicUsize>) -> Router {
-    let runs = runs.clone();
-    batch_router(locks, move || {
-        let runs = runs.clone();
-        async move {
-            runs.fetch_add(1, Ordering::SeqCst);
-        }
-    })
-}
-
-/// xorshift64: reproducible key sets without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
+    batch_router(locks, counting_handler(runs))
 }
 
 // ---------------------------------------------------------------------------------------
 // 1. No overlap across processes; parallelism preserved
 // ---------------------------------------------------------------------------------------
 
-/// One critical section as a handler saw it.
-#[derive(Debug)]
-struct Visit {
-    keys: Vec<String>,
-    enter: Instant,
-    exit: Instant,
-}
-
-/// Who is inside which key right now, and every visit so far.
-#[derive(Default)]
-struct Ledger {
-    holding: Mutex<HashMap<String, usize>>,
-    overlaps: AtomicUsize,
-    visits: Mutex<Vec<Visit>>,
-}
-
-impl Ledger {
-    fn enter(&self, keys: &[String]) -> Instant {
-        let mut holding = self.holding.lock().unwrap();
-        for key in keys {
-            let holders = holding.entry(key.clone()).or_default();
-            *holders += 1;
-            if *holders > 1 {
-                self.overlaps.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        Instant::now()
-    }
-
-    fn exit(&self, keys: Vec<String>, enter: Instant) {
-        let exit = Instant::now();
-        let mut holding = self.holding.lock().unwrap();
-        for key in &keys {
-            *holding.get_mut(key).unwrap() -= 1;
-        }
-        drop(holding);
-        self.visits
-            .lock()
-            .unwrap()
-            .push(Visit { keys, enter, exit });
-    }
-}
-
 fn ledger_router(locks: &Locks, ledger: &Arc<Ledger>) -> Router {
-    let ledger = ledger.clone();
-    let handler = move |Extension(lease): Extension<Lease>| {
-        let ledger = ledger.clone();
-        async move {
-            let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
-            let enter = ledger.enter(&keys);
-            tokio::time::sleep(Duration::from_millis(3)).await;
-            ledger.exit(keys, enter);
-        }
-    };
-    Router::new().route("/work", post(handler).layer(locks.layer(header_keys)))
+    Router::new().route(
+        "/work",
+        post(ledger_handler(ledger)).layer(locks.layer(required_header_keys)),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -9,8 +9,7 @@
 mod support;
 
 use std::{
-    collections::{BTreeSet, HashMap},
-    future::Future,
+    collections::BTreeSet,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc, Mutex,
@@ -18,14 +17,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::{body::Body, routing::post, Extension, Router};
-use bytes::Bytes;
-use http::{header, HeaderMap, Request, StatusCode};
-use http_body_util::BodyExt;
-use support::RedisServer;
-use tokio::sync::Notify;
-use tower::ServiceExt;
-use tower_batch_lock::{keys, Lease, Locks, Redlock, Wait};
+use axum::{body::Body, Extension, Router};
+use http::{Request, StatusCode};
+use support::{
+    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    http::{batch, batch_router, poll_every, send, within, Reply},
+    RedisServer, Rng,
+};
+use tower_batch_lock::{Lease, Locks, Redlock, Wait};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -111,26 +110,6 @@ impl Masters {
     }
 }
 
-/// A route `POST /batch` that locks the JSON array of strings in the body.
-fn batch_router<H, T>(locks: &Locks, handler: H) -> Router
-where
-    H: axum::handler::Handler<T, ()>,
-    T: 'static,
-{
-    Router::new().route(
-        "/batch",
-        post(handler).layer(locks.layer(keys::json(|keys: Vec<String>| keys))),
-    )
-}
-
-fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
-    let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
-    Request::post("/batch")
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(serde_json::to_vec(&keys).unwrap()))
-        .unwrap()
-}
-
 /// A route whose handler answers with the fencing token of its lease.
 fn fence_router(locks: &Locks) -> Router {
     batch_router(locks, |Extension(lease): Extension<Lease>| async move {
@@ -140,55 +119,18 @@ fn fence_router(locks: &Locks) -> Router {
 
 /// A route whose handler counts its runs.
 fn counting_router(locks: &Locks, runs: &Arc<AtomicUsize>) -> Router {
-    let runs = runs.clone();
-    batch_router(locks, move || {
-        let runs = runs.clone();
-        async move {
-            runs.fetch_add(1, Ordering::SeqCst);
-        }
-    })
+    batch_router(locks, counting_handler(runs))
 }
 
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
+/// The fencing token a [`fence_router`] answered with.
+trait Fence {
+    fn fence(&self) -> u64;
 }
 
-impl Reply {
-    fn problem(&self) -> serde_json::Value {
-        assert_eq!(
-            self.headers[header::CONTENT_TYPE],
-            "application/problem+json",
-            "a refusal is problem+json: {self:?}"
-        );
-        serde_json::from_slice(&self.body).unwrap()
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
+impl Fence for Reply {
     fn fence(&self) -> u64 {
         assert_eq!(self.status, StatusCode::OK, "{}", self.text());
         self.text().parse().unwrap()
-    }
-}
-
-async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = within(
-        Duration::from_secs(10),
-        "a response",
-        app.clone().oneshot(request),
-    )
-    .await
-    .unwrap();
-    let (parts, body) = response.into_parts();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
     }
 }
 
@@ -199,24 +141,10 @@ async fn timed(app: &Router, request: Request<Body>) -> (Reply, Duration) {
     (reply, started.elapsed())
 }
 
-async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
-}
-
-/// Polls `check` every 10 ms until it holds; how long that took, or `None` after `limit`.
-async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if check() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > limit {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+/// Polls every 10 ms, so that checks of every master do not load them: see
+/// [`poll_every`].
+async fn eventually(limit: Duration, check: impl FnMut() -> bool) -> Option<Duration> {
+    poll_every(Duration::from_millis(10), limit, check).await
 }
 
 fn assert_unavailable(reply: &Reply) {
@@ -232,116 +160,16 @@ fn assert_unavailable(reply: &Reply) {
     );
 }
 
-/// A handler that says it entered (with its lease) and then waits until the test opens
-/// the gate.
-#[derive(Default)]
-struct Gate {
-    entered: Notify,
-    open: Notify,
-    lease: Mutex<Option<Lease>>,
-}
-
-impl Gate {
-    fn new() -> Arc<Self> {
-        Arc::default()
-    }
-
-    async fn wait_entered(&self) -> Lease {
-        within(
-            Duration::from_secs(5),
-            "the handler entered",
-            self.entered.notified(),
-        )
-        .await;
-        self.lease.lock().unwrap().clone().unwrap()
-    }
-
-    fn open(&self) {
-        self.open.notify_one();
-    }
-}
-
 fn gated_router(locks: &Locks, gate: &Arc<Gate>) -> Router {
-    let gate = gate.clone();
-    batch_router(locks, move |Extension(lease): Extension<Lease>| {
-        let gate = gate.clone();
-        async move {
-            *gate.lease.lock().unwrap() = Some(lease);
-            gate.entered.notify_one();
-            gate.open.notified().await;
-        }
-    })
-}
-
-/// xorshift64: reproducible key sets without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
+    batch_router(locks, gated_handler(gate))
 }
 
 // ---------------------------------------------------------------------------------------
 // Mutual exclusion, and fencing tokens in the order of the critical sections
 // ---------------------------------------------------------------------------------------
 
-#[derive(Debug)]
-struct Visit {
-    keys: Vec<String>,
-    fence: u64,
-    enter: Instant,
-    exit: Instant,
-}
-
-#[derive(Default)]
-struct Ledger {
-    holding: Mutex<HashMap<String, usize>>,
-    overlaps: AtomicUsize,
-    visits: Mutex<Vec<Visit>>,
-}
-
 fn ledger_router(locks: &Locks, ledger: &Arc<Ledger>) -> Router {
-    let ledger = ledger.clone();
-    batch_router(locks, move |Extension(lease): Extension<Lease>| {
-        let ledger = ledger.clone();
-        async move {
-            let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
-            {
-                let mut holding = ledger.holding.lock().unwrap();
-                for key in &keys {
-                    let holders = holding.entry(key.clone()).or_default();
-                    *holders += 1;
-                    if *holders > 1 {
-                        ledger.overlaps.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-            }
-            let enter = Instant::now();
-            tokio::time::sleep(Duration::from_millis(3)).await;
-            let exit = Instant::now();
-            {
-                let mut holding = ledger.holding.lock().unwrap();
-                for key in &keys {
-                    *holding.get_mut(key).unwrap() -= 1;
-                }
-            }
-            let fence = lease.fencing_token().get();
-            ledger.visits.lock().unwrap().push(Visit {
-                keys,
-                fence,
-                enter,
-                exit,
-            });
-        }
-    })
+    batch_router(locks, ledger_handler(ledger))
 }
 
 /// Two "processes" (two `Locks` on their own pools) send `requests` random, overlapping
@@ -755,7 +583,8 @@ async fn the_lease_expires_at_the_validity_deadline_before_any_master_lets_go() 
     let app = gated_router(&locks, &gate);
     let sent = Instant::now();
     let held = tokio::spawn(async move { send(&app, batch(&["l:1"])).await });
-    let lease = gate.wait_entered().await;
+    gate.wait_entered().await;
+    let lease = gate.lease();
     let now = Instant::now();
     let remaining = lease.expires_at().saturating_duration_since(now);
     assert!(
@@ -797,7 +626,8 @@ async fn masters_restarted_empty_lose_a_lock_only_once_they_are_a_majority() {
     let gate = Gate::new();
     let holder = gated_router(&holding, &gate);
     let held = tokio::spawn(async move { send(&holder, batch(&["r:1", "r:2"])).await });
-    let lease = gate.wait_entered().await;
+    gate.wait_entered().await;
+    let lease = gate.lease();
     let runs = Arc::new(AtomicUsize::new(0));
     let contender = counting_router(&other, &runs);
 
@@ -852,7 +682,8 @@ async fn a_master_kept_out_for_a_ttl_before_rejoining_keeps_exclusion() {
     let gate = Gate::new();
     let holder = gated_router(&holding, &gate);
     let held = tokio::spawn(async move { send(&holder, batch(&["d:1"])).await });
-    let lease = gate.wait_entered().await;
+    gate.wait_entered().await;
+    let lease = gate.lease();
     let runs = Arc::new(AtomicUsize::new(0));
     let contender = counting_router(&other, &runs);
 

@@ -15,38 +15,18 @@ use axum::{
     Extension, Router,
 };
 use http::{request::Parts, HeaderName, Request, StatusCode};
-use http_body_util::BodyExt;
-use support::RedisServer;
+use support::{
+    http::{header_keys, post_keys},
+    RedisServer,
+};
 use tokio::sync::oneshot;
 use tower::ServiceExt;
 use tower_batch_lock::{keys, Lease, Locks, Rejection};
 
-/// Keys from the `x-keys` header, comma-separated.
-fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
-    let keys = parts
-        .headers
-        .get("x-keys")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    Ok(keys
-        .split(',')
-        .filter(|k| !k.is_empty())
-        .map(str::to_owned)
-        .collect())
-}
-
+/// The status and the body of `request`'s response.
 async fn send(app: &Router, request: Request<Body>) -> (StatusCode, String) {
-    let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
-}
-
-fn post_keys(uri: &str, keys: &str) -> Request<Body> {
-    Request::post(uri)
-        .header("x-keys", keys)
-        .body(Body::empty())
-        .unwrap()
+    let reply = support::http::send(app, request).await;
+    (reply.status, reply.text())
 }
 
 /// How many holds a lock key has (0: free), and how many owners among them.

@@ -14,7 +14,6 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
-    future::Future,
     sync::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
@@ -24,30 +23,24 @@ use std::{
 
 use axum::{body::Body, routing::post, Extension, Router};
 use bytes::Bytes;
-use http::{header, request::Parts, HeaderMap, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use support::RedisServer;
+use support::{
+    handlers::{counting_handler, gated_handler, Gate},
+    http::{poll_every, post_keys, required_header_keys, send, within},
+    Observer, RedisServer,
+};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::TcpStream,
     sync::Notify,
 };
 use tower::ServiceExt;
-use tower_batch_lock::{Lease, Locks, OnLostLease, Rejection, Wait};
+use tower_batch_lock::{Lease, Locks, OnLostLease, Wait};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------
-
-/// Keys from the comma-separated `x-keys` header.
-fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
-    let value = parts
-        .headers
-        .get("x-keys")
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| Rejection::new(StatusCode::BAD_REQUEST, "send an x-keys header"))?;
-    Ok(value.split(',').map(str::to_owned).collect())
-}
 
 /// A route `POST /work` that locks the keys of the `x-keys` header around `handler`.
 fn router<H, T>(locks: &Locks, handler: H) -> Router
@@ -55,7 +48,10 @@ where
     H: axum::handler::Handler<T, ()>,
     T: 'static,
 {
-    Router::new().route("/work", post(handler).layer(locks.layer(header_keys)))
+    Router::new().route(
+        "/work",
+        post(handler).layer(locks.layer(required_header_keys)),
+    )
 }
 
 /// A router whose handler does nothing: a competitor that only wants to know whether the
@@ -66,77 +62,13 @@ fn probe_router(locks: &Locks) -> Router {
 
 /// `POST /work` locking `keys`.
 fn work(keys: &[&str]) -> Request<Body> {
-    Request::post("/work")
-        .header("x-keys", keys.join(","))
-        .body(Body::empty())
-        .unwrap()
+    post_keys("/work", &keys.join(","))
 }
 
-/// A response, read to the end.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    /// The problem+json document of a refusal.
-    fn problem(&self) -> serde_json::Value {
-        assert_eq!(
-            self.headers[header::CONTENT_TYPE],
-            "application/problem+json",
-            "a refusal is problem+json: {self:?}"
-        );
-        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
-        assert_eq!(problem["status"], self.status.as_u16(), "{problem}");
-        problem
-    }
-
-    fn retry_after(&self) -> u64 {
-        self.headers
-            .get(header::RETRY_AFTER)
-            .unwrap_or_else(|| panic!("no Retry-After on {self:?}"))
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap()
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-}
-
-async fn send(app: &Router, request: Request<Body>) -> Reply {
-    let response = app.clone().oneshot(request).await.unwrap();
-    let (parts, body) = response.into_parts();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
-}
-
-/// `future`, or a panic naming `what` after `limit`.
-async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
-}
-
-/// Polls `check` every 2 ms until it holds; how long that took, or `None` after `limit`.
-async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if check() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > limit {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+/// Polls every 2 ms, fine enough for the grant latencies measured here: see
+/// [`poll_every`].
+async fn eventually(limit: Duration, check: impl FnMut() -> bool) -> Option<Duration> {
+    poll_every(Duration::from_millis(2), limit, check).await
 }
 
 /// The median of some durations, and the list sorted, for reports.
@@ -154,126 +86,13 @@ fn ms(durations: &[Duration]) -> String {
     format!("[{}] ms", figures.join(", "))
 }
 
-/// Looks at the server from outside the crate, with plain synchronous connections.
-#[derive(Clone)]
-struct Store {
-    url: String,
-}
-
-impl Store {
-    fn of(server: &RedisServer) -> Self {
-        Self { url: server.url() }
-    }
-
-    fn cmd<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> T {
-        let client = redis::Client::open(self.url.as_str()).unwrap();
-        let mut connection = client
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .expect("connect to the test redis-server");
-        connection
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        cmd.query(&mut connection).unwrap()
-    }
-
-    /// What holds `key`: the owner token of a lock (a hash of hold id -> owner token), or
-    /// the plain value of any other key.
-    fn get(&self, key: &str) -> Option<String> {
-        let kind: String = self.cmd(redis::cmd("TYPE").arg(key));
-        match kind.as_str() {
-            "none" => None,
-            "hash" => self
-                .cmd::<Vec<String>>(redis::cmd("HVALS").arg(key))
-                .into_iter()
-                .next(),
-            _ => self.cmd(redis::cmd("GET").arg(key)),
-        }
-    }
-
-    fn pttl(&self, key: &str) -> i64 {
-        self.cmd(redis::cmd("PTTL").arg(key))
-    }
-
-    fn del(&self, key: &str) -> u64 {
-        self.cmd(redis::cmd("DEL").arg(key))
-    }
-
-    fn set(&self, key: &str, value: &str) {
-        self.cmd::<()>(redis::cmd("SET").arg(key).arg(value));
-    }
-
-    /// The lock keys on the server (the namespace's fencing counter, the bare prefix
-    /// `lock:`, is not a lock).
-    fn locks(&self) -> BTreeSet<String> {
-        self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
-            .into_iter()
-            .filter(|key| key != "lock:")
-            .collect()
-    }
-
-    /// How many script calls (`EVALSHA` and `EVAL`) the server has received.
-    fn script_calls(&self) -> u64 {
-        let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
-        info.lines()
-            .filter(|line| {
-                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
-            })
-            .map(|line| {
-                let calls = line.split("calls=").nth(1).expect("calls=");
-                calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
-            })
-            .sum()
-    }
-}
-
-/// A handler that says it entered and then waits until the test opens the gate.
-#[derive(Default)]
-struct Gate {
-    entered: Notify,
-    open: Notify,
-}
-
-impl Gate {
-    fn new() -> Arc<Self> {
-        Arc::default()
-    }
-
-    async fn pass(&self) {
-        self.entered.notify_one();
-        self.open.notified().await;
-    }
-
-    async fn wait_entered(&self) {
-        within(
-            Duration::from_secs(5),
-            "the handler entered",
-            self.entered.notified(),
-        )
-        .await;
-    }
-
-    fn open(&self) {
-        self.open.notify_one();
-    }
-}
-
 fn gated_router(locks: &Locks, gate: &Arc<Gate>) -> Router {
-    let gate = gate.clone();
-    router(locks, move || {
-        let gate = gate.clone();
-        async move { gate.pass().await }
-    })
+    router(locks, gated_handler(gate))
 }
 
 /// Runs a handler whenever a request is granted, and counts them.
 fn counting_router(locks: &Locks, runs: &Arc<AtomicUsize>) -> Router {
-    let runs = runs.clone();
-    router(locks, move || {
-        let runs = runs.clone();
-        async move {
-            runs.fetch_add(1, Ordering::SeqCst);
-        }
-    })
+    router(locks, counting_handler(runs))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -346,7 +165,7 @@ async fn release_to_grant(holder: &Locks, waiter: &Locks, rounds: usize) -> Vec<
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
 
     // Two processes, each with its own pool and its own subscription.
@@ -379,13 +198,13 @@ async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
         ms(&subscribed),
         ms(&polled)
     );
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
     let latencies = release_to_grant(&locks, &locks, 8).await;
     let (median, sorted) = median(&latencies);
@@ -398,7 +217,7 @@ async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
         "a waiter should wake on its own process's release: {}",
         ms(&sorted)
     );
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -419,7 +238,7 @@ async fn a_waiter_on_the_memory_store_is_woken_by_the_release() {
 
 /// A waiter whose bound passes gets the contention response at the bound, and leaves no
 /// key of its batch behind.
-async fn bound_passes(locks: &Locks, store: Option<&Store>) -> Duration {
+async fn bound_passes(locks: &Locks, store: Option<&Observer>) -> Duration {
     let gate = Gate::new();
     let holder = gated_router(locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["busy"])).await });
@@ -459,7 +278,7 @@ async fn bound_passes(locks: &Locks, store: Option<&Store>) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let on_redis = bound_passes(
         &Locks::redis_url(&server.url())
             .unwrap()
@@ -469,13 +288,13 @@ async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
     .await;
     let in_memory = bound_passes(&Locks::memory().ttl(Duration::from_secs(10)), None).await;
     eprintln!("a 300 ms bound ran out after {on_redis:?} on Redis, {in_memory:?} in memory");
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let holder_locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
     let gate = Gate::new();
     let holder = gated_router(&holder_locks, &gate);
@@ -548,7 +367,7 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
 // 2. A waiting request never holds part of its batch
 // ---------------------------------------------------------------------------------------
 
-async fn waiting_holds_nothing(locks: &Locks, store: Option<&Store>) {
+async fn waiting_holds_nothing(locks: &Locks, store: Option<&Observer>) {
     let gate = Gate::new();
     let holder = gated_router(locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["a"])).await });
@@ -608,11 +427,11 @@ async fn waiting_holds_nothing(locks: &Locks, store: Option<&Store>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiting_request_holds_none_of_its_batch() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
     waiting_holds_nothing(&Locks::redis(server.pool()).ttl(ttl), Some(&store)).await;
     waiting_holds_nothing(&Locks::memory().ttl(ttl), None).await;
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -726,7 +545,7 @@ impl Drop for Monitor {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_renewed_lease_outlives_its_ttl_and_never_its_release() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let monitor = Monitor::start(&server).await;
     let ttl = Duration::from_millis(300);
     let handler_time = Duration::from_millis(1500);
@@ -842,7 +661,7 @@ fn lost_router(locks: &Locks, lost_at: &Arc<Mutex<BTreeMap<String, (Instant, boo
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_lease_is_reported_within_a_renewal_period() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     // Renewed every second; unrenewed, the keys would live 3 s.
     let ttl = Duration::from_secs(3);
     let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(true);
@@ -905,7 +724,7 @@ impl Drop for DropFlag {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let locks = Locks::redis(server.pool())
         .ttl(Duration::from_secs(3))
         .renew_lease(true)
@@ -963,7 +782,7 @@ async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
     );
     assert!(!finished.load(Ordering::SeqCst));
     // Nothing is left, and the key is free for the next request at once.
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
     let probe = probe_router(&Locks::redis(server.pool()));
     assert_eq!(send(&probe, work(&["cancel"])).await.status, StatusCode::OK);
 }
@@ -971,7 +790,7 @@ async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn max_hold_counts_from_the_grant_not_from_the_start_of_the_wait() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let gate = Gate::new();
     let holder = gated_router(
         &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
@@ -1021,7 +840,7 @@ async fn max_hold_counts_from_the_grant_not_from_the_start_of_the_wait() {
         "held 1.6 s, past max_hold and a TTL, the lease still lives (is_lost {lost_late}, \
          key in the store {kept_late})"
     );
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1161,7 +980,7 @@ fn assert_fenced(grants: &[Grant]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fencing_tokens_strictly_increase_per_key_across_processes() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
     let handles = [
         Locks::redis_url(&server.url()).unwrap().ttl(ttl),
@@ -1173,7 +992,7 @@ async fn fencing_tokens_strictly_increase_per_key_across_processes() {
     let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();
     assert_eq!(tokens, (1..=100).collect::<BTreeSet<u64>>());
     assert_eq!(store.get("lock:").as_deref(), Some("100"));
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1308,7 +1127,7 @@ impl Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_streamed_body_keeps_its_keys_until_it_ends_only_when_asked() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let every = Duration::from_millis(100);
     let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(5));
     // The competitor is another process, refused at once when the key is busy.
@@ -1369,13 +1188,13 @@ async fn a_streamed_body_keeps_its_keys_until_it_ends_only_when_asked() {
     }
     assert_eq!(chunks, 5, "the body streams on without its lock");
     serving.abort();
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_that_drops_a_held_body_midway_releases_its_keys_promptly() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let every = Duration::from_millis(100);
     let locks = Locks::redis(server.pool())
         .ttl(Duration::from_secs(5))
@@ -1417,13 +1236,13 @@ async fn a_client_that_drops_a_held_body_midway_releases_its_keys_promptly() {
     );
     assert!(dropped < Duration::from_millis(50), "{dropped:?}");
     assert!(hung_up < Duration::from_millis(500), "{hung_up:?}");
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_held_response_of_known_length_is_released_before_the_client_has_it() {
     let server = RedisServer::start();
-    let store = Store::of(&server);
+    let store = Observer::of(&server);
     let locks = Locks::redis(server.pool())
         .ttl(Duration::from_secs(5))
         .hold_until_body_end(true);
@@ -1433,7 +1252,7 @@ async fn a_held_response_of_known_length_is_released_before_the_client_has_it() 
     let sized = Router::new()
         .route("/text", post(|| async { "done" }))
         .route("/empty", post(|| async {}))
-        .layer(locks.layer(header_keys));
+        .layer(locks.layer(required_header_keys));
     let (address, serving) = serve(sized).await;
 
     // One client, one keep-alive connection; as soon as it has a whole response it asks
@@ -1465,5 +1284,5 @@ async fn a_held_response_of_known_length_is_released_before_the_client_has_it() 
          response: {held:?}",
         held.len()
     );
-    assert!(store.locks().is_empty(), "{:?}", store.locks());
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }

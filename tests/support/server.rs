@@ -1,0 +1,273 @@
+//! Real `redis-server` processes for tests: each on a free loopback port, with nothing kept
+//! on disk, stopped when dropped. Never the server on the default port 6379.
+
+use std::{
+    collections::BTreeSet,
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+pub(crate) struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it answers PING.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed, with a message that says how to install it.
+    pub(crate) fn start() -> Self {
+        for _ in 0..5 {
+            let port = free_port();
+            let mut server = Self {
+                child: Some(spawn(port)),
+                port,
+            };
+            if server.wait_ready(Duration::from_secs(10)) {
+                return server;
+            }
+            // Another process took the port between our probe and the server's bind.
+            server.kill();
+        }
+        panic!("redis-server did not start on a free loopback port after 5 attempts");
+    }
+
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub(crate) fn pool(&self) -> deadpool_redis::Pool {
+        deadpool_redis::Config::from_url(self.url())
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .expect("a valid Redis URL")
+    }
+
+    /// A plain synchronous connection, for looking at the server from outside the crate.
+    pub(crate) fn connection(&self) -> redis::Connection {
+        connect(&self.url())
+    }
+
+    /// How many keys the server holds in all.
+    pub(crate) fn dbsize(&self) -> u64 {
+        redis::cmd("DBSIZE")
+            .query(&mut self.connection())
+            .expect("DBSIZE")
+    }
+
+    /// The keys that match `pattern`.
+    pub(crate) fn keys(&self, pattern: &str) -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut self.connection())
+            .expect("KEYS")
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
+    pub(crate) fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub(crate) fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    /// Kills the server as a crash would.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port after [`kill`](Self::kill).
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        self.child = Some(spawn(self.port));
+        assert!(
+            self.wait_ready(Duration::from_secs(10)),
+            "redis-server did not restart"
+        );
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("server is running").id();
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status();
+        assert!(
+            status.is_ok_and(|s| s.success()),
+            "kill -{signal} {pid} failed"
+        );
+    }
+
+    fn wait_ready(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(Ok(Some(_exited))) = self.child.as_mut().map(Child::try_wait) {
+                return false;
+            }
+            let pong = redis::Client::open(self.url())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(500)))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            if pong.is_ok_and(|p| p == "PONG") {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // A paused server would ignore SIGKILL only until resumed; SIGKILL works anyway.
+        self.kill();
+    }
+}
+
+/// A plain synchronous connection to the server at `url`, with bounded connect and reads.
+fn connect(url: &str) -> redis::Connection {
+    let client = redis::Client::open(url).expect("a valid Redis URL");
+    let connection = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .expect("connect to the test redis-server");
+    connection
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    connection
+}
+
+/// Looks at a server from outside the crate, with a plain synchronous connection per
+/// command. Holds only the URL, so that handlers and tasks can keep a clone.
+#[derive(Clone)]
+pub(crate) struct Observer {
+    url: String,
+}
+
+/// The prefixes the tests use: each names its namespace's fencing counter, which lives
+/// as long as the server, and is never a lock (empty keys are refused).
+const FENCING_COUNTERS: [&str; 2] = ["lock:", "tenant-a/"];
+
+impl Observer {
+    pub(crate) fn of(server: &RedisServer) -> Self {
+        Self { url: server.url() }
+    }
+
+    pub(crate) fn connection(&self) -> redis::Connection {
+        connect(&self.url)
+    }
+
+    pub(crate) fn cmd<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> T {
+        cmd.query(&mut self.connection()).unwrap()
+    }
+
+    /// Every key on the server but the fencing counters, sorted. (`KEYS *` rather than a
+    /// prefix pattern, so that glob characters inside test keys cannot skew the answer.)
+    pub(crate) fn all_keys(&self) -> BTreeSet<String> {
+        self.cmd::<Vec<String>>(redis::cmd("KEYS").arg("*"))
+            .into_iter()
+            .filter(|key| !FENCING_COUNTERS.contains(&key.as_str()))
+            .collect()
+    }
+
+    /// The keys under `prefix`.
+    pub(crate) fn under(&self, prefix: &str) -> BTreeSet<String> {
+        self.all_keys()
+            .into_iter()
+            .filter(|k| k.starts_with(prefix))
+            .collect()
+    }
+
+    /// The lock keys of the default namespace.
+    pub(crate) fn locks(&self) -> BTreeSet<String> {
+        self.under("lock:")
+    }
+
+    /// What holds `key`: the owner token of a lock (a hash of hold id -> owner token), or
+    /// the plain value of any other key.
+    pub(crate) fn get(&self, key: &str) -> Option<String> {
+        let kind: String = self.cmd(redis::cmd("TYPE").arg(key));
+        match kind.as_str() {
+            "none" => None,
+            "hash" => self
+                .cmd::<Vec<String>>(redis::cmd("HVALS").arg(key))
+                .into_iter()
+                .next(),
+            _ => self.cmd(redis::cmd("GET").arg(key)),
+        }
+    }
+
+    pub(crate) fn set(&self, key: &str, value: &str) {
+        self.cmd::<()>(redis::cmd("SET").arg(key).arg(value));
+    }
+
+    /// How many keys `DEL` removed.
+    pub(crate) fn del(&self, key: &str) -> u64 {
+        self.cmd(redis::cmd("DEL").arg(key))
+    }
+
+    pub(crate) fn pttl(&self, key: &str) -> i64 {
+        self.cmd(redis::cmd("PTTL").arg(key))
+    }
+
+    /// How many keys [`all_keys`](Self::all_keys) would list.
+    pub(crate) fn dbsize(&self) -> u64 {
+        let counters = FENCING_COUNTERS
+            .iter()
+            .map(|&k| self.cmd::<u64>(redis::cmd("EXISTS").arg(k)));
+        self.cmd::<u64>(&mut redis::cmd("DBSIZE")) - counters.sum::<u64>()
+    }
+
+    /// How many script calls (`EVALSHA` and `EVAL`) the server has received.
+    pub(crate) fn script_calls(&self) -> u64 {
+        let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
+        info.lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+            })
+            .map(|line| {
+                let calls = line.split("calls=").nth(1).expect("calls=");
+                calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
+            })
+            .sum()
+    }
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    listener.local_addr().unwrap().port()
+}
+
+fn spawn(port: u16) -> Child {
+    Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(std::env::temp_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "could not start redis-server ({e}). The Redis tests start their own servers: \
+                 install it with `apt-get install redis-server` (or put redis-server on PATH)"
+            )
+        })
+}
