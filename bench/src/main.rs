@@ -14,16 +14,10 @@
 //! from the previous `results.json`. `--quick` writes under `bench/target/quick/` instead
 //! and leaves the README alone.
 
-// The test harness's real redis-server processes on free loopback ports (build.rs says
-// which file holds them).
-// `rustfmt::skip`: the crate's own `cargo fmt` formats them, not this package's.
-#[cfg(split_support)]
+// The test harness's real redis-server processes on free loopback ports. `rustfmt::skip`:
+// the crate's own `cargo fmt` formats that file, not this package's.
 #[allow(dead_code)] // the tests use more of it than the bench
 #[path = "../../tests/support/server.rs"]
-#[rustfmt::skip]
-mod support;
-#[cfg(not(split_support))]
-#[path = "../../tests/support/mod.rs"]
 #[rustfmt::skip]
 mod support;
 
