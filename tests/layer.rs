@@ -509,69 +509,6 @@ async fn the_ready_inner_service_is_the_one_called() {
     }
 }
 
-/// Collects what a `tracing_subscriber::fmt` subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[tokio::test]
-async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_time() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
-
-    let locks = Locks::memory();
-    let gate = Gate::default();
-    let holder = tokio::spawn(gate.router(&locks).oneshot(request("a,b")));
-    gate.entered.notified().await;
-    assert_eq!(
-        quick(&locks)
-            .oneshot(request("b,c,d"))
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::CONFLICT
-    );
-    gate.release.notify_one();
-    holder.await.unwrap().unwrap();
-
-    let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-    let closed: Vec<&str> = output
-        .lines()
-        .filter(|l| l.contains("lock{") && l.contains("close"))
-        .collect();
-    assert_eq!(closed.len(), 2, "{output}");
-    assert!(
-        closed
-            .iter()
-            .any(|l| l.contains("keys=2") && l.contains("outcome=\"granted\"")),
-        "{output}"
-    );
-    assert!(
-        closed
-            .iter()
-            .any(|l| l.contains("keys=3") && l.contains("outcome=\"contended\"")),
-        "{output}"
-    );
-    assert!(closed.iter().all(|l| l.contains("acquire_ms=")), "{output}");
-}
-
 #[test]
 #[should_panic(expected = "a lock prefix must not be empty")]
 fn an_empty_prefix_is_refused_at_configuration() {

@@ -495,7 +495,13 @@ async fn redlock_racing_orders_on_two_instances_never_oversell() {
     let masters: Vec<_> = (0..3).map(|_| support::RedisServer::start()).collect();
     let urls: Vec<String> = masters.iter().map(support::RedisServer::url).collect();
     let instance = || {
-        let locks = Locks::redlock(&urls).expect("three valid URLs");
+        // A generous per-master timeout: on a loaded two-core machine a debug build can
+        // starve a task past the 100 ms default, and this test is about overselling, not
+        // about how fast a master must answer (tests/redlock.rs covers that).
+        let locks = tower_batch_lock::Redlock::new(&urls)
+            .node_timeout(Duration::from_secs(1))
+            .build()
+            .expect("three valid URLs");
         orders::app(Store::redis(masters[0].pool()), Some(locks), WORK_DELAY)
     };
     let race = race(&[instance(), instance()]).await;

@@ -1,0 +1,78 @@
+//! The span the layer opens for each locked request.
+//!
+//! Alone in its test binary, with a global subscriber: a thread-local one
+//! (`tracing::subscriber::set_default`) races the other tests' threads over tracing's
+//! global cache of which spans are enabled, and sometimes missed spans.
+
+mod support;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{routing::post, Router};
+use http::StatusCode;
+use support::http::{header_keys, post_keys};
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_batch_lock::Locks;
+
+/// Collects what a `tracing_subscriber::fmt` subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_time() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .init();
+
+    let locks = Locks::memory();
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let holding = {
+        let (entered, release) = (entered.clone(), release.clone());
+        post(move || async move {
+            entered.notify_one();
+            release.notified().await;
+        })
+    };
+    let holder = Router::new().route("/", holding.layer(locks.layer(header_keys)));
+    let holder = tokio::spawn(holder.oneshot(post_keys("/", "a,b")));
+    entered.notified().await;
+
+    let quick = Router::new().route("/", post(|| async {}).layer(locks.layer(header_keys)));
+    let refused = quick.oneshot(post_keys("/", "b,c,d")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    release.notify_one();
+    let granted = tokio::time::timeout(Duration::from_secs(10), holder).await;
+    assert_eq!(granted.unwrap().unwrap().unwrap().status(), StatusCode::OK);
+
+    let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let closed: Vec<&str> = output
+        .lines()
+        .filter(|l| l.contains("lock{") && l.contains("close"))
+        .collect();
+    assert_eq!(closed.len(), 2, "{output}");
+    let granted = |l: &&str| l.contains("keys=2") && l.contains("outcome=\"granted\"");
+    let contended = |l: &&str| l.contains("keys=3") && l.contains("outcome=\"contended\"");
+    assert!(closed.iter().any(granted), "{output}");
+    assert!(closed.iter().any(contended), "{output}");
+    assert!(closed.iter().all(|l| l.contains("acquire_ms=")), "{output}");
+}
