@@ -1215,3 +1215,29 @@ async fn the_lease_lists_the_keys_and_expires_about_a_ttl_from_now() {
     );
     assert!(observer.locks().is_empty());
 }
+
+/// redis-rs gives up on a reply after 500 ms by default; a batch that Redis takes longer
+/// over (here: a script held 1.5 s by `CLIENT PAUSE`) must still be granted within the
+/// layer's own backend timeout.
+#[tokio::test]
+async fn a_slow_script_is_bounded_by_the_backend_timeout_not_by_the_clients_default() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let locks = Locks::redis(server.pool()).backend_timeout(Duration::from_secs(3));
+    let app = counting_router(&locks, &runs);
+    // Load the scripts and open the shared connection first.
+    assert_eq!(send(&app, batch(&["warm"])).await.status, StatusCode::OK);
+
+    observer.cmd::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(1500).arg("WRITE"));
+    let started = Instant::now();
+    let reply = send(&app, batch(&["slow:1", "slow:2"])).await;
+    let took = started.elapsed();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(
+        took >= Duration::from_millis(700),
+        "the pause did not hold the script: {took:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+}

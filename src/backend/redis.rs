@@ -210,7 +210,12 @@ impl RedisBackend {
             Some(cached) => cached,
             None => {
                 let pooled = self.pool.get().await.map_err(BackendError::not_sent)?;
-                let connection = deadpool_redis::Connection::take(pooled);
+                let mut connection = deadpool_redis::Connection::take(pooled);
+                // Every call is bounded by the caller (the layer's backend timeout,
+                // Redlock's per-master timeout), and a call cut short retires the
+                // connection. Its own limit (500 ms in redis-rs by default) would refuse a
+                // big batch that the backend timeout allows.
+                connection.set_response_timeout(Duration::from_secs(3600));
                 let mut shared = self.shared();
                 shared.generation += 1;
                 shared.connection = Some((connection.clone(), shared.generation));
