@@ -20,8 +20,10 @@ use wake::Wakeups;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Who holds a lock: 128 random bits from the OS generator, one per request (nested layers
-/// on a request share it, and so may a trusted downstream service).
+/// Who holds a lock: 128 random bits, one per request (nested layers on a request share
+/// it, and so may a trusted downstream service). They come from uuid's v4 with rand's
+/// thread-local ChaCha generator, seeded and reseeded from the OS: unguessable, without a
+/// system call per request.
 ///
 /// It is a capability (whoever knows it can re-enter the keys), so it never leaves the
 /// process except to the lock store and to services the user chose to trust, and it is
