@@ -767,46 +767,69 @@ mod binary {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_binary_serves_orders_on_redis() {
-        let server = RedisServer::start();
-        let binary = build_example().await;
-        let addr: SocketAddr = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            probe.local_addr().unwrap()
-        };
-        let mut example = Example(
-            Command::new(&binary)
+    impl Example {
+        /// Builds and starts the example on a free loopback port with `env` (over a clean
+        /// slate of its variables), waits until it listens, and gives back its address and
+        /// its start-up log line.
+        async fn start(env: &[(&str, &str)]) -> (Self, SocketAddr, String) {
+            let binary = build_example().await;
+            let addr: SocketAddr = {
+                let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                probe.local_addr().unwrap()
+            };
+            let mut command = Command::new(&binary);
+            for variable in [
+                "REDIS_URL",
+                "REDIS_URLS",
+                "WORK_DELAY_MS",
+                "LOCK_TTL_MS",
+                "LOCK_WAIT_MS",
+            ] {
+                command.env_remove(variable);
+            }
+            command
                 .env("ORDERS_ADDR", addr.to_string())
-                .env("REDIS_URL", server.url())
-                .env("LOCK_TTL_MS", "3000")
-                .env("LOCK_WAIT_MS", "200")
-                .env("RUST_LOG", "info")
-                .env_remove("WORK_DELAY_MS")
+                .env("RUST_LOG", "info");
+            command.envs(env.iter().copied());
+            let child = command
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
-                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display())),
-        );
+                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
+            let mut example = Self(child);
 
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).await.is_err() {
-            if let Some(exit) = example.0.try_wait().unwrap() {
-                panic!("the example exited before listening: {exit}");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while TcpStream::connect(addr).await.is_err() {
+                if let Some(exit) = example.0.try_wait().unwrap() {
+                    panic!("the example exited before listening: {exit}");
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the example never listened on {addr}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the example never listened on {addr}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            let stdout = example.0.stdout.take().unwrap();
+            let first_line = within(Duration::from_secs(5), "the start-up log line", async {
+                BufReader::new(stdout).lines().next_line().await
+            })
+            .await
+            .expect("read the log")
+            .expect("a log line");
+            (example, addr, first_line)
         }
-        let stdout = example.0.stdout.take().unwrap();
-        let first_line = within(Duration::from_secs(5), "the start-up log line", async {
-            BufReader::new(stdout).lines().next_line().await
-        })
-        .await
-        .expect("read the log")
-        .expect("a log line");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_binary_serves_orders_on_redis() {
+        let server = RedisServer::start();
+        let url = server.url();
+        let (_example, addr, first_line) = Example::start(&[
+            ("REDIS_URL", url.as_str()),
+            ("LOCK_TTL_MS", "3000"),
+            ("LOCK_WAIT_MS", "200"),
+        ])
+        .await;
         assert!(
             first_line.contains(&addr.to_string()) && first_line.contains("Redis"),
             "the start-up line should say where and on what: {first_line:?}"
@@ -836,39 +859,9 @@ mod binary {
     async fn the_binary_serves_orders_on_redlock() {
         let masters: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
         let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
-        let binary = build_example().await;
-        let addr: SocketAddr = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            probe.local_addr().unwrap()
-        };
-        let mut example = Example(
-            Command::new(&binary)
-                .env("ORDERS_ADDR", addr.to_string())
-                .env("REDIS_URLS", urls.join(","))
-                .env_remove("REDIS_URL")
-                .env("LOCK_TTL_MS", "3000")
-                .env("RUST_LOG", "info")
-                .env_remove("WORK_DELAY_MS")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap_or_else(|e| panic!("start {}: {e}", binary.display())),
-        );
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).await.is_err() {
-            if let Some(exit) = example.0.try_wait().unwrap() {
-                panic!("the example exited before listening: {exit}");
-            }
-            assert!(tokio::time::Instant::now() < deadline, "never listened");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let stdout = example.0.stdout.take().unwrap();
-        let first_line = within(Duration::from_secs(5), "the start-up log line", async {
-            BufReader::new(stdout).lines().next_line().await
-        })
-        .await
-        .expect("read the log")
-        .expect("a log line");
+        let urls = urls.join(",");
+        let (_example, addr, first_line) =
+            Example::start(&[("REDIS_URLS", urls.as_str()), ("LOCK_TTL_MS", "3000")]).await;
         assert!(
             first_line.contains("3 Redlock masters"),
             "the start-up line should say the locks are on Redlock: {first_line:?}"
