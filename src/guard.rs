@@ -321,7 +321,9 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::backend::{memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, OwnerToken};
+    use crate::backend::{
+        memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, Line, OwnerToken, Ticket,
+    };
 
     /// The memory store, except that its next release never answers: a store that went
     /// silent just as a response was finishing.
@@ -339,8 +341,18 @@ mod tests {
             holder: Holder,
             ttl: Duration,
             report: usize,
+            ticket: Option<Ticket>,
         ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
-            self.store.acquire(namespace, keys, holder, ttl, report)
+            self.store
+                .acquire(namespace, keys, holder, ttl, report, ticket)
+        }
+
+        fn withdraw<'a>(
+            &'a self,
+            keys: &'a [String],
+            ticket: Ticket,
+        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+            self.store.withdraw(keys, ticket)
         }
 
         fn extend<'a>(
@@ -381,7 +393,7 @@ mod tests {
         );
         let ttl = Duration::from_secs(30);
         let granted = backend
-            .acquire("lock:", &keys, owner, ttl, 0)
+            .acquire("lock:", &keys, owner, ttl, 0, Line::Outside)
             .await
             .unwrap();
         assert!(matches!(granted, Acquire::Granted(_)));
@@ -400,7 +412,7 @@ mod tests {
         for _ in 0..100 {
             if matches!(
                 backend
-                    .acquire("lock:", &keys, other, ttl, 0)
+                    .acquire("lock:", &keys, other, ttl, 0, Line::Outside)
                     .await
                     .unwrap(),
                 Acquire::Granted(_)

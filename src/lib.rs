@@ -70,6 +70,7 @@
 //! handler can lock more keys for the same owner with [`Lease::lock`] ([`HeldKeys`]), and a
 //! trusted downstream service can re-enter them ([`Locks::trust_owner_header`]).
 
+mod acquire;
 mod backend;
 mod body;
 mod future;

@@ -12,15 +12,11 @@ use http::{request::Parts, HeaderName, Request, StatusCode};
 use tracing::Span;
 
 use crate::{
-    backend::{
-        memory::MemoryBackend,
-        wake::{any_released, Wakeups},
-        Acquire, Backend, BoxFuture, Contention, Holder, OwnerToken,
-    },
+    acquire::{Acquisition, Refusal},
+    backend::{memory::MemoryBackend, Backend, BoxFuture, Contention, OwnerToken},
     guard::{LockGuard, RequestGuard},
     keys::{normalize, KeyExtractor, KeyPolicy},
     owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
-    wait::Backoff,
     FencingToken, Lease, LockLayer, Rejection, Wait,
 };
 
@@ -431,8 +427,9 @@ impl Locks {
             .extensions()
             .get::<OwnerExtension>()
             .map(|o| o.0.clone());
-        let (owner, made_here) = match existing {
-            Some(owner) => (owner, false),
+        // An owner from an outer layer or a trusted caller already holds keys.
+        let (owner, made_here, holds_keys) = match existing {
+            Some(owner) => (owner, false, true),
             None => {
                 let trusted;
                 (request, trusted) = self.trusted_owner(request);
@@ -441,13 +438,15 @@ impl Locks {
                 request
                     .extensions_mut()
                     .insert(OwnerExtension(owner.clone()));
-                (owner, true)
+                (owner, true, trusted.is_some())
             }
         };
 
         let keys: Arc<[String]> = keys.into();
         let started = Instant::now();
-        let granted = self.acquire_waiting(&keys, owner.token, span).await;
+        let granted = self
+            .acquire_waiting(&keys, owner.token, holds_keys, span)
+            .await;
         span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
         let (mut guard, fencing_token) = granted.map_err(IntoResponse::into_response)?;
         // `max_hold` counts from here: the time spent waiting for the keys is not holding.
@@ -507,7 +506,7 @@ impl Locks {
             return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
         }
         let (mut guard, fencing_token) = self
-            .acquire_waiting(&keys, owner.token, &Span::current())
+            .acquire_waiting(&keys, owner.token, true, &Span::current())
             .await?;
         if policy.renew {
             guard.renew(policy.ttl, policy.max_hold.map(|max| Instant::now() + max));
@@ -525,79 +524,45 @@ impl Locks {
         self.policy.keys.prefix.len()
     }
 
-    /// Tries the whole batch until it is granted, the store fails, or the wait bound
-    /// passes. Between attempts it sleeps until a release of a conflicting key, or a short
-    /// jittered pause in case that wake-up is lost.
+    /// Acquires `keys` for `owner`, which may already hold others, under this policy: see
+    /// [`Acquisition`].
     async fn acquire_waiting(
         &self,
         keys: &Arc<[String]>,
         owner: OwnerToken,
+        holds_keys: bool,
         span: &Span,
     ) -> Result<(LockGuard, FencingToken), Rejection> {
         let policy = &self.policy;
-        let owner = Holder::new(owner);
-        let deadline = Instant::now() + policy.wait.bound();
         let report = if policy.wait.bound().is_zero() {
             policy.name_conflicts
         } else {
             policy.name_conflicts.max(WATCHED_CONFLICTS)
         };
-        let mut backoff = Backoff::new();
-        loop {
-            let attempted = Instant::now();
-            let guard = LockGuard::new(
-                self.backend.clone(),
-                keys.clone(),
-                owner,
-                policy.backend_timeout,
-                attempted + policy.ttl.saturating_sub(self.backend.drift(policy.ttl)),
-            );
-            let outcome = tokio::time::timeout(
-                policy.backend_timeout,
-                self.backend
-                    .acquire(&policy.keys.prefix, keys, owner, policy.ttl, report),
-            )
-            .await;
-            let contention = match outcome {
-                Ok(Ok(Acquire::Granted(fence))) => return Ok((guard, fence)),
-                Ok(Ok(Acquire::Held(contention))) => {
-                    // The store wrote nothing: there is nothing to release.
-                    guard.disarm();
-                    contention
+        let acquisition = Acquisition {
+            backend: &self.backend,
+            namespace: &policy.keys.prefix,
+            keys,
+            ttl: policy.ttl,
+            wait: policy.wait,
+            timeout: policy.backend_timeout,
+            report,
+            holds_keys,
+        };
+        acquisition
+            .run(owner)
+            .await
+            .map_err(|refusal| match refusal {
+                Refusal::Contended(contention) => {
+                    span.record("outcome", "contended");
+                    tracing::debug!(held = contention.total, "locks held by another owner");
+                    self.contention(keys.len(), contention)
                 }
-                Ok(Err(error)) => {
+                Refusal::Unavailable => {
                     span.record("outcome", "unavailable");
-                    tracing::error!(%error, keys = keys.len(), "could not acquire locks");
-                    if !error.may_have_applied {
-                        guard.disarm();
-                    }
-                    // Otherwise the guard's drop releases whatever the store may have granted.
-                    return Err(Rejection::unavailable());
+                    Rejection::unavailable()
                 }
-                Err(_elapsed) => {
-                    span.record("outcome", "unavailable");
-                    tracing::error!(
-                        timeout_ms = policy.backend_timeout.as_millis() as u64,
-                        keys = keys.len(),
-                        "acquiring locks timed out"
-                    );
-                    return Err(Rejection::unavailable());
-                }
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                span.record("outcome", "contended");
-                tracing::debug!(held = contention.total, "locks held by another owner");
-                return Err(self.contention(keys.len(), contention));
-            }
-            let mut released = self.wakeups().watch(&contention.keys);
-            let wake_at = (now + backoff.pause()).min(deadline);
-            let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
-        }
-    }
-
-    fn wakeups(&self) -> &Wakeups {
-        self.backend.wakeups()
+            })
     }
 
     /// The response for a batch refused because `contention` holds some of its `of` keys.

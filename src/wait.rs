@@ -2,40 +2,93 @@
 
 use std::time::Duration;
 
-/// Whether a request whose keys are busy is refused at once or waits for them.
+/// Whether a request whose keys are busy is refused at once or waits for them, and
+/// whether waiters are served in order.
 ///
 /// A waiting request never holds part of its batch: it tries the whole batch again,
 /// atomically, when a release wakes it (see [`Locks::wait`](crate::Locks::wait)), or after
 /// a short jittered pause in case a wake-up was lost. A client that disconnects stops
 /// waiting at once. When the bound passes, the request gets the contention response.
 ///
+/// # Fair waiting
+///
+/// Waiting is fair unless turned off with [`fair(false)`](Self::fair): a waiter takes a
+/// place in line when it starts, and while it waits, the keys of its batch are *reserved*
+/// against everyone who came after it, waiting or not. A later request that wants a
+/// reserved key waits behind it, or gets the contention response if it does not wait; an
+/// earlier waiter is never held up by a later one's reservation, and an owner is never held
+/// up by reservations on keys it already holds (re-entry). So a batch of thousands of keys
+/// is granted as soon as the holds that were there before it (and the earlier waiters) end,
+/// however many small requests keep coming.
+///
+/// A reservation is not a lock: it keeps nobody out who came earlier, and it never makes a
+/// deadlock. It ends when its waiter is granted, gives up or is dropped, and on its own
+/// within [`Wait::RESERVATION_TTL`] of the waiter's last attempt when its process dies.
+///
 /// ```
 /// use std::time::Duration;
 /// use tower_batch_lock::{Locks, Wait};
 ///
+/// // Served in order of arrival (the default when waiting):
 /// let locks = Locks::memory().wait(Wait::up_to(Duration::from_millis(250)));
+/// // First come is not first served: every attempt races the new arrivals.
+/// let racing = Locks::memory().wait(Wait::up_to(Duration::from_millis(250)).fair(false));
+/// assert!(Wait::up_to(Duration::from_secs(1)).is_fair());
+/// # drop((locks, racing));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wait {
     bound: Duration,
+    fair: bool,
+}
+
+impl Default for Wait {
+    fn default() -> Self {
+        Self::none()
+    }
 }
 
 impl Wait {
+    /// How long a waiter's reservations outlive its last attempt: the bound within which
+    /// the reservations of a waiter whose process died stop holding anybody up. A live
+    /// waiter renews them with every attempt (at least every 100 ms).
+    pub const RESERVATION_TTL: Duration = Duration::from_secs(1);
+
     /// Refuse at once (the default): right for duplicate submissions.
     pub const fn none() -> Self {
         Self {
             bound: Duration::ZERO,
+            fair: true,
         }
     }
 
-    /// Wait at most `bound` for the keys to become free.
+    /// Wait at most `bound` for the keys to become free, served in order of arrival.
     pub const fn up_to(bound: Duration) -> Self {
-        Self { bound }
+        Self { bound, fair: true }
+    }
+
+    /// Whether waiters are served in order of arrival, reserving their keys against later
+    /// requests while they wait (`true`, the default), or every attempt races whoever
+    /// comes (`false`). Either way, a request respects other waiters' reservations.
+    pub const fn fair(mut self, fair: bool) -> Self {
+        self.fair = fair;
+        self
     }
 
     /// The longest a request waits.
     pub const fn bound(self) -> Duration {
         self.bound
+    }
+
+    /// Whether waiting is fair (see [`fair`](Self::fair)).
+    pub const fn is_fair(self) -> bool {
+        self.fair
+    }
+
+    /// Whether requests wait (the bound is not zero) in a line: they take a place and
+    /// reserve their keys.
+    pub(crate) fn queues(self) -> bool {
+        self.fair && !self.bound.is_zero()
     }
 }
 

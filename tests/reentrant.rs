@@ -17,7 +17,7 @@ use axum::{
 use http::{request::Parts, HeaderName, Request, StatusCode};
 use support::{
     http::{header_keys, post_keys},
-    RedisServer,
+    lock_value, RedisServer,
 };
 use tokio::sync::oneshot;
 use tower::ServiceExt;
@@ -31,14 +31,8 @@ async fn send(app: &Router, request: Request<Body>) -> (StatusCode, String) {
 
 /// How many holds a lock key has (0: free), and how many owners among them.
 fn holds(server: &RedisServer, key: &str) -> (usize, usize) {
-    let holds: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(key)
-        .query(&mut server.connection())
-        .unwrap();
-    let mut owners: Vec<&String> = holds.iter().map(|(_, owner)| owner).collect();
-    owners.sort();
-    owners.dedup();
-    (holds.len(), owners.len())
+    let value = lock_value(&mut server.connection(), key);
+    value.map_or((0, 0), |v| (v.holds.len(), usize::from(v.owner.is_some())))
 }
 
 /// A route that another owner holds `keys` on until the returned sender fires.
@@ -78,16 +72,11 @@ fn nested(locks: &Locks, server: &RedisServer) -> Router {
         async move {
             let server = redis::Client::open(url).unwrap();
             let mut redis = server.get_connection().unwrap();
-            let sku: Vec<String> = redis::cmd("HVALS")
-                .arg("lock:sku:1")
-                .query(&mut redis)
-                .unwrap();
-            let tenant: Vec<String> = redis::cmd("HVALS")
-                .arg("lock:tenant:acme")
-                .query(&mut redis)
-                .unwrap();
+            let sku = lock_value(&mut redis, "lock:sku:1").unwrap();
+            let tenant = lock_value(&mut redis, "lock:tenant:acme").unwrap();
             // Two holds of one owner on the SKU, one on the tenant.
-            let one_owner = sku.len() == 2 && sku[0] == sku[1] && tenant == sku[..1];
+            let one_owner =
+                sku.holds.len() == 2 && tenant.holds.len() == 1 && sku.owner == tenant.owner;
             format!("{one_owner} {}", lease.keys().collect::<Vec<_>>().join(","))
         }
     };
@@ -234,14 +223,11 @@ async fn an_inner_release_keeps_the_outer_hold_and_the_outermost_frees_everythin
                 let inner = lease.lock(["doc:1", "doc:2"]).await.unwrap();
                 inner.release().await;
                 let mut redis = redis::Client::open(url).unwrap().get_connection().unwrap();
-                let outer: usize = redis::cmd("HLEN")
-                    .arg("lock:doc:1")
-                    .query(&mut redis)
-                    .unwrap();
-                let extra: usize = redis::cmd("HLEN")
-                    .arg("lock:doc:2")
-                    .query(&mut redis)
-                    .unwrap();
+                let holds = |redis: &mut redis::Connection, key| {
+                    lock_value(redis, key).map_or(0, |v| v.holds.len())
+                };
+                let outer = holds(&mut redis, "lock:doc:1");
+                let extra = holds(&mut redis, "lock:doc:2");
                 let _ = observe.unwrap().send((outer, extra));
             }
         })

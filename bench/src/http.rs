@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use tower_batch_lock::Locks;
 
 use crate::{
-    load::{self, Load, Outcome},
+    load::{self, Load, Outcome, Requests},
     progress,
     stats::{self, percentile},
     target::Target,
@@ -125,7 +125,11 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             };
             let load = Load {
                 path: route.path.to_owned(),
-                shared_key: *contended,
+                requests: if *contended {
+                    Requests::SharedKey
+                } else {
+                    Requests::OwnKey
+                },
                 connections: CONNECTIONS,
                 duration,
                 max_requests: MAX_REQUESTS,

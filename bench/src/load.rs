@@ -1,5 +1,6 @@
 //! A small HTTP/1.1 load generator: C keep-alive connections over loopback, each sending
-//! one request after the other, until a time limit or a request count is reached.
+//! one request after the other, until a time limit or a request count is reached; and
+//! single requests on a connection of their own.
 
 use std::{
     collections::BTreeMap,
@@ -23,11 +24,21 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub(crate) struct Load {
     pub(crate) path: String,
-    /// Every request names the same key (contended), or a key of its own (uncontended).
-    pub(crate) shared_key: bool,
+    pub(crate) requests: Requests,
     pub(crate) connections: usize,
     pub(crate) duration: Duration,
     pub(crate) max_requests: u64,
+}
+
+/// What each request of a [`Load`] sends.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Requests {
+    /// A GET naming a key of its own in `x-key` (uncontended).
+    OwnKey,
+    /// A GET naming the same key as every other (contended).
+    SharedKey,
+    /// A POST of a JSON body, a new one from this function for each request.
+    Json(fn() -> String),
 }
 
 #[derive(Debug, Default)]
@@ -126,15 +137,11 @@ async fn connection_loop(
         {
             break;
         }
-        let key = if load.shared_key {
-            "shared".to_owned()
-        } else {
-            format!("c{connection}-{sequence}")
+        let request = match load.requests {
+            Requests::OwnKey => get(&load.path, &format!("c{connection}-{sequence}")),
+            Requests::SharedKey => get(&load.path, "shared"),
+            Requests::Json(body) => post_json(&load.path, &body()),
         };
-        let request = format!(
-            "GET {} HTTP/1.1\r\nhost: bench\r\nx-key: {key}\r\n\r\n",
-            load.path
-        );
         let sent = Instant::now();
         let exchange = async {
             write.write_all(request.as_bytes()).await?;
@@ -153,6 +160,43 @@ async fn connection_loop(
         }
     }
     outcome
+}
+
+fn get(path: &str, key: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nhost: bench\r\nx-key: {key}\r\n\r\n")
+}
+
+pub(crate) fn post_json(path: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Sends `request` on a connection of its own, within `timeout`, and returns when it went
+/// out (once connected, so that the connection's setup is not counted) and the status.
+pub(crate) async fn once(
+    addr: SocketAddr,
+    request: &str,
+    timeout: Duration,
+) -> std::io::Result<(Instant, u16)> {
+    let exchange = async {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (read, mut write) = stream.into_split();
+        let sent = Instant::now();
+        write.write_all(request.as_bytes()).await?;
+        let status = read_response(
+            &mut BufReader::new(read),
+            &mut String::new(),
+            &mut Vec::new(),
+        )
+        .await?;
+        Ok((sent, status))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in time"))?
 }
 
 /// Reads one response and returns its status; the body is read and dropped.

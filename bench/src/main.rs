@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
-//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake
+//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
 //! ```
 //!
@@ -25,6 +25,7 @@ mod batch;
 mod field;
 mod http;
 mod load;
+mod mixed;
 mod plot;
 mod progress;
 mod report;
@@ -41,7 +42,7 @@ use std::{
 use serde_json::{json, Map, Value};
 
 /// The sections, in the order they run.
-const SECTIONS: [&str; 4] = ["batch", "field", "http", "wake"];
+const SECTIONS: [&str; 5] = ["batch", "field", "http", "wake", "mixed"];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
 
@@ -177,6 +178,7 @@ async fn run_sections(
             "field" => field::run(&pool, server, options.quick).await,
             "http" => http::run(&pool, options.quick).await,
             "wake" => wake::run(server, options.quick).await,
+            "mixed" => mixed::run(server, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {

@@ -32,6 +32,7 @@ pub(crate) fn markdown(document: &Value) -> String {
     http(&mut out, &document["http"]);
     field(&mut out, &document["field"]);
     wake(&mut out, &document["wake"]);
+    mixed(&mut out, &document["mixed"]);
     out
 }
 
@@ -269,6 +270,57 @@ fn wake(out: &mut String, wake: &Value) {
             case["median_ms"].as_f64().map_or("–".to_owned(), duration),
             case["p99_ms"].as_f64().map_or("–".to_owned(), duration),
             case["rounds"],
+        );
+    }
+}
+
+fn mixed(out: &mut String, mixed: &Value) {
+    let Some(cases) = mixed["cases"].as_array() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nMixed load through axum over loopback: {} retail clients order 1-{} of {} skus each, back to back; \
+         every {} s a purchase order names all {}, {} in a run of {} s. Every request waits up to {} s for its keys \
+         (fair or not) and holds them {} ms. Time to grant: from sending a purchase order until its handler starts, \
+         over those granted; retail requests/s counts 2xx, retail latencies every answer:\n",
+        mixed["retail_clients"],
+        mixed["retail_skus_max"],
+        thousands(mixed["catalogue"].as_u64().unwrap_or(0)),
+        mixed["purchase_every_seconds"],
+        thousands(mixed["catalogue"].as_u64().unwrap_or(0)),
+        mixed["purchase_orders_per_run"],
+        mixed["run_seconds"],
+        mixed["wait_seconds"],
+        mixed["work_ms"],
+    );
+    let _ = writeln!(
+        out,
+        "| store | fair | purchase orders granted | time to grant p50 | max | retail requests/s | retail p50 | retail p99 | retail 409 |"
+    );
+    let _ = writeln!(
+        out,
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for case in cases {
+        let ms = |field: &str| case[field].as_f64().map_or("–".to_owned(), duration);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {} |",
+            text(&case["store"]),
+            if case["fair"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            },
+            case["purchase_granted"],
+            case["purchase_orders"],
+            ms("purchase_grant_p50_ms"),
+            ms("purchase_grant_max_ms"),
+            thousands(case["retail_requests_per_second"].as_f64().unwrap_or(0.0) as u64),
+            ms("retail_p50_ms"),
+            ms("retail_p99_ms"),
+            thousands(case["retail_409"].as_u64().unwrap_or(0)),
         );
     }
 }

@@ -12,6 +12,7 @@ pub(crate) struct Target {
 #[derive(Debug, Clone, Copy)]
 enum Goal {
     AtMost(f64),
+    Below(f64),
     AtLeast(f64),
     Holds,
 }
@@ -20,6 +21,11 @@ impl Target {
     /// Met when the measured ratio is at most `limit`.
     pub(crate) fn at_most(name: &str, measured: Option<f64>, limit: f64) -> Self {
         Self::new(name, Goal::AtMost(limit), measured)
+    }
+
+    /// Met when the measured ratio is less than `limit`.
+    pub(crate) fn below(name: &str, measured: Option<f64>, limit: f64) -> Self {
+        Self::new(name, Goal::Below(limit), measured)
     }
 
     /// Met when the measured ratio is at least `limit`.
@@ -44,6 +50,7 @@ impl Target {
         match (self.goal, self.measured) {
             (_, None) => false,
             (Goal::AtMost(limit), Some(m)) => m <= limit,
+            (Goal::Below(limit), Some(m)) => m < limit,
             (Goal::AtLeast(limit), Some(m)) => m >= limit,
             (Goal::Holds, Some(m)) => m == 1.0,
         }
@@ -52,6 +59,7 @@ impl Target {
     pub(crate) fn to_json(&self) -> Value {
         let goal = match self.goal {
             Goal::AtMost(limit) => format!("<= {limit}"),
+            Goal::Below(limit) => format!("< {limit}"),
             Goal::AtLeast(limit) => format!(">= {limit}"),
             Goal::Holds => "yes".to_owned(),
         };

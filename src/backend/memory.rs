@@ -12,9 +12,9 @@ use std::{
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, OwnerToken,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, OwnerToken, Ticket,
 };
-use crate::FencingToken;
+use crate::{FencingToken, Wait};
 
 /// Enough shards that small batches on different keys rarely share a mutex on two cores
 /// or twenty, few enough that a batch of thousands locks them all cheaply.
@@ -39,23 +39,69 @@ struct Shard {
     sweep_at: usize,
 }
 
-#[derive(Debug)]
+/// A key's holds, and the reservations of the waiters that want it.
+#[derive(Debug, Default)]
 struct Entry {
+    holds: Option<Holds>,
+    /// Waiters' reservations, earliest ticket first.
+    queue: Vec<Reservation>,
+}
+
+#[derive(Debug)]
+struct Holds {
     owner: OwnerToken,
     /// The owner's holds on the key: it is free when the last one is released.
     holds: Vec<u64>,
     expires_at: Instant,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct Reservation {
+    ticket: Ticket,
+    until: Instant,
+}
+
 impl Entry {
-    /// Held by someone else who has not expired.
-    fn blocks(&self, owner: OwnerToken, now: Instant) -> bool {
-        self.owner != owner && self.expires_at > now
+    /// The live holds, if any.
+    fn live(&self, now: Instant) -> Option<&Holds> {
+        self.holds.as_ref().filter(|h| h.expires_at > now)
+    }
+
+    /// Whether the key keeps out `owner`, standing in `line`: held by someone else, or,
+    /// unless `owner` holds it, reserved by a waiter that `line` must let go first.
+    fn blocks(&self, owner: OwnerToken, line: Line, now: Instant) -> bool {
+        match self.live(now) {
+            Some(holds) => holds.owner != owner,
+            None => self
+                .queue
+                .iter()
+                .any(|r| r.until > now && line.kept_out_by(r.ticket)),
+        }
     }
 
     /// Still held, by this hold.
     fn held_by(&self, holder: Holder, now: Instant) -> bool {
-        self.owner == holder.owner && self.expires_at > now && self.holds.contains(&holder.hold)
+        self.live(now)
+            .is_some_and(|h| h.owner == holder.owner && h.holds.contains(&holder.hold))
+    }
+
+    /// Puts `ticket`'s reservation in line (or renews it), dropping expired ones.
+    fn reserve(&mut self, ticket: Ticket, until: Instant, now: Instant) {
+        self.queue.retain(|r| r.until > now && r.ticket != ticket);
+        let at = self.queue.partition_point(|r| r.ticket < ticket);
+        self.queue.insert(at, Reservation { ticket, until });
+    }
+
+    /// Takes `ticket`'s reservation out of line; whether it was there.
+    fn withdraw(&mut self, ticket: Ticket, now: Instant) -> bool {
+        let had = self.queue.iter().any(|r| r.ticket == ticket);
+        self.queue.retain(|r| r.until > now && r.ticket != ticket);
+        had
+    }
+
+    /// Whether the entry still means anything: a live hold or a live reservation.
+    fn in_use(&self, now: Instant) -> bool {
+        self.live(now).is_some() || self.queue.iter().any(|r| r.until > now)
     }
 }
 
@@ -108,11 +154,12 @@ impl MemoryBackend {
         holder: Holder,
         ttl: Duration,
         report: usize,
+        line: Line,
     ) -> Acquire {
         let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shards = self.lock_shards(&slots);
         let now = Instant::now();
-        // Check every key before writing any, so a refused batch leaves no trace.
+        // Check every key before writing any, so a refused batch locks nothing.
         let mut contention = Contention {
             keys: Vec::new(),
             total: 0,
@@ -122,36 +169,54 @@ impl MemoryBackend {
             let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
                 continue;
             };
-            if entry.blocks(holder.owner, now) {
+            if entry.blocks(holder.owner, line, now) {
                 contention.total += 1;
                 if contention.keys.len() < report {
                     contention.keys.push(key.clone());
                 }
-                let left = entry.expires_at - now;
-                contention.earliest_expiry =
-                    Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
+                if let Some(holds) = entry.live(now) {
+                    let left = holds.expires_at - now;
+                    contention.earliest_expiry =
+                        Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
+                }
             }
         }
         if contention.total > 0 {
+            // A waiter in line reserves the whole batch against later arrivals.
+            if let Line::At(ticket) = line {
+                let until = now + Wait::RESERVATION_TTL;
+                for (key, &slot) in keys.iter().zip(&slots) {
+                    let entries = &mut locked(&mut shards, slot).entries;
+                    entries
+                        .entry(key.clone())
+                        .or_default()
+                        .reserve(ticket, until, now);
+                }
+            }
             return Acquire::Held(contention);
         }
 
         let expires_at = now + ttl;
         for (key, &slot) in keys.iter().zip(&slots) {
-            let entries = &mut locked(&mut shards, slot).entries;
-            match entries.get_mut(key.as_str()) {
+            let entry = locked(&mut shards, slot)
+                .entries
+                .entry(key.clone())
+                .or_default();
+            if let Line::At(ticket) = line {
+                entry.withdraw(ticket, now);
+            }
+            match &mut entry.holds {
                 // The owner's own, still live: enter it again, never shortening it.
-                Some(entry) if entry.expires_at > now => {
-                    entry.holds.push(holder.hold);
-                    entry.expires_at = entry.expires_at.max(expires_at);
+                Some(holds) if holds.expires_at > now => {
+                    holds.holds.push(holder.hold);
+                    holds.expires_at = holds.expires_at.max(expires_at);
                 }
                 _ => {
-                    let entry = Entry {
+                    entry.holds = Some(Holds {
                         owner: holder.owner,
                         holds: vec![holder.hold],
                         expires_at,
-                    };
-                    entries.insert(key.clone(), entry);
+                    });
                 }
             }
         }
@@ -177,8 +242,9 @@ impl MemoryBackend {
         });
         if held {
             for (key, &slot) in keys.iter().zip(&slots) {
-                if let Some(entry) = locked(&mut shards, slot).entries.get_mut(key.as_str()) {
-                    entry.expires_at = entry.expires_at.max(now + ttl);
+                let entry = locked(&mut shards, slot).entries.get_mut(key.as_str());
+                if let Some(holds) = entry.and_then(|e| e.holds.as_mut()) {
+                    holds.expires_at = holds.expires_at.max(now + ttl);
                 }
             }
         }
@@ -188,7 +254,42 @@ impl MemoryBackend {
     fn release_owned(&self, keys: &[String], holder: Holder) -> usize {
         // Release needs no cross-shard atomicity: a competitor that sees some keys free
         // and others still held is refused, which is what it would see a moment earlier.
-        let mut released = 0;
+        let now = Instant::now();
+        let released = self.each_entry(keys, now, |entry| {
+            let Some(holds) = entry.holds.as_mut().filter(|h| h.owner == holder.owner) else {
+                return false;
+            };
+            let Some(at) = holds.holds.iter().position(|&h| h == holder.hold) else {
+                return false;
+            };
+            holds.holds.swap_remove(at);
+            if holds.holds.is_empty() {
+                entry.holds = None;
+            }
+            true
+        });
+        self.wakeups.wake_slots(slots_of(keys));
+        released
+    }
+
+    fn withdraw_reservations(&self, keys: &[String], ticket: Ticket) -> usize {
+        let now = Instant::now();
+        let withdrawn = self.each_entry(keys, now, |entry| entry.withdraw(ticket, now));
+        // Requests that only this waiter kept out may go now.
+        self.wakeups.wake_slots(slots_of(keys));
+        withdrawn
+    }
+
+    /// Changes the entry of each key that has one, shard by shard, dropping entries left
+    /// with neither a live hold nor a live reservation; counts the changes that `change`
+    /// reports.
+    fn each_entry(
+        &self,
+        keys: &[String],
+        now: Instant,
+        mut change: impl FnMut(&mut Entry) -> bool,
+    ) -> usize {
+        let mut changed = 0;
         for key in keys {
             let mut shard = self.shards[self.shard_of(key)]
                 .lock()
@@ -196,20 +297,14 @@ impl MemoryBackend {
             let Some(entry) = shard.entries.get_mut(key.as_str()) else {
                 continue;
             };
-            let Some(at) = entry.holds.iter().position(|&h| h == holder.hold) else {
-                continue;
-            };
-            if entry.owner != holder.owner {
-                continue;
+            if change(entry) {
+                changed += 1;
             }
-            entry.holds.swap_remove(at);
-            if entry.holds.is_empty() {
+            if !entry.in_use(now) {
                 shard.entries.remove(key.as_str());
             }
-            released += 1;
         }
-        self.wakeups.wake_slots(slots_of(keys));
-        released
+        changed
     }
 
     #[cfg(test)]
@@ -234,11 +329,11 @@ fn locked<'s, 'g>(shards: &'s mut [Option<MutexGuard<'g, Shard>>], slot: usize) 
 }
 
 impl Shard {
-    /// Drops expired entries that nobody released (their holder crashed or its release
-    /// was lost), so that the map does not grow without bound.
+    /// Drops expired entries that nobody released or withdrew (their holder or waiter
+    /// crashed, or its release was lost), so that the map does not grow without bound.
     fn sweep_if_grown(&mut self, now: Instant) {
         if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
-            self.entries.retain(|_, e| e.expires_at > now);
+            self.entries.retain(|_, e| e.in_use(now));
             self.sweep_at = self.entries.len() * 2;
         }
     }
@@ -252,10 +347,10 @@ impl Backend for MemoryBackend {
         holder: Holder,
         ttl: Duration,
         report: usize,
+        line: Line,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
-        Box::pin(std::future::ready(Ok(
-            self.try_acquire(keys, holder, ttl, report)
-        )))
+        let outcome = self.try_acquire(keys, holder, ttl, report, line);
+        Box::pin(std::future::ready(Ok(outcome)))
     }
 
     fn extend<'a>(
@@ -273,6 +368,15 @@ impl Backend for MemoryBackend {
         holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(std::future::ready(Ok(self.release_owned(keys, holder))))
+    }
+
+    fn withdraw<'a>(
+        &'a self,
+        keys: &'a [String],
+        ticket: Ticket,
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        let withdrawn = self.withdraw_reservations(keys, ticket);
+        Box::pin(std::future::ready(Ok(withdrawn)))
     }
 
     fn wakeups(&self) -> &Wakeups {
@@ -305,9 +409,16 @@ mod tests {
     fn overlapping_batch_is_refused_and_writes_nothing() {
         let backend = MemoryBackend::new();
         let (a, b) = (holder(), holder());
-        assert!(granted(backend.try_acquire(&keys(&["1", "2"]), a, TTL, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1", "2"]),
+            a,
+            TTL,
+            20,
+            None
+        )));
 
-        let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20) else {
+        let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20, Line::Outside)
+        else {
             panic!("an overlapping batch was granted");
         };
         assert_eq!(c.keys, keys(&["2"]));
@@ -315,17 +426,29 @@ mod tests {
         assert!(c.earliest_expiry.is_some_and(|e| e <= TTL));
         // All or nothing: the free keys of the refused batch were not taken.
         assert_eq!(backend.len(), 2);
-        assert!(granted(backend.try_acquire(&keys(&["3", "4"]), b, TTL, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["3", "4"]),
+            b,
+            TTL,
+            20,
+            None
+        )));
     }
 
     #[test]
     fn release_only_deletes_the_owners_keys() {
         let backend = MemoryBackend::new();
         let (a, b) = (holder(), holder());
-        assert!(granted(backend.try_acquire(&keys(&["1"]), a, TTL, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            a,
+            TTL,
+            20,
+            None
+        )));
         assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
         assert!(matches!(
-            backend.try_acquire(&keys(&["1"]), b, TTL, 20),
+            backend.try_acquire(&keys(&["1"]), b, TTL, 20, Line::Outside),
             Acquire::Held(_)
         ));
         assert_eq!(backend.release_owned(&keys(&["1"]), a), 1);
@@ -334,7 +457,13 @@ mod tests {
             0,
             "release is idempotent"
         );
-        assert!(granted(backend.try_acquire(&keys(&["1"]), b, TTL, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            b,
+            TTL,
+            20,
+            None
+        )));
     }
 
     #[test]
@@ -342,12 +471,24 @@ mod tests {
         let backend = MemoryBackend::new();
         let (a, b) = (holder(), holder());
         let short = Duration::from_millis(20);
-        assert!(granted(backend.try_acquire(&keys(&["1"]), a, short, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            a,
+            short,
+            20,
+            None
+        )));
         std::thread::sleep(short * 2);
-        assert!(granted(backend.try_acquire(&keys(&["1"]), b, TTL, 20)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            b,
+            TTL,
+            20,
+            None
+        )));
         assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
         assert!(matches!(
-            backend.try_acquire(&keys(&["1"]), a, TTL, 20),
+            backend.try_acquire(&keys(&["1"]), a, TTL, 20, Line::Outside),
             Acquire::Held(_)
         ));
     }
@@ -358,8 +499,14 @@ mod tests {
         let names: Vec<String> = (0..50).map(|i| i.to_string()).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let batch = keys(&names);
-        assert!(granted(backend.try_acquire(&batch, holder(), TTL, 20)));
-        let Acquire::Held(c) = backend.try_acquire(&batch, holder(), TTL, 3) else {
+        assert!(granted(backend.try_acquire(
+            &batch,
+            holder(),
+            TTL,
+            20,
+            None
+        )));
+        let Acquire::Held(c) = backend.try_acquire(&batch, holder(), TTL, 3, Line::Outside) else {
             panic!("granted twice");
         };
         assert_eq!((c.keys.len(), c.total), (3, 50));
@@ -371,12 +518,12 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("lock:{i}")];
-            assert!(granted(backend.try_acquire(&key, holder(), short, 0)));
+            assert!(granted(backend.try_acquire(&key, holder(), short, 0, Line::Outside)));
         }
         std::thread::sleep(Duration::from_millis(5));
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("again:{i}")];
-            assert!(granted(backend.try_acquire(&key, holder(), TTL, 0)));
+            assert!(granted(backend.try_acquire(&key, holder(), TTL, 0, Line::Outside)));
         }
         // Without sweeping all 2 * 65,536 entries would remain.
         assert!(
@@ -395,7 +542,8 @@ mod tests {
             &keys(&["1", "2"]),
             a,
             short,
-            0
+            0,
+            None
         )));
         assert!(
             !backend.try_extend(&keys(&["1", "2"]), b, TTL),
@@ -404,7 +552,13 @@ mod tests {
         assert!(backend.try_extend(&keys(&["1", "2"]), a, TTL));
         std::thread::sleep(short * 2);
         // Extended past the original expiry: still held.
-        assert!(!granted(backend.try_acquire(&keys(&["2"]), b, TTL, 0)));
+        assert!(!granted(backend.try_acquire(
+            &keys(&["2"]),
+            b,
+            TTL,
+            0,
+            None
+        )));
 
         assert_eq!(backend.release_owned(&keys(&["2"]), a), 1);
         assert!(
@@ -420,8 +574,8 @@ mod tests {
             Acquire::Granted(token) => token,
             Acquire::Held(_) => panic!("refused"),
         };
-        let first = fence(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0));
-        let second = fence(backend.try_acquire(&keys(&["2"]), holder(), TTL, 0));
+        let first = fence(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0, Line::Outside));
+        let second = fence(backend.try_acquire(&keys(&["2"]), holder(), TTL, 0, Line::Outside));
         assert!(second > first);
     }
 
@@ -431,19 +585,27 @@ mod tests {
         let outer = holder();
         let inner = Holder::new(outer.owner);
         let stranger = holder();
-        assert!(granted(backend.try_acquire(&keys(&["1"]), outer, TTL, 0)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            outer,
+            TTL,
+            0,
+            None
+        )));
         // Re-entry, with a new key in the same batch: granted, not contended.
         assert!(granted(backend.try_acquire(
             &keys(&["1", "2"]),
             inner,
             TTL,
-            0
+            0,
+            None
         )));
         assert!(!granted(backend.try_acquire(
             &keys(&["1"]),
             stranger,
             TTL,
-            0
+            0,
+            None
         )));
 
         // The inner release keeps the outer hold, and is harmless twice.
@@ -453,13 +615,15 @@ mod tests {
             &keys(&["1"]),
             stranger,
             TTL,
-            0
+            0,
+            None
         )));
         assert!(granted(backend.try_acquire(
             &keys(&["2"]),
             stranger,
             TTL,
-            0
+            0,
+            None
         )));
 
         // The outermost release frees the key.
@@ -468,7 +632,8 @@ mod tests {
             &keys(&["1"]),
             stranger,
             TTL,
-            0
+            0,
+            None
         )));
     }
 
@@ -478,11 +643,23 @@ mod tests {
         let outer = holder();
         let inner = Holder::new(outer.owner);
         let short = Duration::from_millis(20);
-        assert!(granted(backend.try_acquire(&keys(&["1"]), outer, TTL, 0)));
-        assert!(granted(backend.try_acquire(&keys(&["1"]), inner, short, 0)));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            outer,
+            TTL,
+            0,
+            None
+        )));
+        assert!(granted(backend.try_acquire(
+            &keys(&["1"]),
+            inner,
+            short,
+            0,
+            None
+        )));
         std::thread::sleep(short * 2);
         assert!(
-            !granted(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0)),
+            !granted(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0, Line::Outside)),
             "re-entry shortened the lease"
         );
         assert!(backend.try_extend(&keys(&["1"]), inner, TTL));

@@ -4,7 +4,13 @@
 //! the caller's owner token. Keys arrive normalized (prefixed, sorted, deduplicated), so a
 //! backend never parses or namespaces them itself.
 
-use std::{fmt, future::Future, pin::Pin, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use uuid::Uuid;
 
@@ -84,19 +90,85 @@ impl Holder {
     }
 }
 
+/// A waiter's place in line: smaller is earlier. Reservations of a waiter keep out every
+/// request with a larger ticket, and every request that waits in no line at all.
+///
+/// Tickets are milliseconds of the wall clock (since 2025, so that they stay exact in the
+/// doubles of Redis's Lua) with 10 random bits below them, and strictly increase within a
+/// process. Across processes they order waiters by arrival as far as the machines' clocks
+/// agree; a skew only reorders waiters that arrived that close together, and since a
+/// waiter keeps its ticket, every waiter is eventually the earliest: none starves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Ticket(u64);
+
+impl Ticket {
+    /// The ticket of a waiter that arrives now.
+    pub(crate) fn take() -> Self {
+        /// 2025-01-01T00:00:00Z.
+        const EPOCH_SECS: u64 = 1_735_689_600;
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+            .saturating_sub(EPOCH_SECS * 1000);
+        let drawn = (ms << 10) | fastrand::u64(..1024);
+        let previous = LAST
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                Some(drawn.max(last + 1))
+            })
+            .unwrap_or_default();
+        Self(drawn.max(previous + 1))
+    }
+
+    /// The ticket as the lock store compares it.
+    pub(crate) fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Where an acquisition stands with respect to waiters' reservations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Line {
+    /// In no line (a request that does not wait, or waits without fairness): kept out by
+    /// every live reservation, and reserves nothing.
+    Outside,
+    /// A waiter in line: kept out by the reservations of earlier tickets, and, when kept
+    /// out, reserves its whole batch.
+    At(Ticket),
+    /// An owner that already holds keys (a nested layer, a handler's `Lease::lock`, a
+    /// trusted caller's owner): kept out by no reservation, and reserves nothing. It came
+    /// before every waiter that its holds keep waiting, and making it wait for them would
+    /// deadlock.
+    Holder,
+}
+
+impl Line {
+    /// Whether a live reservation with `ticket` keeps this acquisition out.
+    pub(crate) fn kept_out_by(self, ticket: Ticket) -> bool {
+        match self {
+            Self::Outside => true,
+            Self::At(mine) => ticket < mine,
+            Self::Holder => false,
+        }
+    }
+}
+
 /// What an acquisition found.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Acquire {
-    /// Every key of the batch now holds the caller's token.
+    /// Every key of the batch now holds the caller's token, and the caller's reservations
+    /// on them are gone.
     Granted(FencingToken),
-    /// At least one key is held by another owner; nothing was written.
+    /// At least one key is held by another owner, or reserved by an earlier waiter. No key
+    /// was locked; a caller with a ticket now has its reservation on every key of the batch.
     Held(Contention),
 }
 
 /// The keys that stopped a batch.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Contention {
-    /// Up to the requested number of conflicting keys, as stored (with the prefix).
+    /// Up to the requested number of conflicting keys, as stored (with the prefix): held by
+    /// another owner, or reserved by an earlier waiter.
     pub(crate) keys: Vec<String>,
     /// How many keys of the batch are held by others in all.
     pub(crate) total: usize,
@@ -152,6 +224,13 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
     /// `holder`'s owner is entered again, and keeps the longer of its ttl and `ttl`.
     /// `report` bounds how many conflicting keys a [`Contention`] names.
     ///
+    /// A key that nobody holds but a waiter reserved conflicts as `line` says
+    /// ([`Line::kept_out_by`]); a key that `holder`'s owner holds never does. When the
+    /// batch conflicts and the caller waits in line ([`Line::At`]), its reservation is put
+    /// on (or renewed on) every key of the batch, for
+    /// [`Wait::RESERVATION_TTL`](crate::Wait::RESERVATION_TTL); when it is granted, its
+    /// reservations on the batch are gone.
+    ///
     /// A grant carries a fencing token larger than that of every earlier grant in the
     /// same `namespace` (the key prefix), so larger than every earlier grant of any of
     /// these keys. (Redlock promises less: larger than every earlier grant that shares a
@@ -163,6 +242,7 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         holder: Holder,
         ttl: Duration,
         report: usize,
+        line: Line,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>>;
 
     /// Extends every key to at least `ttl` from now if every key still has `holder`'s
@@ -181,6 +261,14 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         &'a self,
         keys: &'a [String],
         holder: Holder,
+    ) -> BoxFuture<'a, Result<usize, BackendError>>;
+
+    /// Takes the reservations of the waiter with `ticket` off the keys, and wakes the
+    /// waiters they held up. Returns how many keys had one.
+    fn withdraw<'a>(
+        &'a self,
+        keys: &'a [String],
+        ticket: Ticket,
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
 
     /// How much sooner than `ttl` after an acquisition or extension was sent its lease must

@@ -1,11 +1,16 @@
 //! Locks in one Redis, shared by every process that uses it, through a deadpool-redis pool.
 //!
-//! Data model: one hash per resource, `{prefix}{key}` -> {hold id -> owner token}, with a
-//! `PX` ttl (see [`ACQUIRE`] for why a hash); the prefix itself (never a lock key: empty keys are refused) holds the namespace's
-//! fencing counter. One script acquires a whole batch, one extends it and one releases it,
-//! so a batch of any size costs one round trip each. `redis::Script` sends `EVALSHA` and
-//! falls back to loading the script when the server answers `NOSCRIPT` (after a restart or
-//! `SCRIPT FLUSH`).
+//! Data model: one string per resource, `{prefix}{key}` -> the owner token and its hold
+//! ids, then the reservations of waiters in line, with a `PX` ttl (`scripts/value.lua`
+//! describes it); the prefix itself (never a lock key: empty keys are refused) holds the
+//! namespace's fencing counter. One script acquires a whole batch, one extends it, one
+//! releases it and one withdraws a waiter's reservations, so a batch of any size costs one
+//! round trip each. The scripts live in `scripts/`, one file each. `redis::Script` sends
+//! `EVALSHA` and falls back to loading the script when the server answers `NOSCRIPT`
+//! (after a restart or `SCRIPT FLUSH`).
+//!
+//! Needs Redis 7.0 or later (or a compatible server such as Valkey): the scripts use
+//! `SET ... NX GET` and `PEXPIRE ... GT`.
 //!
 //! Releases are published on [`RELEASED_CHANNEL`]; a process built with a
 //! [`redis::Client`] subscribes to it, so that its waiters wake when another process
@@ -22,9 +27,9 @@ use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult, Script, Scr
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, Ticket,
 };
-use crate::FencingToken;
+use crate::{FencingToken, Wait};
 
 /// The pub/sub channel on which releases name the wake-up slots of their keys.
 pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
@@ -32,102 +37,31 @@ pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 /// A release of more slots than this wakes every waiter instead of naming them.
 const MAX_NAMED_SLOTS: usize = 64;
 
-/// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
-/// milliseconds, how many conflicts to name. Returns `{granted (1 or 0), fencing token or
-/// conflicts, earliest pttl or -1, {named conflicting keys}}`.
-///
-/// A lock key is a hash of hold id -> owner token: an owner may hold a key several times
-/// (nested layers, a handler locking more), and the key goes with its last hold. A key held
-/// only by the caller's owner is entered again, and keeps the longer of its ttl and this
-/// one; any other value under the name (another owner's hash, or foreign data) conflicts.
-///
-/// It reads every key before it writes any, so a refused batch writes nothing, and Redis
-/// runs a script without interleaving other commands, so nobody sees half a batch. It
-/// loops over KEYS instead of `unpack`ing them: `unpack` fails near 8,000 values.
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local named, conflicts, earliest, fresh = {}, 0, -1, {}
-for i = 2, #KEYS do
-  local owners = redis.pcall('HVALS', KEYS[i])
-  local foreign = owners.err ~= nil
-  for _, other in ipairs(foreign and {} or owners) do
-    if other ~= owner then foreign = true break end
-  end
-  if foreign then
-    conflicts = conflicts + 1
-    if #named < report then named[#named + 1] = KEYS[i] end
-    local left = redis.call('PTTL', KEYS[i])
-    if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
-  else
-    fresh[i] = #owners == 0
-  end
-end
-if conflicts > 0 then return {0, conflicts, earliest, named} end
-for i = 2, #KEYS do
-  redis.call('HSET', KEYS[i], hold, owner)
-  if fresh[i] or redis.call('PTTL', KEYS[i]) < ttl then
-    redis.call('PEXPIRE', KEYS[i], ttl)
-  end
-end
-return {1, redis.call('INCR', KEYS[1]), -1, {}}
-",
-    )
-});
+/// A script that reads or writes lock values: the value format's functions (`value.lua`),
+/// then its own body.
+fn value_script(body: &str) -> Script {
+    Script::new(&[include_str!("scripts/value.lua"), body].concat())
+}
 
-/// KEYS: the batch. ARGV: owner token, hold id, ttl in milliseconds. Extends every key to
-/// at least the ttl if every key still has the hold, and returns 1; otherwise changes
-/// nothing and returns 0: a lease that lost one key has lost the batch.
-static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-for i = 1, #KEYS do
-  if redis.pcall('HGET', KEYS[i], ARGV[2]) ~= ARGV[1] then return 0 end
-end
-local ttl = tonumber(ARGV[3])
-for i = 1, #KEYS do
-  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
-end
-return 1
-",
-    )
-});
+/// Locks a batch, all or nothing, or reserves it for a waiter in line.
+static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/acquire.lua")));
 
-/// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots. Ends the hold on
-/// the keys that still have it (a key goes with its last hold), so a late release never
-/// frees a key that expired and went to someone else, nor another hold of the same owner,
-/// and announces the release to waiters in other processes.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local released = 0
-for i = 1, #KEYS do
-  if redis.pcall('HGET', KEYS[i], ARGV[2]) == ARGV[1] then
-    redis.call('HDEL', KEYS[i], ARGV[2])
-    released = released + 1
-  end
-end
-if released > 0 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
-return released
-",
-    )
-});
+/// Extends a batch if every key still has the hold.
+static EXTEND: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/extend.lua")));
 
-/// KEYS: the fencing counter. ARGV: a floor. Raises the counter to the floor if it is
-/// lower, never lowers it. Redlock uses it to bring a node's counter up to the token a
-/// majority agreed on (see `redlock`), so that the next grant anywhere in that majority
-/// counts on from there.
-static RAISE_FENCE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1])
-end
-return 1
-",
-    )
-});
+/// Ends a hold on the keys that still have it, and announces the release.
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/release.lua")));
+
+/// Takes a waiter's reservations off its keys, and announces it.
+static WITHDRAW: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/withdraw.lua")));
+
+/// Raises a namespace's fencing counter to a floor (for Redlock).
+static RAISE_FENCE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/raise_fence.lua")));
 
 pub(crate) struct RedisBackend {
     pool: Pool,
@@ -272,6 +206,7 @@ impl Backend for RedisBackend {
         holder: Holder,
         ttl: Duration,
         report: usize,
+        line: Line,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(async move {
             let mut script = ACQUIRE.prepare_invoke();
@@ -280,7 +215,17 @@ impl Backend for RedisBackend {
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex())
                 .arg(millis(ttl))
-                .arg(report);
+                .arg(report)
+                .arg(match line {
+                    Line::Outside => String::new(),
+                    Line::At(ticket) => ticket.get().to_string(),
+                    // Earlier than every ticket: no reservation keeps it out.
+                    Line::Holder => "0".to_owned(),
+                })
+                .arg(match line {
+                    Line::At(_) => millis(Wait::RESERVATION_TTL),
+                    Line::Outside | Line::Holder => 0,
+                });
             let (granted, count, earliest, named): AcquireReply = self.invoke(&script).await?;
             if granted == 1 {
                 let fence = u64::try_from(count).map_err(|_| {
@@ -331,6 +276,22 @@ impl Backend for RedisBackend {
             // This process's waiters need not wait for the message to come back.
             self.wakeups.wake_slots(slots);
             Ok(released)
+        })
+    }
+
+    fn withdraw<'a>(
+        &'a self,
+        keys: &'a [String],
+        ticket: Ticket,
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let slots = slots_of(keys);
+            let mut script = WITHDRAW.prepare_invoke();
+            script.key(keys).arg(ticket.get());
+            script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+            let withdrawn = self.invoke(&script).await?;
+            self.wakeups.wake_slots(slots);
+            Ok(withdrawn)
         })
     }
 

@@ -41,7 +41,7 @@ use redis::IntoConnectionInfo;
 use super::{
     redis::RedisBackend,
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, Ticket,
 };
 use crate::{FencingToken, Locks};
 
@@ -456,6 +456,20 @@ impl RedlockBackend {
         })
     }
 
+    /// Withdraws a waiter's reservations on each of `nodes` at once.
+    fn start_withdrawals(
+        &self,
+        nodes: impl Iterator<Item = usize>,
+        keys: &Arc<[String]>,
+        ticket: Ticket,
+    ) -> Replies<usize> {
+        let timeout = self.node_timeout;
+        self.start_on(nodes, |_, master| {
+            let keys = keys.clone();
+            async move { bounded(timeout, master.withdraw(&keys, ticket)).await }
+        })
+    }
+
     /// Logs that a master did not answer a call: as a warning at most every 10 s per
     /// master, so that a master that is down shows in the logs without flooding them
     /// (requests that still find a majority succeed without a word); at debug level
@@ -565,6 +579,7 @@ impl Backend for RedlockBackend {
         owner: Holder,
         ttl: Duration,
         report: usize,
+        line: Line,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(async move {
             self.note_ttl(ttl);
@@ -583,7 +598,7 @@ impl Backend for RedlockBackend {
                 async move {
                     let reply = bounded(
                         timeout,
-                        master.acquire(&namespace, &keys, owner, ttl, report),
+                        master.acquire(&namespace, &keys, owner, ttl, report, line),
                     )
                     .await;
                     // Granted here after the caller already released the batch: undo it.
@@ -614,6 +629,13 @@ impl Backend for RedlockBackend {
                         // grant is released with the batch, by the release or by their
                         // own task.
                         finish_in_background(replies);
+                        // A waiter's reservations stay on the masters that refused it,
+                        // where they would keep later requests out until they expire.
+                        if let Line::At(ticket) = line {
+                            let refused = (0..self.nodes.len())
+                                .filter(|node| tally.granted.iter().all(|(g, _)| g != node));
+                            finish_in_background(self.start_withdrawals(refused, &keys, ticket));
+                        }
                         return Ok(Acquire::Granted(fence));
                     }
                     Err(reason) => why = reason,
@@ -737,6 +759,36 @@ impl Backend for RedlockBackend {
             } else {
                 BackendError::not_sent(detail)
             })
+        })
+    }
+
+    /// Withdraws on every master at once, and waits for each (each bounded by the node
+    /// timeout): a reservation left on a master that does not answer expires on its own.
+    fn withdraw<'a>(
+        &'a self,
+        keys: &'a [String],
+        ticket: Ticket,
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let keys: Arc<[String]> = keys.into();
+            let mut replies = self.start_withdrawals(0..self.nodes.len(), &keys, ticket);
+            let (mut answered, mut withdrawn) = (0, 0);
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(count) => {
+                        answered += 1;
+                        withdrawn = withdrawn.max(count);
+                    }
+                    Err(failure) => self.report(node, "withdraw", &failure),
+                }
+            }
+            self.wakeups.wake_slots(slots_of(&keys));
+            if answered == 0 {
+                return Err(BackendError::unknown(
+                    "no Redlock master answered the withdrawal",
+                ));
+            }
+            Ok(withdrawn)
         })
     }
 

@@ -11,7 +11,7 @@ mod server;
 
 #[cfg(feature = "redis")]
 #[allow(unused_imports)] // as with dead code: not every test binary looks at a server
-pub(crate) use server::{Observer, RedisServer};
+pub(crate) use server::{lock_value, LockValue, Observer, RedisServer};
 
 /// xorshift64: reproducible key sets without a dependency.
 pub(crate) struct Rng(u64);

@@ -192,18 +192,21 @@ impl Observer {
         self.under("lock:")
     }
 
-    /// What holds `key`: the owner token of a lock (a hash of hold id -> owner token), or
-    /// the plain value of any other key.
+    /// What holds `key`: the owner token of a held lock, or the plain value of any other
+    /// string key.
     pub(crate) fn get(&self, key: &str) -> Option<String> {
-        let kind: String = self.cmd(redis::cmd("TYPE").arg(key));
-        match kind.as_str() {
-            "none" => None,
-            "hash" => self
-                .cmd::<Vec<String>>(redis::cmd("HVALS").arg(key))
-                .into_iter()
-                .next(),
-            _ => self.cmd(redis::cmd("GET").arg(key)),
-        }
+        let value: Option<String> = self.cmd(redis::cmd("GET").arg(key));
+        value.map(|v| match LockValue::parse(&v) {
+            Some(LockValue {
+                owner: Some(owner), ..
+            }) => owner,
+            _ => v,
+        })
+    }
+
+    /// The lock value under `key`, if it is one.
+    pub(crate) fn lock(&self, key: &str) -> Option<LockValue> {
+        lock_value(&mut self.connection(), key)
     }
 
     pub(crate) fn set(&self, key: &str, value: &str) {
@@ -240,6 +243,48 @@ impl Observer {
             })
             .sum()
     }
+}
+
+/// A lock key's value, as the crate's scripts write it: `<owner>:<hold>[:<hold>...]`, then
+/// `|<ticket>/<until ms>` for each waiter's reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LockValue {
+    /// The owner token, when the key is held.
+    pub(crate) owner: Option<String>,
+    /// The hold ids.
+    pub(crate) holds: Vec<String>,
+    /// The waiters' tickets, in line order.
+    pub(crate) reservations: Vec<u64>,
+}
+
+impl LockValue {
+    pub(crate) fn parse(value: &str) -> Option<Self> {
+        let (holds, queue) = value.split_once('|').map_or((value, ""), |(h, q)| (h, q));
+        let mut parts = holds.split(':');
+        let owner = parts.next().filter(|o| !o.is_empty()).map(str::to_owned);
+        if owner.as_ref().is_some_and(|o| o.len() != 32) {
+            return None;
+        }
+        let reservations = if value.contains('|') {
+            queue
+                .split('|')
+                .map(|r| r.split_once('/').and_then(|(t, _)| t.parse().ok()))
+                .collect::<Option<Vec<u64>>>()?
+        } else {
+            Vec::new()
+        };
+        Some(Self {
+            owner,
+            holds: parts.map(str::to_owned).collect(),
+            reservations,
+        })
+    }
+}
+
+/// The lock value under `key` on `connection`, if it is one.
+pub(crate) fn lock_value(connection: &mut redis::Connection, key: &str) -> Option<LockValue> {
+    let value: Option<String> = redis::cmd("GET").arg(key).query(connection).ok()?;
+    LockValue::parse(&value?)
 }
 
 fn free_port() -> u16 {

@@ -1,0 +1,420 @@
+//! A mixed load: many small orders and, now and then, a purchase order of the whole
+//! catalogue, with fair waiting on and off, on each store.
+//!
+//! 32 retail clients send orders of 1-3 random skus of a catalogue of 3,000, back to back
+//! on keep-alive connections ([`crate::load`]); every 1.5 s a purchase order names all
+//! 3,000, on a connection of its own. Every request waits up to 4 s for its keys and holds
+//! them for 5 ms of work. Without fair waiting a purchase order gets its keys only at a
+//! moment when no retail order holds any of them, which hardly ever comes; with it, its
+//! reservations hold back the retail orders that come after it, and it is granted once
+//! those before it end. The question is how soon, and what that costs the retail clients.
+//!
+//! Each case gets a server, a store and empty Redis servers of its own, so that no case
+//! inherits another's locks or reservations. The server runs in this process on
+//! 127.0.0.1:0; the clients run on a thread and runtime of their own.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{
+    extract::{Path, State},
+    routing::post,
+    Router,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tower_batch_lock::{keys, Locks, Wait};
+
+use crate::{
+    load::{self, Load, Outcome, Requests},
+    progress,
+    stats::{self, human, percentile},
+    support::RedisServer,
+    target::Target,
+};
+
+const CATALOGUE: u32 = 3_000;
+const RETAIL_CLIENTS: usize = 32;
+/// A retail order names 1 to this many skus.
+const RETAIL_SKUS: u32 = 3;
+/// What a handler does while it holds the keys.
+const WORK: Duration = Duration::from_millis(5);
+const WAIT_BOUND: Duration = Duration::from_secs(4);
+const TTL: Duration = Duration::from_secs(30);
+const PURCHASE_EVERY: Duration = Duration::from_millis(1_500);
+/// The first purchase order goes out once the retail load has settled.
+const FIRST_PURCHASE: Duration = Duration::from_millis(500);
+/// The retail load goes on this long after the last purchase order's wait could have
+/// ended: every purchase order waits under the full load, the last one too.
+const SLACK: Duration = Duration::from_millis(500);
+/// Bounds a run's retail orders whatever its length (32 clients holding keys 5 ms each
+/// cannot place more than 6,400 a second).
+const MAX_RETAIL: u64 = 500_000;
+
+#[derive(Deserialize)]
+struct Order {
+    skus: Vec<u32>,
+}
+
+/// When each purchase order's handler started, by purchase order number.
+type Granted = Arc<Mutex<HashMap<u32, Instant>>>;
+
+/// A store, named by the Redis servers behind it: none is memory, one is Redis, more is
+/// Redlock.
+struct Store<'a> {
+    name: &'static str,
+    servers: Vec<&'a RedisServer>,
+}
+
+impl Store<'_> {
+    /// An empty store: a new memory store, or new handles on flushed Redis servers.
+    fn empty(&self) -> Result<Locks, String> {
+        for server in &self.servers {
+            redis::cmd("FLUSHALL")
+                .query::<()>(&mut server.connection())
+                .map_err(|e| e.to_string())?;
+        }
+        let urls: Vec<String> = self.servers.iter().map(|s| s.url()).collect();
+        match urls.as_slice() {
+            [] => Ok(Locks::memory()),
+            [url] => Locks::redis_url(url),
+            urls => Locks::redlock(urls),
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, String> {
+    let (purchases, warmup) = if quick {
+        (2, Duration::from_millis(100))
+    } else {
+        (6, Duration::from_millis(300))
+    };
+    let length = FIRST_PURCHASE + PURCHASE_EVERY * (purchases - 1) + WAIT_BOUND + SLACK;
+    // Three independent masters, as Redlock wants them.
+    let trio: Vec<RedisServer> =
+        tokio::task::spawn_blocking(|| (0..3).map(|_| RedisServer::start()).collect::<Vec<_>>())
+            .await
+            .map_err(|e| e.to_string())?;
+    let stores = [
+        Store {
+            name: "memory",
+            servers: vec![],
+        },
+        Store {
+            name: "Redis",
+            servers: vec![server],
+        },
+        Store {
+            name: "Redlock, 3 masters",
+            servers: trio.iter().collect(),
+        },
+    ];
+    // Fair and not fair back to back on each store, so that their ratio compares runs on
+    // the same moment of the machine.
+    let total = stores.len() * 2;
+    let mut cases = Vec::new();
+    for store in &stores {
+        for fair in [true, false] {
+            let label = format!(
+                "mixed {}/{total} {}, fair waiting {}",
+                cases.len() + 1,
+                store.name,
+                if fair { "on" } else { "off" }
+            );
+            let locks = store.empty()?;
+            let figures = case(locks, fair, purchases, warmup, length, label)
+                .await
+                .map_err(|error| format!("{}, fair {fair}: {error}", store.name))?;
+            let mut case = json!({ "store": store.name, "fair": fair });
+            if let (Value::Object(case), Value::Object(figures)) = (&mut case, figures) {
+                case.extend(figures);
+            }
+            cases.push(case);
+        }
+    }
+    let targets = targets(&stores, &cases);
+    Ok(json!({
+        "method": format!(
+            "axum on 127.0.0.1:0 in the bench process; {RETAIL_CLIENTS} retail clients (keep-alive connections) post orders of 1-{RETAIL_SKUS} random skus of {CATALOGUE} back to back; a purchase order of all {CATALOGUE} every {} s from {} s on, each on a connection of its own; keys from keys::json; every request waits up to {} s (Wait::up_to, fair or not) and holds its keys {} ms (a sleep); the clients on a thread and runtime of their own; time to grant = from sending a purchase order (connection already open) until its handler starts; retail requests/s counts 2xx answers, retail latencies cover every answer; a new store per case, its Redis servers flushed",
+            PURCHASE_EVERY.as_secs_f64(),
+            FIRST_PURCHASE.as_secs_f64(),
+            WAIT_BOUND.as_secs(),
+            WORK.as_millis(),
+        ),
+        "catalogue": CATALOGUE,
+        "retail_clients": RETAIL_CLIENTS,
+        "retail_skus_max": RETAIL_SKUS,
+        "work_ms": WORK.as_millis(),
+        "wait_seconds": WAIT_BOUND.as_secs_f64(),
+        "purchase_every_seconds": PURCHASE_EVERY.as_secs_f64(),
+        "purchase_orders_per_run": purchases,
+        "run_seconds": length.as_secs_f64(),
+        "cases": cases,
+        "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// One run against `locks`: a warm-up of retail orders alone (Redis scripts loaded,
+/// pub/sub subscribed), then the retail load with `purchases` purchase orders.
+async fn case(
+    locks: Locks,
+    fair: bool,
+    purchases: u32,
+    warmup: Duration,
+    length: Duration,
+    label: String,
+) -> Result<Value, String> {
+    let locks = locks.ttl(TTL).wait(Wait::up_to(WAIT_BOUND).fair(fair));
+    let granted = Granted::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let app = app(&locks, granted.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    progress::begin(label, "retail orders", MAX_RETAIL);
+    let retail = Load {
+        path: "/orders".to_owned(),
+        requests: Requests::Json(retail_order),
+        connections: RETAIL_CLIENTS,
+        duration: warmup,
+        max_requests: MAX_RETAIL,
+    };
+    drive(addr, retail.clone(), 0).await?;
+    let (retail, answers) = drive(
+        addr,
+        Load {
+            duration: length,
+            ..retail
+        },
+        purchases,
+    )
+    .await?;
+    let _ = stop.send(());
+    // Every client has hung up by now; a server that still does not stop is stuck.
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .map_err(|_| "the server did not shut down".to_owned())?
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+
+    let granted = std::mem::take(&mut *granted.lock().unwrap());
+    let case = summarize(&retail, &answers, &granted)?;
+    progress::end(&format!(
+        "{} retail orders/s, purchase orders granted {}/{purchases}, time to grant p50 {} max {}",
+        case["retail_requests_per_second"],
+        case["purchase_granted"],
+        ms_text(&case["purchase_grant_p50_ms"]),
+        ms_text(&case["purchase_grant_max_ms"]),
+    ));
+    Ok(case)
+}
+
+fn app(locks: &Locks, granted: Granted) -> Router {
+    let layer = locks.layer(keys::json(|order: Order| {
+        order.skus.into_iter().map(|sku| format!("sku:{sku}"))
+    }));
+    Router::new()
+        .route("/orders", post(work).layer(layer.clone()))
+        .route("/purchase-orders/{number}", post(purchase).layer(layer))
+        .with_state(granted)
+}
+
+async fn work() -> &'static str {
+    tokio::time::sleep(WORK).await;
+    "ok"
+}
+
+async fn purchase(State(granted): State<Granted>, Path(number): Path<u32>) -> &'static str {
+    granted.lock().unwrap().insert(number, Instant::now());
+    work().await
+}
+
+fn retail_order() -> String {
+    let skus: Vec<u32> = (0..fastrand::u32(1..=RETAIL_SKUS))
+        .map(|_| fastrand::u32(..CATALOGUE))
+        .collect();
+    json!({ "skus": skus }).to_string()
+}
+
+/// When each purchase order went out, and its status.
+type Answers = Vec<io::Result<(Instant, u16)>>;
+
+/// The clients on a thread and a runtime of their own, as other processes would be: the
+/// retail load and, alongside, `purchases` purchase orders on their schedule.
+async fn drive(
+    addr: SocketAddr,
+    retail: Load,
+    purchases: u32,
+) -> Result<(Outcome, Answers), String> {
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        Ok(runtime.block_on(async {
+            tokio::join!(
+                load::drive(addr, retail, progress::tick),
+                purchase_orders(addr, purchases)
+            )
+        }))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+async fn purchase_orders(addr: SocketAddr, count: u32) -> Answers {
+    let start = tokio::time::Instant::now();
+    let body = json!({ "skus": (0..CATALOGUE).collect::<Vec<_>>() }).to_string();
+    let orders: Vec<_> = (0..count)
+        .map(|number| {
+            let request = load::post_json(&format!("/purchase-orders/{number}"), &body);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(start + FIRST_PURCHASE + PURCHASE_EVERY * number).await;
+                // The wait, then time enough for the grant and the work, or the refusal.
+                load::once(addr, &request, WAIT_BOUND + Duration::from_secs(5)).await
+            })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(orders.len());
+    for order in orders {
+        answers.push(order.await.unwrap_or_else(|e| Err(io::Error::other(e))));
+    }
+    answers
+}
+
+fn summarize(
+    retail: &Outcome,
+    answers: &Answers,
+    granted: &HashMap<u32, Instant>,
+) -> Result<Value, String> {
+    // A 4xx other than 409 means the routes refuse what the clients send (a bad body, a
+    // missing content type): the figures would mean nothing. A 5xx (a store that did not
+    // answer in time) is a result, and is reported.
+    let refused = |status: &u16| (400..500).contains(status) && *status != 409;
+    let mut purchase_statuses = BTreeMap::<u16, u64>::new();
+    let mut grants = Vec::new();
+    let mut grant_ms = Vec::new();
+    let mut purchase_errors = 0;
+    for (number, answer) in (0..).zip(answers) {
+        let grant = match answer {
+            Ok((sent, status)) => {
+                *purchase_statuses.entry(*status).or_default() += 1;
+                granted
+                    .get(&number)
+                    .filter(|_| (200..300).contains(status))
+                    .map(|at| at.saturating_duration_since(*sent))
+            }
+            Err(_) => {
+                purchase_errors += 1;
+                None
+            }
+        };
+        grants.extend(grant);
+        grant_ms.push(grant.map(stats::ms));
+    }
+    if let Some(status) = retail
+        .statuses
+        .keys()
+        .chain(purchase_statuses.keys())
+        .find(|s| refused(s))
+    {
+        return Err(format!("the route answered {status}"));
+    }
+    grants.sort_unstable();
+    let mut latencies = retail.latencies.clone();
+    latencies.sort_unstable();
+    let quantile = |sorted: &[Duration], p: f64| {
+        (!sorted.is_empty()).then(|| stats::ms(percentile(sorted, p)))
+    };
+    let retail_ok: u64 = retail
+        .statuses
+        .iter()
+        .filter(|(status, _)| (200..300).contains(*status))
+        .map(|(_, n)| n)
+        .sum();
+    let by_status = |statuses: &BTreeMap<u16, u64>| {
+        statuses
+            .iter()
+            .map(|(status, n)| (status.to_string(), json!(n)))
+            .collect::<serde_json::Map<_, _>>()
+    };
+    Ok(json!({
+        "purchase_orders": answers.len(),
+        "purchase_granted": grants.len(),
+        "purchase_statuses": by_status(&purchase_statuses),
+        "purchase_transport_errors": purchase_errors,
+        "purchase_grant_ms": grant_ms,
+        "purchase_grant_p50_ms": quantile(&grants, 0.5),
+        "purchase_grant_max_ms": quantile(&grants, 1.0),
+        "retail_seconds": stats::round(retail.elapsed.as_secs_f64(), 3),
+        "retail_requests_per_second": stats::round(retail_ok as f64 / retail.elapsed.as_secs_f64(), 1),
+        "retail_p50_ms": quantile(&latencies, 0.5),
+        "retail_p99_ms": quantile(&latencies, 0.99),
+        "retail_ok": retail_ok,
+        "retail_409": retail.statuses.get(&409).copied().unwrap_or(0),
+        "retail_statuses": by_status(&retail.statuses),
+        "retail_transport_errors": retail.errors,
+    }))
+}
+
+fn ms_text(ms: &Value) -> String {
+    ms.as_f64().map_or("–".to_owned(), |ms| {
+        human(Duration::from_secs_f64(ms / 1e3))
+    })
+}
+
+fn targets(stores: &[Store<'_>], cases: &[Value]) -> Vec<Target> {
+    let mut targets = Vec::new();
+    for store in stores {
+        let name = store.name;
+        let case = |fair: bool| {
+            cases
+                .iter()
+                .find(|c| c["store"] == name && c["fair"] == fair)
+        };
+        let fair = case(true);
+        let figure = |field: &str| fair.and_then(|c| c[field].as_f64());
+        let rps =
+            |case: Option<&Value>| case.and_then(|c| c["retail_requests_per_second"].as_f64());
+        targets.extend([
+            Target::holds(
+                &format!("mixed, {name}, fair: every purchase order granted"),
+                fair.is_some_and(|c| {
+                    c["purchase_orders"].as_u64() > Some(0)
+                        && c["purchase_granted"] == c["purchase_orders"]
+                }),
+            ),
+            Target::at_most(
+                &format!("mixed, {name}, fair: purchase order time to grant, max (ms)"),
+                figure("purchase_grant_max_ms"),
+                1_000.0,
+            ),
+            Target::below(
+                &format!("mixed, {name}, fair: purchase order time to grant, p50 (ms)"),
+                figure("purchase_grant_p50_ms"),
+                200.0,
+            ),
+            Target::at_least(
+                &format!("mixed, {name}: retail requests/s, fair / not fair"),
+                rps(fair).zip(rps(case(false))).map(|(on, off)| on / off),
+                0.8,
+            ),
+        ]);
+    }
+    targets
+}

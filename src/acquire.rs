@@ -1,0 +1,183 @@
+//! How a request gets its batch: one attempt after another until it is granted, refused or
+//! out of time, with a place in line while it waits ([`Locks`](crate::Locks) holds the
+//! policy; this is the mechanism).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    backend::{wake::any_released, Acquire, Backend, Contention, Holder, Line, OwnerToken, Ticket},
+    guard::LockGuard,
+    wait::Backoff,
+    FencingToken, Wait,
+};
+
+/// One request's acquisition of one batch.
+pub(crate) struct Acquisition<'a> {
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    /// The key prefix: the namespace of the fencing counter.
+    pub(crate) namespace: &'a str,
+    pub(crate) keys: &'a Arc<[String]>,
+    pub(crate) ttl: Duration,
+    pub(crate) wait: Wait,
+    /// How long one call to the store may take.
+    pub(crate) timeout: Duration,
+    /// How many conflicting keys to learn of, to name them and to watch for their release.
+    pub(crate) report: usize,
+    /// Whether the owner already holds keys (see [`Line::Holder`]).
+    pub(crate) holds_keys: bool,
+}
+
+/// Why a batch was not granted.
+pub(crate) enum Refusal {
+    /// Held or reserved by others, after any waiting.
+    Contended(Contention),
+    /// The store did not answer in time, or failed.
+    Unavailable,
+}
+
+impl Acquisition<'_> {
+    /// Tries the whole batch until it is granted, the store fails, or the wait bound
+    /// passes. Between attempts it sleeps until a release of a conflicting key, or a short
+    /// jittered pause in case that wake-up is lost.
+    ///
+    /// A fair waiter takes its ticket before the first attempt, so that its place in line is
+    /// its arrival; every refused attempt renews its reservations. They are withdrawn when
+    /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
+    /// that already holds keys stands in no line ([`Line::Holder`]).
+    pub(crate) async fn run(self, owner: OwnerToken) -> Result<(LockGuard, FencingToken), Refusal> {
+        let holder = Holder::new(owner);
+        let deadline = Instant::now() + self.wait.bound();
+        let place = (self.wait.queues() && !self.holds_keys)
+            .then(|| Place::take(self.backend.clone(), self.keys.clone(), self.timeout));
+        let line = match &place {
+            _ if self.holds_keys => Line::Holder,
+            Some(place) => Line::At(place.ticket),
+            None => Line::Outside,
+        };
+        let mut backoff = Backoff::new();
+        loop {
+            let attempted = Instant::now();
+            let guard = LockGuard::new(
+                self.backend.clone(),
+                self.keys.clone(),
+                holder,
+                self.timeout,
+                attempted + self.ttl.saturating_sub(self.backend.drift(self.ttl)),
+            );
+            let outcome = tokio::time::timeout(
+                self.timeout,
+                self.backend.acquire(
+                    self.namespace,
+                    self.keys,
+                    holder,
+                    self.ttl,
+                    self.report,
+                    line,
+                ),
+            )
+            .await;
+            let contention = match outcome {
+                Ok(Ok(Acquire::Granted(fence))) => {
+                    // The grant took the reservations off the batch.
+                    if let Some(place) = place {
+                        place.disarm();
+                    }
+                    return Ok((guard, fence));
+                }
+                Ok(Ok(Acquire::Held(contention))) => {
+                    // The store locked nothing: there is nothing to release.
+                    guard.disarm();
+                    contention
+                }
+                Ok(Err(error)) => {
+                    tracing::error!(%error, keys = self.keys.len(), "could not acquire locks");
+                    if !error.may_have_applied {
+                        guard.disarm();
+                    }
+                    // Otherwise the guard's drop releases whatever the store may have granted,
+                    // and the place's drop withdraws the reservations.
+                    return Err(Refusal::Unavailable);
+                }
+                Err(_elapsed) => {
+                    tracing::error!(
+                        timeout_ms = self.timeout.as_millis() as u64,
+                        keys = self.keys.len(),
+                        "acquiring locks timed out"
+                    );
+                    return Err(Refusal::Unavailable);
+                }
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                // Withdrawn before the answer, so that the client's retry does not find
+                // them in its way.
+                if let Some(place) = place {
+                    place.withdraw().await;
+                }
+                return Err(Refusal::Contended(contention));
+            }
+            let mut released = self.backend.wakeups().watch(&contention.keys);
+            let wake_at = (now + backoff.pause()).min(deadline);
+            let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+        }
+    }
+}
+
+/// A fair waiter's place in line: its ticket, and the batch its attempts reserve. Dropped
+/// while armed (the request was dropped, or the store failed), it withdraws the
+/// reservations in the background; they expire within [`Wait::RESERVATION_TTL`] anyway.
+struct Place {
+    ticket: Ticket,
+    armed: Option<(Arc<dyn Backend>, Arc<[String]>, Duration)>,
+}
+
+impl Place {
+    fn take(backend: Arc<dyn Backend>, keys: Arc<[String]>, timeout: Duration) -> Self {
+        Self {
+            ticket: Ticket::take(),
+            armed: Some((backend, keys, timeout)),
+        }
+    }
+
+    /// Forgets the reservations: the grant ended them.
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+
+    /// Withdraws the reservations now: one attempt, bounded by the store's timeout.
+    async fn withdraw(mut self) {
+        if let Some((backend, keys, timeout)) = self.armed.take() {
+            withdraw(&*backend, &keys, self.ticket, timeout).await;
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let Some((backend, keys, timeout)) = self.armed.take() else {
+            return;
+        };
+        let ticket = self.ticket;
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { withdraw(&*backend, &keys, ticket, timeout).await });
+        }
+    }
+}
+
+async fn withdraw(backend: &dyn Backend, keys: &[String], ticket: Ticket, timeout: Duration) {
+    match tokio::time::timeout(timeout, backend.withdraw(keys, ticket)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => tracing::debug!(
+            %error,
+            keys = keys.len(),
+            "could not withdraw reservations; they expire on their own"
+        ),
+        Err(_) => tracing::debug!(
+            keys = keys.len(),
+            "withdrawing reservations timed out; they expire on their own"
+        ),
+    }
+}
