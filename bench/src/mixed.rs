@@ -111,7 +111,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             servers: vec![server],
         },
         Store {
-            name: "Redlock, 3 masters",
+            name: "Redlock (3 masters)",
             servers: trio.iter().collect(),
         },
     ];
@@ -151,7 +151,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
         "retail_clients": RETAIL_CLIENTS,
         "retail_skus_max": RETAIL_SKUS,
         "work_ms": WORK.as_millis(),
-        "wait_seconds": WAIT_BOUND.as_secs_f64(),
+        "wait_seconds": WAIT_BOUND.as_secs(),
         "purchase_every_seconds": PURCHASE_EVERY.as_secs_f64(),
         "purchase_orders_per_run": purchases,
         "run_seconds": length.as_secs_f64(),
@@ -213,10 +213,10 @@ async fn case(
         .map_err(|e| e.to_string())?;
 
     let granted = std::mem::take(&mut *granted.lock().unwrap());
-    let case = summarize(&retail, &answers, &granted)?;
+    let case = summarize(retail, &answers, &granted)?;
     progress::end(&format!(
-        "{} retail orders/s, purchase orders granted {}/{purchases}, time to grant p50 {} max {}",
-        case["retail_requests_per_second"],
+        "{:.0} retail orders/s, purchase orders granted {}/{purchases}, time to grant p50 {} max {}",
+        case["retail_requests_per_second"].as_f64().unwrap_or(0.0),
         case["purchase_granted"],
         ms_text(&case["purchase_grant_p50_ms"]),
         ms_text(&case["purchase_grant_max_ms"]),
@@ -298,7 +298,7 @@ async fn purchase_orders(addr: SocketAddr, count: u32) -> Answers {
 }
 
 fn summarize(
-    retail: &Outcome,
+    mut retail: Outcome,
     answers: &Answers,
     granted: &HashMap<u32, Instant>,
 ) -> Result<Value, String> {
@@ -336,8 +336,7 @@ fn summarize(
         return Err(format!("the route answered {status}"));
     }
     grants.sort_unstable();
-    let mut latencies = retail.latencies.clone();
-    latencies.sort_unstable();
+    retail.latencies.sort_unstable();
     let quantile = |sorted: &[Duration], p: f64| {
         (!sorted.is_empty()).then(|| stats::ms(percentile(sorted, p)))
     };
@@ -363,8 +362,8 @@ fn summarize(
         "purchase_grant_max_ms": quantile(&grants, 1.0),
         "retail_seconds": stats::round(retail.elapsed.as_secs_f64(), 3),
         "retail_requests_per_second": stats::round(retail_ok as f64 / retail.elapsed.as_secs_f64(), 1),
-        "retail_p50_ms": quantile(&latencies, 0.5),
-        "retail_p99_ms": quantile(&latencies, 0.99),
+        "retail_p50_ms": quantile(&retail.latencies, 0.5),
+        "retail_p99_ms": quantile(&retail.latencies, 0.99),
         "retail_ok": retail_ok,
         "retail_409": retail.statuses.get(&409).copied().unwrap_or(0),
         "retail_statuses": by_status(&retail.statuses),

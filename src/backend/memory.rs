@@ -417,7 +417,8 @@ mod tests {
             None
         )));
 
-        let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20, Line::Outside)
+        let Acquire::Held(c) =
+            backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20, Line::Outside)
         else {
             panic!("an overlapping batch was granted");
         };
@@ -518,12 +519,24 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("lock:{i}")];
-            assert!(granted(backend.try_acquire(&key, holder(), short, 0, Line::Outside)));
+            assert!(granted(backend.try_acquire(
+                &key,
+                holder(),
+                short,
+                0,
+                Line::Outside
+            )));
         }
         std::thread::sleep(Duration::from_millis(5));
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("again:{i}")];
-            assert!(granted(backend.try_acquire(&key, holder(), TTL, 0, Line::Outside)));
+            assert!(granted(backend.try_acquire(
+                &key,
+                holder(),
+                TTL,
+                0,
+                Line::Outside
+            )));
         }
         // Without sweeping all 2 * 65,536 entries would remain.
         assert!(

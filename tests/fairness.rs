@@ -1,0 +1,574 @@
+//! Fair waiting (DESIGN.md, property 10): waiters are served in order of arrival, whatever
+//! their batch sizes; while they wait, their reservations keep later requests out, and
+//! never an earlier waiter or an owner that already holds keys; a reservation ends with
+//! its waiter (granted, given up, dropped, or its process killed), and nothing is left.
+//!
+//! Every case runs on the memory store, on one real Redis and on Redlock over three real
+//! masters, each with two `Locks` handles standing for two processes.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    body::Body,
+    routing::{get, post},
+    Extension, Router,
+};
+use http::{HeaderMap, Request, StatusCode};
+use support::{
+    handlers::{gated_handler, Gate},
+    http::{header_keys, poll_every, post_keys, send, within, Reply},
+    Observer, RedisServer, Rng,
+};
+use tower_batch_lock::{Lease, Locks, Redlock, Wait};
+
+/// One store, seen by two processes, and a way to look inside it.
+struct Store {
+    name: &'static str,
+    /// Two handles on the store: two processes (the memory store is one process's only).
+    locks: [Locks; 2],
+    /// The Redis servers behind it, looked at from outside the crate.
+    observers: Vec<Observer>,
+    _servers: Vec<RedisServer>,
+}
+
+impl Store {
+    fn memory() -> Self {
+        let locks = Locks::memory();
+        Self {
+            name: "memory",
+            locks: [locks.clone(), locks],
+            observers: Vec::new(),
+            _servers: Vec::new(),
+        }
+    }
+
+    fn redis() -> Self {
+        let server = RedisServer::start();
+        let handle = || Locks::redis_url(&server.url()).expect("a valid URL");
+        Self {
+            name: "redis",
+            locks: [handle(), handle()],
+            observers: vec![Observer::of(&server)],
+            _servers: vec![server],
+        }
+    }
+
+    fn redlock() -> Self {
+        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+        // A generous node timeout: the masters share two cores with the test.
+        let handle = || {
+            Redlock::new(&urls)
+                .node_timeout(Duration::from_millis(500))
+                .build()
+                .expect("valid URLs")
+        };
+        Self {
+            name: "redlock",
+            locks: [handle(), handle()],
+            observers: servers.iter().map(Observer::of).collect(),
+            _servers: servers,
+        }
+    }
+
+    fn all() -> [Self; 3] {
+        [Self::memory(), Self::redis(), Self::redlock()]
+    }
+
+    /// The tickets of the waiters that reserved `key`, in line order, on the first master
+    /// (`None` for the memory store, which cannot be looked into).
+    fn line(&self, key: &str) -> Option<Vec<u64>> {
+        let observer = self.observers.first()?;
+        Some(
+            observer
+                .lock(key)
+                .map(|v| v.reservations)
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Fails the test if any master still has a lock key, held or reserved.
+    fn assert_nothing_left(&self) {
+        for (master, observer) in self.observers.iter().enumerate() {
+            let left = observer.all_keys();
+            assert!(
+                left.is_empty(),
+                "{}: master {master} keeps {left:?}",
+                self.name
+            );
+        }
+    }
+
+    /// Waits until no master has a lock key: releases and withdrawals of requests that
+    /// already answered may still be on their way (a Redlock minority's, say).
+    async fn settle(&self) {
+        let settled = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+            self.observers.iter().all(|o| o.all_keys().is_empty())
+        })
+        .await;
+        if settled.is_none() {
+            self.assert_nothing_left();
+        }
+    }
+}
+
+/// A route `POST /` that locks the keys of the `x-keys` header, records the name in the
+/// `x-name` header when its handler starts, and works for `x-work-ms`.
+fn recording_router(locks: &Locks, order: &Arc<Mutex<Vec<String>>>) -> Router {
+    let order = order.clone();
+    let handler = move |headers: HeaderMap| {
+        let order = order.clone();
+        async move {
+            let text = |name: &str| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            order.lock().unwrap().push(text("x-name"));
+            let work = text("x-work-ms").parse().unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(work)).await;
+        }
+    };
+    Router::new().route("/", post(handler).layer(locks.layer(header_keys)))
+}
+
+fn named(keys: &str, name: &str, work_ms: u64) -> Request<Body> {
+    let mut request = post_keys("/", keys);
+    let headers = request.headers_mut();
+    headers.insert("x-name", name.parse().unwrap());
+    headers.insert("x-work-ms", work_ms.to_string().parse().unwrap());
+    request
+}
+
+/// Holds `keys` through `locks` until the returned gate opens.
+async fn hold(locks: &Locks, keys: &str) -> (Arc<Gate>, tokio::task::JoinHandle<Reply>) {
+    let gate = Gate::new();
+    let app = Router::new().route(
+        "/",
+        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
+    );
+    let request = post_keys("/", keys);
+    let held = tokio::spawn(async move { send(&app, request).await });
+    gate.wait_entered().await;
+    (gate, held)
+}
+
+fn waiting(locks: &Locks, bound: Duration) -> Locks {
+    locks.clone().wait(Wait::up_to(bound))
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Waiters are served in order of arrival; later requests respect their reservations
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_on_one_key_are_served_in_order_of_arrival() {
+    const WAITERS: usize = 6;
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        let (gate, held) = hold(first, "k").await;
+
+        // Waiters arrive one after another, from both processes by turns; each also wants
+        // `free`, a key nobody holds.
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for i in 0..WAITERS {
+            let process = if i % 2 == 0 { first } else { second };
+            let app = recording_router(&waiting(process, Duration::from_secs(10)), &order);
+            let request = named("k,free", &i.to_string(), 5);
+            waiters.push(tokio::spawn(async move { send(&app, request).await }));
+            // In line before the next one arrives: its reservation is on the key.
+            let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+                store
+                    .line("lock:free")
+                    .is_none_or(|line| line.len() == i + 1)
+            })
+            .await;
+            assert!(
+                in_line.is_some(),
+                "{}: waiter {i} never got in line",
+                store.name
+            );
+            if store.line("lock:free").is_none() {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        }
+        if let Some(line) = store.line("lock:free") {
+            assert!(line.is_sorted(), "{}: {line:?}", store.name);
+        }
+
+        // `free` is free, but reserved: a request that does not wait is refused, and one
+        // that waits goes to the back of the line.
+        let refused = send(&recording_router(second, &order), named("free", "late", 0)).await;
+        assert_eq!(refused.status, StatusCode::CONFLICT, "{}", store.name);
+        assert_eq!(
+            refused.problem()["conflicting_keys"],
+            serde_json::json!(["free"]),
+            "{}",
+            store.name
+        );
+        let app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
+        let last = tokio::spawn(async move { send(&app, named("free", "last", 0)).await });
+
+        gate.open();
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        for waiter in waiters {
+            let reply = within(Duration::from_secs(10), "a waiter's answer", waiter).await;
+            assert_eq!(reply.unwrap().status, StatusCode::OK, "{}", store.name);
+        }
+        assert_eq!(last.await.unwrap().status, StatusCode::OK, "{}", store.name);
+        let served = order.lock().unwrap().clone();
+        let expected: Vec<String> = (0..WAITERS)
+            .map(|i| i.to_string())
+            .chain(["last".to_owned()])
+            .collect();
+        assert_eq!(served, expected, "{}: served out of order", store.name);
+        store.settle().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_later_waiter_never_holds_up_an_earlier_one() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        // The earlier waiter wants `a` (held) and `b`; the later one wants `b` and `c`
+        // (held). When `a` is freed, the earlier waiter goes, though the later one reserved
+        // `b` in the meantime; the later one then waits for `c` and the earlier one.
+        let (gate_a, held_a) = hold(first, "a").await;
+        let (gate_c, held_c) = hold(first, "c").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let early_app = recording_router(&waiting(first, Duration::from_secs(10)), &order);
+        let early = tokio::spawn(async move { send(&early_app, named("a,b", "early", 0)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let late_app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
+        let late = tokio::spawn(async move { send(&late_app, named("b,c", "late", 0)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some(line) = store.line("lock:b") {
+            assert_eq!(line.len(), 2, "{}: both waiters reserve `b`", store.name);
+        }
+
+        gate_a.open();
+        let early = within(Duration::from_secs(5), "the earlier waiter", early).await;
+        assert_eq!(early.unwrap().status, StatusCode::OK, "{}", store.name);
+        assert!(!late.is_finished(), "{}: `c` is still held", store.name);
+        gate_c.open();
+        let late = within(Duration::from_secs(5), "the later waiter", late).await;
+        assert_eq!(late.unwrap().status, StatusCode::OK, "{}", store.name);
+        assert_eq!(*order.lock().unwrap(), ["early", "late"], "{}", store.name);
+        for held in [held_a, held_c] {
+            assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        }
+        store.settle().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. A big batch is granted under a storm of small requests
+// ---------------------------------------------------------------------------------------
+
+/// Sends one-key requests on random keys of `catalogue` from `clients` tasks, back to
+/// back, until `stop` is set, `STORM_LIMIT` has passed or each has sent `STORM_REQUESTS`;
+/// counts the answers by class.
+async fn storm(
+    locks: &Locks,
+    catalogue: usize,
+    clients: usize,
+    stop: &Arc<AtomicBool>,
+) -> [usize; 3] {
+    const STORM_LIMIT: Duration = Duration::from_secs(10);
+    const STORM_REQUESTS: usize = 50_000;
+    let until = Instant::now() + STORM_LIMIT;
+    let answers: Arc<[AtomicUsize; 3]> = Arc::default();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let app = recording_router(&waiting(locks, Duration::from_secs(5)), &order);
+    let tasks: Vec<_> = (0..clients)
+        .map(|client| {
+            let (app, stop, answers) = (app.clone(), stop.clone(), answers.clone());
+            tokio::spawn(async move {
+                let mut rng = Rng::seeded(client as u64 + 1);
+                for _ in 0..STORM_REQUESTS {
+                    if stop.load(Ordering::SeqCst) || Instant::now() > until {
+                        break;
+                    }
+                    let key = format!("sku:{}", rng.below(catalogue as u64));
+                    let reply = send(&app, named(&key, "retail", 2)).await;
+                    let class = match reply.status {
+                        StatusCode::OK => 0,
+                        StatusCode::CONFLICT => 1,
+                        _ => 2,
+                    };
+                    answers[class].fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        within(Duration::from_secs(30), "a storm client", task)
+            .await
+            .unwrap();
+    }
+    std::array::from_fn(|i| answers[i].load(Ordering::SeqCst))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_3000_keys_is_granted_under_a_storm_of_one_key_requests() {
+    const CATALOGUE: usize = 3_000;
+    for store in [Store::memory(), Store::redis()] {
+        let [first, second] = &store.locks;
+        let stop = Arc::new(AtomicBool::new(false));
+        let storm = {
+            let (locks, stop) = (first.clone(), stop.clone());
+            tokio::spawn(async move { storm(&locks, CATALOGUE, 12, &stop).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let skus: Vec<String> = (0..CATALOGUE).map(|i| format!("sku:{i}")).collect();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        // Far shorter than the storm: without fairness, the batch would still find some key
+        // held at every attempt, and be refused when its bound passes (tried: 409 on
+        // the memory store).
+        let purchase = recording_router(&waiting(second, Duration::from_secs(4)), &order);
+        let started = Instant::now();
+        let reply = send(&purchase, named(&skus.join(","), "purchase", 0)).await;
+        let took = started.elapsed();
+        let storm_went_on = !storm.is_finished();
+        stop.store(true, Ordering::SeqCst);
+        let [ok, conflict, other] = storm.await.unwrap();
+        eprintln!(
+            "{}: 3,000-key batch answered {} after {took:?}; storm: {ok} ok, {conflict} 409",
+            store.name, reply.status
+        );
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "{}: {}",
+            store.name,
+            reply.text()
+        );
+        assert!(storm_went_on, "{}: the storm ended first", store.name);
+        assert!(ok > 0, "{}: the storm never ran", store.name);
+        assert_eq!(other, 0, "{}: answers other than 200 and 409", store.name);
+        store.settle().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. A reservation ends with its waiter
+// ---------------------------------------------------------------------------------------
+
+/// Whether a request that does not wait gets `key` at once.
+async fn free_now(locks: &Locks, key: &str) -> bool {
+    let order = Arc::new(Mutex::new(Vec::new()));
+    send(&recording_router(locks, &order), named(key, "probe", 0))
+        .await
+        .status
+        == StatusCode::OK
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_that_gives_up_or_is_dropped_withdraws_its_reservations_at_once() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        let (gate, held) = hold(first, "a").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+
+        // Gives up: refused after its bound, and `b` is free for the very next request.
+        let app = recording_router(&waiting(second, Duration::from_millis(200)), &order);
+        let reply = send(&app, named("a,b", "gives up", 0)).await;
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", store.name);
+        assert!(
+            free_now(first, "b").await,
+            "{}: `b` still reserved",
+            store.name
+        );
+
+        // Dropped (its client left): `b` is free long before the reservation would expire.
+        let app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(200),
+            send(&app, named("a,b", "dropped", 0)),
+        )
+        .await;
+        assert!(dropped.is_err(), "{}: the waiter was granted", store.name);
+        // The withdrawal runs in the background: well within the reservation's lifetime.
+        let dropped_at = Instant::now();
+        while !free_now(first, "b").await {
+            assert!(
+                dropped_at.elapsed() < Wait::RESERVATION_TTL / 2,
+                "{}: the dropped waiter's reservation stayed",
+                store.name
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+
+        gate.open();
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        assert!(
+            order.lock().unwrap().iter().all(|n| n == "probe"),
+            "{}",
+            store.name
+        );
+        store.settle().await;
+    }
+}
+
+/// The environment variable that turns [`waiter_process`] into a waiting client.
+const WAITER_URL: &str = "TOWER_BATCH_LOCK_TEST_WAITER_URL";
+
+/// Not a test: the process that [`a_killed_waiters_reservations_expire_within_the_bound`]
+/// starts and kills. It waits for `a` and `b` on the Redis at `$WAITER_URL`, for a minute.
+#[tokio::test]
+#[ignore = "a child process of another test"]
+async fn waiter_process() {
+    let Ok(url) = std::env::var(WAITER_URL) else {
+        return;
+    };
+    let locks = Locks::redis_url(&url)
+        .unwrap()
+        .wait(Wait::up_to(Duration::from_secs(60)));
+    let order = Arc::new(Mutex::new(Vec::new()));
+    send(&recording_router(&locks, &order), named("a,b", "killed", 0)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_waiters_reservations_expire_within_the_bound() {
+    let store = Store::redis();
+    let [locks, _] = &store.locks;
+    let (gate, held) = hold(locks, "a").await;
+
+    let mut waiter = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "waiter_process", "--ignored", "--nocapture"])
+        .env(WAITER_URL, store._servers[0].url())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the waiter process");
+    let in_line = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
+        store.line("lock:b").is_some_and(|line| line.len() == 1)
+    })
+    .await;
+    assert!(in_line.is_some(), "the waiter process never reserved `b`");
+    assert!(!free_now(locks, "b").await, "`b` is reserved");
+
+    waiter.kill().unwrap();
+    waiter.wait().unwrap();
+    let killed = Instant::now();
+    let freed = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
+        store.line("lock:b").is_some_and(|line| line.is_empty())
+    })
+    .await;
+    let took = killed.elapsed();
+    eprintln!("a killed waiter's reservation of `b` gone {took:?} after the kill");
+    assert!(
+        freed.is_some(),
+        "the killed waiter's reservation never expired"
+    );
+    assert!(
+        took <= Wait::RESERVATION_TTL + Duration::from_millis(300),
+        "{took:?}"
+    );
+    assert!(free_now(locks, "b").await, "`b` is free again");
+    // On `a` the expired reservation sits beside the hold until the hold's release, which
+    // leaves nothing behind.
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    store.settle().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. An owner is never kept out by reservations
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        // The request holds `a`; a waiter, held up by it, reserves `a` and `b`. The
+        // handler then locks `b` for the same owner and re-enters `a` through a nested
+        // layer: waiting for the waiter would deadlock, so neither is kept out.
+        let gate = Gate::new();
+        let inner = {
+            let gate = gate.clone();
+            move |Extension(lease): Extension<Lease>| {
+                let gate = gate.clone();
+                async move {
+                    gate.pass().await;
+                    match lease.lock(["b"]).await {
+                        Ok(held) => {
+                            held.release().await;
+                            "locked b"
+                        }
+                        Err(_) => "kept out of b",
+                    }
+                }
+            }
+        };
+        let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
+        let app = Router::new()
+            .route("/", get(inner).layer(first.layer(only_a)))
+            .layer(first.layer(only_a));
+        let holder = tokio::spawn(async move {
+            send(&app, Request::get("/").body(Body::empty()).unwrap()).await
+        });
+        gate.wait_entered().await;
+
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let waiter_app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
+        let waiter = tokio::spawn(async move { send(&waiter_app, named("a,b", "w", 0)).await });
+        let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+            store.line("lock:b").is_none_or(|line| line.len() == 1)
+        })
+        .await;
+        assert!(reserved.is_some(), "{}", store.name);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+
+        gate.open();
+        let reply = within(Duration::from_secs(5), "the holder", holder)
+            .await
+            .unwrap();
+        assert_eq!(reply.text(), "locked b", "{}", store.name);
+        let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+        store.settle().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Without fairness, waiters race whoever comes
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_fairness_a_waiter_reserves_nothing() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        let (gate, held) = hold(first, "a").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let unfair = second
+            .clone()
+            .wait(Wait::up_to(Duration::from_secs(10)).fair(false));
+        let app = recording_router(&unfair, &order);
+        let waiter = tokio::spawn(async move { send(&app, named("a,b", "w", 0)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            free_now(first, "b").await,
+            "{}: `b` was reserved",
+            store.name
+        );
+        assert_eq!(store.line("lock:b").unwrap_or_default(), Vec::<u64>::new());
+        gate.open();
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+        store.settle().await;
+    }
+}
