@@ -131,14 +131,25 @@ impl Acquisition<'_> {
 /// reservations in the background; they expire within [`Wait::RESERVATION_TTL`] anyway.
 struct Place {
     ticket: Ticket,
-    armed: Option<(Arc<dyn Backend>, Arc<[String]>, Duration)>,
+    armed: Option<Reserved>,
+}
+
+/// What a withdrawal needs: where, which keys, and how long it may take.
+struct Reserved {
+    backend: Arc<dyn Backend>,
+    keys: Arc<[String]>,
+    timeout: Duration,
 }
 
 impl Place {
     fn take(backend: Arc<dyn Backend>, keys: Arc<[String]>, timeout: Duration) -> Self {
         Self {
             ticket: Ticket::take(),
-            armed: Some((backend, keys, timeout)),
+            armed: Some(Reserved {
+                backend,
+                keys,
+                timeout,
+            }),
         }
     }
 
@@ -149,35 +160,39 @@ impl Place {
 
     /// Withdraws the reservations now: one attempt, bounded by the store's timeout.
     async fn withdraw(mut self) {
-        if let Some((backend, keys, timeout)) = self.armed.take() {
-            withdraw(&*backend, &keys, self.ticket, timeout).await;
+        if let Some(reserved) = self.armed.take() {
+            reserved.withdraw(self.ticket).await;
         }
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        let Some((backend, keys, timeout)) = self.armed.take() else {
+        let Some(reserved) = self.armed.take() else {
             return;
         };
         let ticket = self.ticket;
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { withdraw(&*backend, &keys, ticket, timeout).await });
+            runtime.spawn(async move { reserved.withdraw(ticket).await });
         }
     }
 }
 
-async fn withdraw(backend: &dyn Backend, keys: &[String], ticket: Ticket, timeout: Duration) {
-    match tokio::time::timeout(timeout, backend.withdraw(keys, ticket)).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(error)) => tracing::debug!(
-            %error,
-            keys = keys.len(),
-            "could not withdraw reservations; they expire on their own"
-        ),
-        Err(_) => tracing::debug!(
-            keys = keys.len(),
-            "withdrawing reservations timed out; they expire on their own"
-        ),
+impl Reserved {
+    /// One attempt, bounded by the store's timeout: the reservations expire on their own.
+    async fn withdraw(&self, ticket: Ticket) {
+        let keys = self.keys.len();
+        match tokio::time::timeout(self.timeout, self.backend.withdraw(&self.keys, ticket)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(
+                %error,
+                keys,
+                "could not withdraw reservations; they expire on their own"
+            ),
+            Err(_) => tracing::debug!(
+                keys,
+                "withdrawing reservations timed out; they expire on their own"
+            ),
+        }
     }
 }

@@ -341,10 +341,10 @@ mod tests {
             holder: Holder,
             ttl: Duration,
             report: usize,
-            ticket: Option<Ticket>,
+            line: Line,
         ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
             self.store
-                .acquire(namespace, keys, holder, ttl, report, ticket)
+                .acquire(namespace, keys, holder, ttl, report, line)
         }
 
         fn withdraw<'a>(

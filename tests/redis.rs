@@ -33,7 +33,7 @@ use tokio::{
     sync::Barrier,
 };
 use tower::{Service, ServiceExt};
-use tower_batch_lock::{keys, Lease, Locks};
+use tower_batch_lock::{keys, Lease, Locks, Wait};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -211,6 +211,112 @@ async fn disjoint_batches_run_together_and_an_intersecting_one_waits_its_turn() 
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert!(observer.locks().is_empty());
+}
+
+/// The acquire script of version 0.1, which kept a lock key as a hash of hold id -> owner
+/// token: processes of both versions share one Redis during a rolling upgrade.
+const PREVIOUS_ACQUIRE: &str = r"
+local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local named, conflicts, earliest, fresh = {}, 0, -1, {}
+for i = 2, #KEYS do
+  local owners = redis.pcall('HVALS', KEYS[i])
+  local foreign = owners.err ~= nil
+  for _, other in ipairs(foreign and {} or owners) do
+    if other ~= owner then foreign = true break end
+  end
+  if foreign then
+    conflicts = conflicts + 1
+    if #named < report then named[#named + 1] = KEYS[i] end
+    local left = redis.call('PTTL', KEYS[i])
+    if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
+  else
+    fresh[i] = #owners == 0
+  end
+end
+if conflicts > 0 then return {0, conflicts, earliest, named} end
+for i = 2, #KEYS do
+  redis.call('HSET', KEYS[i], hold, owner)
+  if fresh[i] or redis.call('PTTL', KEYS[i]) < ttl then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  end
+end
+return {1, redis.call('INCR', KEYS[1]), -1, {}}
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    // A key the previous version holds: refused, waiting or not, and left as it was.
+    let old_owner = "0123456789abcdef0123456789abcdef";
+    observer.cmd::<()>(
+        redis::cmd("HSET")
+            .arg("lock:doc:1")
+            .arg("00000000000000aa")
+            .arg(old_owner),
+    );
+    observer.cmd::<()>(redis::cmd("PEXPIRE").arg("lock:doc:1").arg(10_000));
+    for locks in [
+        locks.clone(),
+        locks.clone().wait(Wait::up_to(Duration::from_millis(100))),
+    ] {
+        let refused = send(&counting_router(&locks, &runs), batch(&["doc:1", "doc:2"])).await;
+        assert_eq!(refused.status, StatusCode::CONFLICT);
+        assert_eq!(
+            refused.problem()["conflicting_keys"],
+            serde_json::json!(["doc:1"])
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let fields: Vec<String> = observer.cmd(redis::cmd("HGETALL").arg("lock:doc:1"));
+    assert_eq!(fields, ["00000000000000aa", old_owner]);
+    assert!(
+        observer.pttl("lock:doc:1") > 9_000,
+        "its TTL was not touched"
+    );
+    assert_eq!(
+        observer.all_keys().len(),
+        1,
+        "the waiter withdrew: {:?}",
+        observer.all_keys()
+    );
+
+    // Values that only look like this version's: foreign, so refused and left alone.
+    for (key, value) in [("doc:3", "|1/2|garbage"), ("doc:4", ""), ("doc:5", "x:y")] {
+        observer.set(&format!("lock:{key}"), value);
+        let refused = send(&counting_router(&locks, &runs), batch(&[key])).await;
+        assert_eq!(refused.status, StatusCode::CONFLICT, "{value:?}");
+        assert_eq!(
+            observer.cmd::<String>(redis::cmd("GET").arg(format!("lock:{key}"))),
+            value
+        );
+    }
+
+    // A key this version holds: the previous version's script refuses it too.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["doc:6"])).await });
+    gate.wait_entered().await;
+    let (granted, conflicts, _, named): (i64, i64, i64, Vec<String>) =
+        redis::Script::new(PREVIOUS_ACQUIRE)
+            .key("lock:")
+            .key("lock:doc:6")
+            .arg(old_owner)
+            .arg("00000000000000bb")
+            .arg(10_000)
+            .arg(20)
+            .invoke(&mut observer.connection())
+            .unwrap();
+    assert_eq!(
+        (granted, conflicts, named),
+        (0, 1, vec!["lock:doc:6".to_owned()])
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(observer.get("lock:doc:6"), None);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -340,12 +340,9 @@ fn summarize(
     let quantile = |sorted: &[Duration], p: f64| {
         (!sorted.is_empty()).then(|| stats::ms(percentile(sorted, p)))
     };
-    let retail_ok: u64 = retail
-        .statuses
-        .iter()
-        .filter(|(status, _)| (200..300).contains(*status))
-        .map(|(_, n)| n)
-        .sum();
+    let retail_ok: u64 = retail.statuses.range(200..300).map(|(_, n)| n).sum();
+    let unavailable =
+        |statuses: &BTreeMap<u16, u64>| -> u64 { statuses.range(500..600).map(|(_, n)| n).sum() };
     let by_status = |statuses: &BTreeMap<u16, u64>| {
         statuses
             .iter()
@@ -355,6 +352,7 @@ fn summarize(
     Ok(json!({
         "purchase_orders": answers.len(),
         "purchase_granted": grants.len(),
+        "purchase_5xx": unavailable(&purchase_statuses),
         "purchase_statuses": by_status(&purchase_statuses),
         "purchase_transport_errors": purchase_errors,
         "purchase_grant_ms": grant_ms,
@@ -366,6 +364,7 @@ fn summarize(
         "retail_p99_ms": quantile(&retail.latencies, 0.99),
         "retail_ok": retail_ok,
         "retail_409": retail.statuses.get(&409).copied().unwrap_or(0),
+        "retail_5xx": unavailable(&retail.statuses),
         "retail_statuses": by_status(&retail.statuses),
         "retail_transport_errors": retail.errors,
     }))

@@ -283,7 +283,7 @@ fn mixed(out: &mut String, mixed: &Value) {
         "\nMixed load through axum over loopback: {} retail clients order 1-{} of {} skus each, back to back; \
          every {} s a purchase order names all {}, {} in a run of {} s. Every request waits up to {} s for its keys \
          (fair or not) and holds them {} ms. Time to grant: from sending a purchase order until its handler starts, \
-         over those granted; retail requests/s counts 2xx, retail latencies every answer:\n",
+         over those granted; retail requests/s counts 2xx, retail latencies every answer; 5xx: the store did not answer in time:\n",
         mixed["retail_clients"],
         mixed["retail_skus_max"],
         thousands(mixed["catalogue"].as_u64().unwrap_or(0)),
@@ -296,17 +296,17 @@ fn mixed(out: &mut String, mixed: &Value) {
     );
     let _ = writeln!(
         out,
-        "| store | fair | purchase orders granted | time to grant p50 | max | retail requests/s | retail p50 | retail p99 | retail 409 |"
+        "| store | fair | purchase orders granted | purchase 5xx | time to grant p50 | max | retail requests/s | retail p50 | retail p99 | retail 409 | retail 5xx |"
     );
     let _ = writeln!(
         out,
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for case in cases {
         let ms = |field: &str| case[field].as_f64().map_or("–".to_owned(), duration);
         let _ = writeln!(
             out,
-            "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             text(&case["store"]),
             if case["fair"].as_bool() == Some(true) {
                 "yes"
@@ -315,12 +315,14 @@ fn mixed(out: &mut String, mixed: &Value) {
             },
             case["purchase_granted"],
             case["purchase_orders"],
+            case["purchase_5xx"],
             ms("purchase_grant_p50_ms"),
             ms("purchase_grant_max_ms"),
             thousands(case["retail_requests_per_second"].as_f64().unwrap_or(0.0) as u64),
             ms("retail_p50_ms"),
             ms("retail_p99_ms"),
             thousands(case["retail_409"].as_u64().unwrap_or(0)),
+            thousands(case["retail_5xx"].as_u64().unwrap_or(0)),
         );
     }
 }

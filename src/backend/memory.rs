@@ -414,7 +414,7 @@ mod tests {
             a,
             TTL,
             20,
-            None
+            Line::Outside
         )));
 
         let Acquire::Held(c) =
@@ -432,7 +432,7 @@ mod tests {
             b,
             TTL,
             20,
-            None
+            Line::Outside
         )));
     }
 
@@ -445,7 +445,7 @@ mod tests {
             a,
             TTL,
             20,
-            None
+            Line::Outside
         )));
         assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
         assert!(matches!(
@@ -463,7 +463,7 @@ mod tests {
             b,
             TTL,
             20,
-            None
+            Line::Outside
         )));
     }
 
@@ -477,7 +477,7 @@ mod tests {
             a,
             short,
             20,
-            None
+            Line::Outside
         )));
         std::thread::sleep(short * 2);
         assert!(granted(backend.try_acquire(
@@ -485,7 +485,7 @@ mod tests {
             b,
             TTL,
             20,
-            None
+            Line::Outside
         )));
         assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
         assert!(matches!(
@@ -505,7 +505,7 @@ mod tests {
             holder(),
             TTL,
             20,
-            None
+            Line::Outside
         )));
         let Acquire::Held(c) = backend.try_acquire(&batch, holder(), TTL, 3, Line::Outside) else {
             panic!("granted twice");
@@ -556,7 +556,7 @@ mod tests {
             a,
             short,
             0,
-            None
+            Line::Outside
         )));
         assert!(
             !backend.try_extend(&keys(&["1", "2"]), b, TTL),
@@ -570,7 +570,7 @@ mod tests {
             b,
             TTL,
             0,
-            None
+            Line::Outside
         )));
 
         assert_eq!(backend.release_owned(&keys(&["2"]), a), 1);
@@ -603,7 +603,7 @@ mod tests {
             outer,
             TTL,
             0,
-            None
+            Line::Outside
         )));
         // Re-entry, with a new key in the same batch: granted, not contended.
         assert!(granted(backend.try_acquire(
@@ -611,14 +611,14 @@ mod tests {
             inner,
             TTL,
             0,
-            None
+            Line::Outside
         )));
         assert!(!granted(backend.try_acquire(
             &keys(&["1"]),
             stranger,
             TTL,
             0,
-            None
+            Line::Outside
         )));
 
         // The inner release keeps the outer hold, and is harmless twice.
@@ -629,14 +629,14 @@ mod tests {
             stranger,
             TTL,
             0,
-            None
+            Line::Outside
         )));
         assert!(granted(backend.try_acquire(
             &keys(&["2"]),
             stranger,
             TTL,
             0,
-            None
+            Line::Outside
         )));
 
         // The outermost release frees the key.
@@ -646,7 +646,7 @@ mod tests {
             stranger,
             TTL,
             0,
-            None
+            Line::Outside
         )));
     }
 
@@ -661,14 +661,14 @@ mod tests {
             outer,
             TTL,
             0,
-            None
+            Line::Outside
         )));
         assert!(granted(backend.try_acquire(
             &keys(&["1"]),
             inner,
             short,
             0,
-            None
+            Line::Outside
         )));
         std::thread::sleep(short * 2);
         assert!(

@@ -121,6 +121,7 @@ impl Ticket {
     }
 
     /// The ticket as the lock store compares it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn get(self) -> u64 {
         self.0
     }
