@@ -30,6 +30,9 @@
 //!   an order works, so slow work never outlives its locks.
 //! - `LOCK_WAIT_MS`: how long a request waits for busy locks before it gets 409, default 0
 //!   (fail fast). A waiter wakes when the locks are released, in any instance.
+//! - `LOCK_FAIR`: `0` lets waiters race for the locks instead of being served in order of
+//!   arrival (default `1`: a purchase order of thousands of SKUs is not starved by retail
+//!   orders of a few).
 //! - `RUST_LOG`: the log filter, default `info`.
 //!
 //! ```text
@@ -440,6 +443,7 @@ async fn main() -> Result<(), StoreError> {
     let work_delay = Duration::from_millis(env_ms("WORK_DELAY_MS", 0)?);
     let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
     let lock_wait = Duration::from_millis(env_ms("LOCK_WAIT_MS", 0)?);
+    let fair = env::var("LOCK_FAIR").map_or(true, |v| v.trim() != "0");
     let (store, locks, backend) = match (env::var("REDIS_URL"), env::var("REDIS_URLS")) {
         (Ok(_), Ok(_)) => {
             return Err("set REDIS_URL (one Redis) or REDIS_URLS (Redlock), not both".into())
@@ -487,7 +491,7 @@ async fn main() -> Result<(), StoreError> {
     let locks = locks
         .ttl(lock_ttl)
         .renew_lease(true)
-        .wait(Wait::up_to(lock_wait));
+        .wait(Wait::up_to(lock_wait).fair(fair));
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(

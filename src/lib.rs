@@ -55,7 +55,9 @@
 //! # Waiting, leases and fencing
 //!
 //! - [`Locks::wait`] / [`LockLayer::wait`]: wait up to a bound for busy keys ([`Wait`]),
-//!   woken by their release instead of polling.
+//!   woken by their release instead of polling, and served in order of arrival: a waiter
+//!   reserves its batch against later requests, so that a batch of thousands of keys is not
+//!   starved by a stream of small ones ([`Wait::fair`]).
 //! - [`Locks::renew_lease`]: extend the lease while the handler runs; the handler's
 //!   [`Lease`] reports a lost lease ([`Lease::lost`]), and [`Locks::on_lost_lease`] can
 //!   cancel the handler.

@@ -297,7 +297,8 @@ impl Locks {
     }
 
     /// Whether a request whose keys are busy is refused at once (the default) or waits for
-    /// them, up to a bound. A layer can set its own with [`LockLayer::wait`].
+    /// them, up to a bound, and in order of arrival unless [`Wait::fair`] says otherwise. A
+    /// layer can set its own with [`LockLayer::wait`].
     pub fn wait(self, wait: Wait) -> Self {
         self.tune(|p| p.wait = wait)
     }

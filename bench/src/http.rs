@@ -174,7 +174,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let targets = targets(&results);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/redis.rs) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does",
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does",
             duration.as_secs_f64()
         ),
         "connections": CONNECTIONS,
@@ -412,36 +412,21 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
     hand.locked(&headers, 100).await
 }
 
-/// The crate's Redis store, whose scripts the hand-written handler runs: read from the
-/// source, so that the two always do the same Redis work.
-const CRATE_REDIS_STORE: &str = include_str!("../../src/backend/redis.rs");
-
-/// The text of the crate's script `static {name}: LazyLock<Script>` (a raw string).
-///
-/// # Panics
-///
-/// When the crate's source no longer has it in that form: then this bench needs updating.
-fn crate_script(name: &str) -> Script {
-    let missing = || {
-        panic!(
-            "src/backend/redis.rs has no script `{name}` in a raw string: update bench/src/http.rs"
-        )
-    };
-    let at = CRATE_REDIS_STORE
-        .find(&format!("static {name}: LazyLock<Script>"))
-        .unwrap_or_else(missing);
-    let rest = &CRATE_REDIS_STORE[at..];
-    let open = rest.find("r\"").unwrap_or_else(missing) + 2;
-    let close = rest[open..].find('"').unwrap_or_else(missing);
-    Script::new(&rest[open..open + close])
+/// A script of the crate's Redis store, as the store builds it: the lock value's functions,
+/// then the script's own file. Read from the crate's source, so that the hand-written
+/// handler always does the same Redis work as the layer.
+fn crate_script(body: &str) -> Script {
+    Script::new(&[include_str!("../../src/backend/scripts/value.lua"), body].concat())
 }
 
 /// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
-/// milliseconds, how many conflicts to name.
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| crate_script("ACQUIRE"));
+/// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl.
+static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| crate_script(include_str!("../../src/backend/scripts/acquire.lua")));
 
 /// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| crate_script("RELEASE"));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| crate_script(include_str!("../../src/backend/scripts/release.lua")));
 
 impl Hand {
     /// What a careful handler writes without the layer: acquire every key in one script,
@@ -468,6 +453,9 @@ impl Hand {
             .arg(&hold)
             .arg(TTL.as_millis() as u64)
             .arg(20)
+            // A request that does not wait: in no line, reserving nothing.
+            .arg("")
+            .arg(0)
             .invoke_async(&mut conn)
             .await;
         match acquired {
