@@ -83,7 +83,7 @@ impl Store<'_> {
         match urls.as_slice() {
             [] => Ok(Locks::memory()),
             [url] => Locks::redis_url(url),
-            urls => tower_batch_lock::Redlock::new(urls).node_timeout(Duration::from_secs(2)).build(),
+            urls => Locks::redlock(urls),
         }
         .map_err(|e| e.to_string())
     }
