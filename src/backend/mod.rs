@@ -283,3 +283,16 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
     /// other processes' too.
     fn wakeups(&self) -> &Wakeups;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_strictly_increase_and_stay_exact_in_luas_doubles() {
+        let tickets: Vec<Ticket> = (0..10_000).map(|_| Ticket::take()).collect();
+        assert!(tickets.windows(2).all(|w| w[0] < w[1]));
+        // Redis's Lua compares them as doubles: exact below 2^53.
+        assert!(tickets.iter().all(|t| t.get() > 0 && t.get() < 1 << 53));
+    }
+}

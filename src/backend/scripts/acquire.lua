@@ -57,9 +57,15 @@ if conflicts > 0 then
     for _, i in ipairs(taken) do
       redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
     end
+    -- A reservation with more than half its time left stays as it is: a waiter retries
+    -- at every release of a key it wants, and most of its batch need not be rewritten.
+    local fresh_after = till - reserve_ms / 2
     for i, parts in pairs(found) do
-      local queue, latest = requeue(parts[2], ticket, till)
-      store(KEYS[i], parts[1], queue, latest)
+      local mine = string.match(parts[2], '|' .. ticket .. '/(%d+)')
+      if not (mine and tonumber(mine) > fresh_after) then
+        local queue, latest = requeue(parts[2], ticket, till)
+        store(KEYS[i], parts[1], queue, latest)
+      end
     end
   else
     for from = 1, #taken, 1000 do
