@@ -49,9 +49,10 @@ impl Default for Wait {
 }
 
 impl Wait {
-    /// How long a waiter's reservations outlive its last attempt: the bound within which
-    /// the reservations of a waiter whose process died stop holding anybody up. A live
-    /// waiter renews them with every attempt (at least every 100 ms).
+    /// How long a waiter's reservations live at most past its last attempt: the bound
+    /// within which the reservations of a waiter whose process died stop holding anybody
+    /// up. A live waiter tries at least every 100 ms, and renews a reservation once half of
+    /// this has passed.
     pub const RESERVATION_TTL: Duration = Duration::from_secs(1);
 
     /// Refuse at once (the default): right for duplicate submissions.
