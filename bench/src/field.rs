@@ -19,6 +19,7 @@ use crate::{
     progress,
     stats::{self, human, Budget, Summary},
     support::RedisServer,
+    target::Target,
 };
 
 const TTL: Duration = Duration::from_secs(30);
@@ -122,8 +123,9 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
             .and_then(|c| c["median_ms"].as_f64())
     };
     let ours = median("tower-batch-lock", 1);
+    let rslock_one_node = median("rslock", 1);
     let ratios = json!({
-        "rslock_1_node_over_ours_1_node": ours.zip(median("rslock", 1)).map(|(o, t)| stats::round(t / o, 3)),
+        "rslock_1_node_over_ours_1_node": ours.zip(rslock_one_node).map(|(o, t)| stats::round(t / o, 3)),
         "rslock_3_nodes_over_ours_1_node": ours.zip(median("rslock", 3)).map(|(o, t)| stats::round(t / o, 3)),
         "rslock_3_nodes_over_ours_redlock_3_nodes": median("tower-batch-lock Redlock", 3).zip(median("rslock", 3)).map(|(o, t)| stats::round(t / o, 3)),
     });
@@ -131,6 +133,11 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
         "method": "single-key lock + unlock; rslock: LockManager::lock then unlock; tower-batch-lock: one request through the layer (acquire, empty handler, release)",
         "cases": cases,
         "ratios": ratios,
-        "targets": [],
+        "targets": [Target::at_most(
+            "1-key cycle: crate / rslock (1 node)",
+            ours.zip(rslock_one_node).map(|(ours, theirs)| ours / theirs),
+            1.0,
+        )
+        .to_json()],
     }))
 }

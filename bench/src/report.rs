@@ -87,7 +87,7 @@ fn batch(out: &mut String, batch: &Value) {
         .as_array()
         .map(|s| s.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default();
-    for keys in sizes {
+    for &keys in &sizes {
         let ours = find(CRATE, keys);
         let median = |case: Option<&Value>| case.and_then(|c| c["median_ms"].as_f64());
         let ours_ms = median(ours);
@@ -118,7 +118,8 @@ fn batch(out: &mut String, batch: &Value) {
             ratio(median(naive), ours_ms),
         );
     }
-    physical_limit(out, cases);
+    server_time(out, cases, &sizes);
+    longest_calls(out, batch, cases);
     round_trips(out, cases);
 }
 
@@ -156,32 +157,82 @@ fn round_trips(out: &mut String, cases: &[Value]) {
     );
 }
 
-/// What the 10-times target at 3,000 keys asks, next to Redis's own time for the work.
-fn physical_limit(out: &mut String, cases: &[Value]) {
-    let case = |algorithm: &str| {
+/// Redis's own time per key for our scripts and for the pipelined baseline's commands, side
+/// by side at every size: the work neither can avoid, without the round trips.
+fn server_time(out: &mut String, cases: &[Value], sizes: &[u64]) {
+    let per_key = |algorithm: &str, keys: u64| {
         cases
             .iter()
-            .find(|c| c["algorithm"] == algorithm && c["keys"] == 3_000)
-    };
-    let field = |case: Option<&Value>, name: &str| case.and_then(|c| c[name].as_f64());
-    let (pipelined, ours) = (case(PIPELINED), case(CRATE));
-    let (Some(theirs), Some(native), Some(scripts)) = (
-        field(pipelined, "median_ms"),
-        field(pipelined, "server_ms"),
-        field(ours, "server_ms"),
-    ) else {
-        return;
+            .find(|c| c["algorithm"] == algorithm && c["keys"] == keys)
+            .and_then(|c| c["server_per_key_us"].as_f64())
     };
     let _ = writeln!(
         out,
-        "\nAt 3,000 keys, 10 times faster than the pipelined baseline means {} a cycle. Redis \
-         alone spends {} on the baseline's own `SETNX`, `EXPIRE` and `DEL` commands (parsing \
-         and replies not counted), and {} on our two scripts, which also read every key \
-         before writing and check the owner before deleting.",
-        duration(theirs / 10.0),
-        duration(native),
-        duration(scripts),
+        "\nRedis's own time per key over the same rounds (`INFO commandstats`; parsing and \
+         replies not counted): our two scripts, and the pipelined baseline's `SETNX`, `EXPIRE` \
+         and `DEL`:\n"
     );
+    let _ = writeln!(out, "| keys | ours | {PIPELINED} | ours ÷ pipelined |");
+    let _ = writeln!(out, "| ---: | ---: | ---: | ---: |");
+    for &keys in sizes {
+        let (ours, theirs) = (per_key(CRATE, keys), per_key(PIPELINED, keys));
+        let us = |value: Option<f64>| value.map_or("–".to_owned(), |us| format!("{us:.2} µs"));
+        let ratio = match (ours, theirs) {
+            (Some(o), Some(t)) if t > 0.0 => format!("{:.2}×", o / t),
+            _ => "–".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {ratio} |",
+            thousands(keys),
+            us(ours),
+            us(theirs)
+        );
+    }
+}
+
+/// The longest single call, during which Redis serves no one else, where it was measured.
+fn longest_calls(out: &mut String, batch: &Value, cases: &[Value]) {
+    let longest = |algorithm: &str, keys: u64, kind: &str| {
+        cases
+            .iter()
+            .find(|c| c["algorithm"] == algorithm && c["keys"] == keys)
+            .and_then(|c| c["longest_call_us"][kind].as_f64())
+    };
+    let mut sizes: Vec<u64> = cases
+        .iter()
+        .filter(|c| c.get("longest_call_us").is_some())
+        .filter_map(|c| c["keys"].as_u64())
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if sizes.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nThe longest single call, during which Redis serves no one else (`SLOWLOG`, the \
+         longest of {} more cycles after the measured rounds):\n",
+        batch["longest_call_cycles"]
+    );
+    let _ = writeln!(
+        out,
+        "| keys | our acquire script | our release script | pipelined baseline's `DEL` |"
+    );
+    let _ = writeln!(out, "| ---: | ---: | ---: | ---: |");
+    for keys in sizes {
+        let cell = |algorithm: &str, kind: &str| {
+            longest(algorithm, keys, kind).map_or("–".to_owned(), |us| duration(us / 1e3))
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} |",
+            thousands(keys),
+            cell(CRATE, "acquire"),
+            cell(CRATE, "release"),
+            cell(PIPELINED, "DEL"),
+        );
+    }
 }
 
 fn http(out: &mut String, http: &Value) {
