@@ -334,7 +334,8 @@ fn mixed(out: &mut String, mixed: &Value) {
         "\nMixed load through axum over loopback: {} retail clients order 1-{} of {} skus each, back to back; \
          every {} s a purchase order names all {}, {} in a run of {} s. Every request waits up to {} s for its keys \
          (fair or not) and holds them {} ms. Time to grant: from sending a purchase order until its handler starts, \
-         over those granted; retail requests/s counts 2xx, retail latencies every answer; 5xx: the store did not answer in time:\n",
+         over those granted; retail requests/s counts 2xx, retail latencies every answer; 5xx: the store did not answer in time. \
+         Redlock's node timeout is {} ms here, not the default 100 ms: three masters, the server and the clients share the machine's cores:\n",
         mixed["retail_clients"],
         mixed["retail_skus_max"],
         thousands(mixed["catalogue"].as_u64().unwrap_or(0)),
@@ -344,6 +345,7 @@ fn mixed(out: &mut String, mixed: &Value) {
         mixed["run_seconds"],
         mixed["wait_seconds"],
         mixed["work_ms"],
+        mixed["redlock_node_timeout_ms"],
     );
     let _ = writeln!(
         out,
