@@ -405,6 +405,11 @@ mod tests {
         matches!(outcome, Acquire::Granted(_))
     }
 
+    /// Whether `holder`, waiting in no line, is granted `keys`.
+    fn grants(backend: &MemoryBackend, keys: &[String], holder: Holder, ttl: Duration) -> bool {
+        granted(backend.try_acquire(keys, holder, ttl, 0, Line::Outside))
+    }
+
     #[test]
     fn overlapping_batch_is_refused_and_writes_nothing() {
         let backend = MemoryBackend::new();
@@ -519,24 +524,12 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("lock:{i}")];
-            assert!(granted(backend.try_acquire(
-                &key,
-                holder(),
-                short,
-                0,
-                Line::Outside
-            )));
+            assert!(grants(&backend, &key, holder(), short));
         }
         std::thread::sleep(Duration::from_millis(5));
         for i in 0..(SHARDS * FIRST_SWEEP_AT) {
             let key = vec![format!("again:{i}")];
-            assert!(granted(backend.try_acquire(
-                &key,
-                holder(),
-                TTL,
-                0,
-                Line::Outside
-            )));
+            assert!(grants(&backend, &key, holder(), TTL));
         }
         // Without sweeping all 2 * 65,536 entries would remain.
         assert!(
@@ -551,13 +544,7 @@ mod tests {
         let backend = MemoryBackend::new();
         let (a, b) = (holder(), holder());
         let short = Duration::from_millis(30);
-        assert!(granted(backend.try_acquire(
-            &keys(&["1", "2"]),
-            a,
-            short,
-            0,
-            Line::Outside
-        )));
+        assert!(grants(&backend, &keys(&["1", "2"]), a, short));
         assert!(
             !backend.try_extend(&keys(&["1", "2"]), b, TTL),
             "a foreign owner extended"
@@ -565,13 +552,7 @@ mod tests {
         assert!(backend.try_extend(&keys(&["1", "2"]), a, TTL));
         std::thread::sleep(short * 2);
         // Extended past the original expiry: still held.
-        assert!(!granted(backend.try_acquire(
-            &keys(&["2"]),
-            b,
-            TTL,
-            0,
-            Line::Outside
-        )));
+        assert!(!grants(&backend, &keys(&["2"]), b, TTL));
 
         assert_eq!(backend.release_owned(&keys(&["2"]), a), 1);
         assert!(
@@ -598,56 +579,20 @@ mod tests {
         let outer = holder();
         let inner = Holder::new(outer.owner);
         let stranger = holder();
-        assert!(granted(backend.try_acquire(
-            &keys(&["1"]),
-            outer,
-            TTL,
-            0,
-            Line::Outside
-        )));
+        assert!(grants(&backend, &keys(&["1"]), outer, TTL));
         // Re-entry, with a new key in the same batch: granted, not contended.
-        assert!(granted(backend.try_acquire(
-            &keys(&["1", "2"]),
-            inner,
-            TTL,
-            0,
-            Line::Outside
-        )));
-        assert!(!granted(backend.try_acquire(
-            &keys(&["1"]),
-            stranger,
-            TTL,
-            0,
-            Line::Outside
-        )));
+        assert!(grants(&backend, &keys(&["1", "2"]), inner, TTL));
+        assert!(!grants(&backend, &keys(&["1"]), stranger, TTL));
 
         // The inner release keeps the outer hold, and is harmless twice.
         assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 2);
         assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 0);
-        assert!(!granted(backend.try_acquire(
-            &keys(&["1"]),
-            stranger,
-            TTL,
-            0,
-            Line::Outside
-        )));
-        assert!(granted(backend.try_acquire(
-            &keys(&["2"]),
-            stranger,
-            TTL,
-            0,
-            Line::Outside
-        )));
+        assert!(!grants(&backend, &keys(&["1"]), stranger, TTL));
+        assert!(grants(&backend, &keys(&["2"]), stranger, TTL));
 
         // The outermost release frees the key.
         assert_eq!(backend.release_owned(&keys(&["1"]), outer), 1);
-        assert!(granted(backend.try_acquire(
-            &keys(&["1"]),
-            stranger,
-            TTL,
-            0,
-            Line::Outside
-        )));
+        assert!(grants(&backend, &keys(&["1"]), stranger, TTL));
     }
 
     #[test]
@@ -656,23 +601,11 @@ mod tests {
         let outer = holder();
         let inner = Holder::new(outer.owner);
         let short = Duration::from_millis(20);
-        assert!(granted(backend.try_acquire(
-            &keys(&["1"]),
-            outer,
-            TTL,
-            0,
-            Line::Outside
-        )));
-        assert!(granted(backend.try_acquire(
-            &keys(&["1"]),
-            inner,
-            short,
-            0,
-            Line::Outside
-        )));
+        assert!(grants(&backend, &keys(&["1"]), outer, TTL));
+        assert!(grants(&backend, &keys(&["1"]), inner, short));
         std::thread::sleep(short * 2);
         assert!(
-            !granted(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0, Line::Outside)),
+            !grants(&backend, &keys(&["1"]), holder(), TTL),
             "re-entry shortened the lease"
         );
         assert!(backend.try_extend(&keys(&["1"]), inner, TTL));

@@ -182,6 +182,22 @@ impl RedisBackend {
         }
     }
 
+    /// Runs a script that frees `keys` for others (a release, a withdrawal) and announces
+    /// it: the channel and the keys' wake-up slots go last among its arguments, for it to
+    /// publish; this process's waiters are woken at once, without waiting for the message
+    /// to come back. Returns the script's count.
+    async fn invoke_announcing(
+        &self,
+        mut script: ScriptInvocation<'_>,
+        keys: &[String],
+    ) -> Result<usize, BackendError> {
+        let slots = slots_of(keys);
+        script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+        let count = self.invoke(&script).await?;
+        self.wakeups.wake_slots(slots);
+        Ok(count)
+    }
+
     /// Raises the fencing counter of `namespace` to at least `floor`.
     pub(crate) async fn raise_fence(
         &self,
@@ -265,17 +281,12 @@ impl Backend for RedisBackend {
         holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let slots = slots_of(keys);
             let mut script = RELEASE.prepare_invoke();
             script
                 .key(keys)
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex());
-            script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
-            let released = self.invoke(&script).await?;
-            // This process's waiters need not wait for the message to come back.
-            self.wakeups.wake_slots(slots);
-            Ok(released)
+            self.invoke_announcing(script, keys).await
         })
     }
 
@@ -285,13 +296,9 @@ impl Backend for RedisBackend {
         ticket: Ticket,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let slots = slots_of(keys);
             let mut script = WITHDRAW.prepare_invoke();
             script.key(keys).arg(ticket.get());
-            script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
-            let withdrawn = self.invoke(&script).await?;
-            self.wakeups.wake_slots(slots);
-            Ok(withdrawn)
+            self.invoke_announcing(script, keys).await
         })
     }
 
