@@ -1,8 +1,9 @@
 //! What a request holds, as its handler sees it.
 
-use std::{fmt, sync::Arc, time::Instant};
+use std::{convert::Infallible, fmt, sync::Arc, time::Instant};
 
-use http::HeaderValue;
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use http::{request::Parts, HeaderValue};
 use tokio::sync::watch;
 
 use crate::{
@@ -73,13 +74,12 @@ pub(crate) struct LeaseStatus {
 /// The locks a request holds, as its handler sees them.
 ///
 /// The layer puts a `Lease` into the request's extensions before it calls the inner
-/// service, so a handler can take it with `axum::Extension<Lease>`:
+/// service, and a handler takes it like any axum extractor:
 ///
 /// ```
-/// use axum::Extension;
 /// use tower_batch_lock::Lease;
 ///
-/// async fn handler(Extension(lease): Extension<Lease>) -> String {
+/// async fn handler(lease: Lease) -> String {
 ///     // Stop writing when the locks no longer protect this request.
 ///     tokio::select! {
 ///         _ = lease.lost() => "lease lost: stopped".to_owned(),
@@ -89,10 +89,33 @@ pub(crate) struct LeaseStatus {
 /// # async fn work(_fence: u64) -> String { String::new() }
 /// ```
 ///
+/// A request that names no keys passes the layer unlocked and has no lease (unless
+/// [`Locks::require_keys`] refuses it), and neither has a request on a route without a
+/// [`LockLayer`](crate::LockLayer). Where that is expected, take `Option<Lease>`: `None`
+/// then. Where it is not, `Lease` answers with a `500 Internal Server Error` in
+/// problem+json ([`Rejection`]) and logs an error that says why, instead of running the
+/// handler without its locks. `axum::Extension<Lease>` works too, with axum's plain-text
+/// rejection.
+///
+/// ```
+/// use tower_batch_lock::Lease;
+///
+/// async fn handler(lease: Option<Lease>) -> String {
+///     match lease {
+///         Some(lease) => format!("locked {} keys", lease.keys().len()),
+///         None => "named nothing to lock".to_owned(),
+///     }
+/// }
+/// ```
+///
 /// It only describes the locks: the layer releases them when the response is ready (or
 /// its body has ended, with [`Locks::hold_until_body_end`](crate::Locks::hold_until_body_end)),
 /// or when the request is dropped, however long a copy of the lease lives.
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` output is what a log line needs: the keys (the first 20 of a larger batch,
+/// and how many more), the fencing token, the time left until expiry and whether the lease
+/// is lost.
+#[derive(Clone)]
 pub struct Lease {
     keys: Arc<[String]>,
     fencing_token: FencingToken,
@@ -125,10 +148,9 @@ impl Lease {
     /// request, or earlier with [`HeldKeys::release`].
     ///
     /// ```
-    /// use axum::Extension;
     /// use tower_batch_lock::{Lease, Rejection};
     ///
-    /// async fn checkout(Extension(lease): Extension<Lease>) -> Result<String, Rejection> {
+    /// async fn checkout(lease: Lease) -> Result<String, Rejection> {
     ///     // Halfway through, the handler learns it must also lock the customer's account.
     ///     let account = lease.lock(["account:7"]).await?;
     ///     Ok(format!("under fence {}", account.lease().fencing_token()))
@@ -205,5 +227,67 @@ impl Lease {
                 Ok(Err(_)) | Err(_) => return,
             }
         }
+    }
+}
+
+/// How many keys `Debug` shows: a lease can hold thousands, and a log line should not.
+const DEBUG_KEYS: usize = 20;
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The time left reads at a glance where an `Instant` does not; the store, the owner
+        // and the watch channel say nothing a reader of the lease can act on.
+        let expires_in = self.expires_at().saturating_duration_since(Instant::now());
+        f.debug_struct("Lease")
+            .field("keys", &DebugKeys(self))
+            .field("fencing_token", &self.fencing_token.get())
+            .field("expires_in", &expires_in)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// The first [`DEBUG_KEYS`] keys of a lease, and how many more it holds.
+struct DebugKeys<'a>(&'a Lease);
+
+impl fmt::Debug for DebugKeys<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let keys = self.0.keys();
+        let more = keys.len().saturating_sub(DEBUG_KEYS);
+        let mut list = f.debug_list();
+        list.entries(keys.take(DEBUG_KEYS));
+        if more > 0 {
+            list.entry(&format_args!("... and {more} more"));
+        }
+        list.finish()
+    }
+}
+
+/// `lease: Lease` in a handler: the lease the layer granted, or a problem+json 500.
+impl<S: Send + Sync> FromRequestParts<S> for Lease {
+    type Rejection = Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or_else(|| {
+            // A mistake in the server, not the client's: say what to change, once per
+            // request, where the developer looks.
+            tracing::error!(
+                method = %parts.method,
+                path = %parts.uri.path(),
+                "the handler takes a Lease, but the request holds no locks: the route has no \
+                 LockLayer, or the request named no keys (take Option<Lease> where that is \
+                 expected, or refuse such requests with Locks::require_keys)"
+            );
+            Rejection::missing_lease()
+        })
+    }
+}
+
+/// `lease: Option<Lease>` in a handler: `None` when the request holds no locks.
+impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Infallible> {
+        Ok(parts.extensions.get::<Self>().cloned())
     }
 }

@@ -58,12 +58,21 @@
 //!   woken by their release instead of polling, and served in order of arrival: a waiter
 //!   reserves its batch against later requests, so that a batch of thousands of keys is not
 //!   starved by a stream of small ones ([`Wait::fair`]).
+//! - [`Lease`]: the handler's view of its locks, taken like any axum extractor
+//!   (`lease: Lease`, or `Option<Lease>` where a request may name no keys).
 //! - [`Locks::renew_lease`]: extend the lease while the handler runs; the handler's
 //!   [`Lease`] reports a lost lease ([`Lease::lost`]), and [`Locks::on_lost_lease`] can
 //!   cancel the handler.
 //! - [`Lease::fencing_token`]: a [`FencingToken`] that grows with every grant, for
 //!   resources that must refuse a stale holder's writes.
 //! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
+//!
+//! # Dependencies
+//!
+//! With the `redis` feature, the crate re-exports the two crates whose types its API takes
+//! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`Locks::redis`] with
+//! `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
+//! `tower_batch_lock::redis`, and the versions always match this crate's.
 //!
 //! # Re-entrant locks
 //!
@@ -89,12 +98,20 @@ mod wait;
 #[cfg(feature = "redis")]
 pub use backend::redlock::Redlock;
 pub use body::ResponseBody;
+/// The pool crate of [`Locks::redis`], at the version this crate is built with: a pool made
+/// with `tower_batch_lock::deadpool_redis::Config` is always the `Pool` it takes.
+#[cfg(feature = "redis")]
+pub use deadpool_redis;
 pub use future::ResponseFuture;
 pub use keys::KeyExtractor;
 pub use layer::LockLayer;
 pub use lease::{FencingToken, Lease};
 pub use locks::{Locks, OnLostLease};
 pub use owner::HeldKeys;
+/// The Redis client crate, at the version this crate is built with: the
+/// [`RedisError`](redis::RedisError) of [`Locks::redis_url`] and [`Locks::redlock`].
+#[cfg(feature = "redis")]
+pub use redis;
 pub use rejection::Rejection;
 pub use service::LockService;
 pub use wait::Wait;

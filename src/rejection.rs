@@ -54,10 +54,14 @@ impl Rejection {
         named: Vec<String>,
         retry_after: Duration,
     ) -> Self {
-        let detail = if held == of && of == 1 {
-            "the resource this request locks is held by another request".to_owned()
-        } else {
-            format!("{held} of the {of} resources this request locks are held by another request")
+        let detail = match (held, of) {
+            (1, 1) => "the resource this request locks is held by another request".to_owned(),
+            (1, _) => {
+                format!("1 of the {of} resources this request locks is held by another request")
+            }
+            _ => format!(
+                "{held} of the {of} resources this request locks are held by another request"
+            ),
         };
         let mut rejection = Self::new(status, detail).retry_after(retry_after);
         if !named.is_empty() {
@@ -73,6 +77,15 @@ impl Rejection {
             "the lock service is unavailable; try again later",
         )
         .retry_after(Duration::from_secs(1))
+    }
+
+    /// The handler takes a [`Lease`](crate::Lease) that the request does not have. The
+    /// server's mistake, not the client's: the log says what to change.
+    pub(crate) fn missing_lease() -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the handler needs locks on this request's resources, but the request holds none",
+        )
     }
 
     /// The request broke one of the configured limits, named in the `limit` member.
@@ -183,6 +196,27 @@ mod tests {
         assert_eq!(
             response.headers()[header::CONTENT_TYPE],
             "application/problem+json"
+        );
+    }
+
+    #[test]
+    fn contention_detail_agrees_in_number() {
+        let detail = |held, of| {
+            let rejection =
+                Rejection::contention(StatusCode::CONFLICT, held, of, vec![], Duration::ZERO);
+            rejection.body_text().to_owned()
+        };
+        assert_eq!(
+            detail(1, 1),
+            "the resource this request locks is held by another request"
+        );
+        assert_eq!(
+            detail(1, 2),
+            "1 of the 2 resources this request locks is held by another request"
+        );
+        assert_eq!(
+            detail(2, 3),
+            "2 of the 3 resources this request locks are held by another request"
         );
     }
 }

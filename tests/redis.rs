@@ -354,7 +354,7 @@ async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
     assert_eq!(problem["conflicting_keys"], serde_json::json!(["sku:999"]));
     assert_eq!(
         problem["detail"],
-        "1 of the 3000 resources this request locks are held by another request"
+        "1 of the 3000 resources this request locks is held by another request"
     );
     let retry_after = refused.retry_after();
     assert!(

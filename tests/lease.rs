@@ -1,0 +1,206 @@
+//! The lease as a handler sees it: taken as an extractor (`Lease`, `Option<Lease>`,
+//! `Extension<Lease>`), refused in problem+json where it is missing, and shown by `Debug`.
+
+mod support;
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex, OnceLock,
+    },
+    time::Duration,
+};
+
+use axum::{routing::post, Extension, Router};
+use http::{Request, StatusCode};
+use support::{
+    handlers::{gated_handler, Gate},
+    http::{header_keys, post_keys, send, send_text},
+};
+use tower_batch_lock::{Lease, Locks};
+
+/// A route `POST /` that locks the keys of the `x-keys` header and runs `handler`.
+fn locked<H, T>(locks: &Locks, handler: H) -> Router
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    Router::new().route("/", post(handler).layer(locks.layer(header_keys)))
+}
+
+/// The error events of this test binary, as a `tracing_subscriber::fmt` subscriber writes
+/// them. Global, since a thread-local subscriber misses events that other tests' threads
+/// race it for (see `tests/tracing.rs`); each test looks for the lines of its own path.
+fn errors_logged() -> String {
+    static CAPTURED: OnceLock<Captured> = OnceLock::new();
+    let captured = CAPTURED.get_or_init(|| {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::ERROR)
+            .with_ansi(false)
+            .init();
+        captured
+    });
+    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+}
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_handler_takes_its_lease_as_an_extractor() {
+    let locks = Locks::memory().prefix("app:");
+    let app = locked(
+        &locks,
+        |lease: Lease, Extension(same): Extension<Lease>| async move {
+            // `Extension<Lease>` keeps working, and sees the same grant.
+            assert_eq!(lease.fencing_token(), same.fencing_token());
+            lease.keys().collect::<Vec<_>>().join(",")
+        },
+    );
+    let reply = send_text(&app, post_keys("/", "b,a")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, "a,b");
+}
+
+#[tokio::test]
+async fn an_optional_lease_is_none_when_the_request_names_no_keys() {
+    let locks = Locks::memory();
+    let app = locked(&locks, |lease: Option<Lease>| async move {
+        match lease {
+            Some(lease) => lease.keys().collect::<Vec<_>>().join(","),
+            None => "unlocked".to_owned(),
+        }
+    });
+    let unnamed = Request::post("/").body(Default::default()).unwrap();
+    assert_eq!(send_text(&app, unnamed).await.body, "unlocked");
+    assert_eq!(send_text(&app, post_keys("/", "a")).await.body, "a");
+}
+
+#[tokio::test]
+async fn a_route_without_the_layer_answers_500_in_problem_json_and_logs_why() {
+    errors_logged();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = Router::new().route(
+        "/unlocked",
+        post(move |_: Lease| async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }),
+    );
+    let reply = send_text(&app, post_keys("/unlocked", "a")).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        reply.detail(),
+        "the handler needs locks on this request's resources, but the request holds none"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler never runs");
+
+    let logged = errors_logged();
+    let line = logged
+        .lines()
+        .find(|l| l.contains("path=/unlocked"))
+        .unwrap_or_else(|| panic!("no error logged for /unlocked: {logged}"));
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        line.contains("the route has no LockLayer, or the request named no keys"),
+        "{line}"
+    );
+}
+
+#[tokio::test]
+async fn a_required_lease_answers_500_when_the_request_names_no_keys() {
+    errors_logged();
+    let locks = Locks::memory();
+    let app = Router::new().route(
+        "/no-keys",
+        post(|_: Lease| async {}).layer(locks.layer(header_keys)),
+    );
+    let reply = send_text(
+        &app,
+        Request::post("/no-keys").body(Default::default()).unwrap(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.problem()["title"], "Internal Server Error");
+    assert!(
+        errors_logged().contains("path=/no-keys"),
+        "{}",
+        errors_logged()
+    );
+}
+
+#[tokio::test]
+async fn debug_shows_the_keys_the_fence_the_time_left_and_whether_it_is_lost() {
+    let locks = Locks::memory().prefix("app:").ttl(Duration::from_secs(30));
+    let gate = Gate::new();
+    let app = locked(&locks, gated_handler(&gate));
+    let holder = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_keys("/", "b,a")).await }
+    });
+    gate.wait_entered().await;
+    let lease = gate.lease();
+
+    let shown = format!("{lease:?}");
+    let fence = lease.fencing_token();
+    let expected_start =
+        format!(r#"Lease {{ keys: ["a", "b"], fencing_token: {fence}, expires_in: "#);
+    assert!(shown.starts_with(&expected_start), "{shown}");
+    assert!(shown.ends_with("s, lost: false }"), "{shown}");
+    let expires_in = &shown[expected_start.len()..shown.len() - ", lost: false }".len()];
+    let seconds: f64 = expires_in.trim_end_matches('s').parse().unwrap();
+    assert!(seconds > 25.0 && seconds <= 30.0, "{shown}");
+
+    gate.open();
+    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    // Released with the response: the copy the test kept says so.
+    assert!(format!("{lease:?}").ends_with("lost: true }"), "{lease:?}");
+}
+
+#[tokio::test]
+async fn debug_shows_the_first_twenty_keys_of_a_large_batch_and_counts_the_rest() {
+    let keys: Vec<String> = (0..25).map(|i| format!("k{i:02}")).collect();
+    let app = locked(&Locks::memory(), |lease: Lease| async move {
+        format!("{lease:?}")
+    });
+    let shown = send_text(&app, post_keys("/", &keys.join(","))).await.body;
+    let listed: Vec<String> = keys[..20].iter().map(|k| format!("{k:?}")).collect();
+    let expected = format!("keys: [{}, ... and 5 more]", listed.join(", "));
+    assert!(shown.contains(&expected), "{shown}");
+}
+
+#[tokio::test]
+async fn contention_detail_agrees_in_number_with_the_held_count() {
+    let locks = Locks::memory();
+    let gate = Gate::new();
+    let holder = tokio::spawn({
+        let app = locked(&locks, gated_handler(&gate));
+        async move { send(&app, post_keys("/", "a")).await }
+    });
+    gate.wait_entered().await;
+
+    let quick = locked(&locks, || async {});
+    let one_of_two = send_text(&quick, post_keys("/", "a,b")).await;
+    assert_eq!(one_of_two.status, StatusCode::CONFLICT);
+    assert_eq!(
+        one_of_two.detail(),
+        "1 of the 2 resources this request locks is held by another request"
+    );
+
+    gate.open();
+    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+}
