@@ -78,7 +78,7 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let stores = [
-            ("memory", Locks::memory()),
+            ("memory", Locks::isolated_memory()),
             ("redis", Locks::redis(server.pool())),
         ];
         println!("uncontended acquire + release through the layer, {rounds} rounds, medians");

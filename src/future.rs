@@ -6,8 +6,7 @@ use std::{
     task::{ready, Context, Poll},
 };
 
-use axum::response::IntoResponse;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::Span;
@@ -16,7 +15,7 @@ use crate::{
     backend::BoxFuture,
     guard::RequestGuard,
     locks::{Holding, Locked},
-    Rejection, ResponseBody,
+    ResponseBody,
 };
 
 pin_project! {
@@ -51,7 +50,7 @@ pin_project! {
             #[pin]
             future: S::Future,
             guard: Option<RequestGuard>,
-            lost: Option<BoxFuture<'static, ()>>,
+            lost: Option<BoxFuture<'static, axum::response::Response>>,
             until_body_end: bool,
         },
         // The response is ready and waits for the release, so that a client's next
@@ -98,13 +97,7 @@ where
                                 guard,
                                 cancel_on_loss,
                                 until_body_end,
-                            }) => {
-                                let lost = cancel_on_loss.map(|lease| {
-                                    Box::pin(async move { lease.lost().await })
-                                        as BoxFuture<'static, ()>
-                                });
-                                (Some(guard), lost, until_body_end)
-                            }
+                            }) => (Some(guard), cancel_on_loss, until_body_end),
                             None => (None, None, false),
                         };
                         this.state.set(State::Running {
@@ -122,16 +115,9 @@ where
                     lost,
                     until_body_end,
                 } => {
-                    if lost
-                        .as_mut()
-                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready())
+                    if let Some(Poll::Ready(refusal)) =
+                        lost.as_mut().map(|lost| lost.as_mut().poll(cx))
                     {
-                        tracing::warn!("lease lost while the handler ran; cancelling it");
-                        let refusal = Rejection::new(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "the locks of this request were lost before it finished; try again",
-                        )
-                        .into_response();
                         let output = Some(Ok(refusal.map(ResponseBody::refusal)));
                         let release = guard.take().map_or_else(no_release, RequestGuard::release);
                         // Dropping the inner future here is the cancellation.

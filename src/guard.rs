@@ -15,6 +15,7 @@ use crate::{
     backend::{Backend, BoxFuture, Holder},
     lease::LeaseStatus,
     owner::{ExtraHolds, RequestOwner},
+    retry_after::HoldTimes,
     FencingToken, Lease, Locks,
 };
 
@@ -36,6 +37,8 @@ struct Held {
     timeout: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
     renewal: Option<Renewal>,
+    /// When the hold began, and where to count how long it lasted.
+    timed: Option<(Instant, Arc<HoldTimes>)>,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -70,6 +73,7 @@ impl LockGuard {
                 timeout,
                 status,
                 renewal: None,
+                timed: None,
             }),
         }
     }
@@ -116,6 +120,13 @@ impl LockGuard {
         held.renewal = Some(Renewal { stop, task });
     }
 
+    /// Counts how long the hold lasts, from now until its release, in `holds`.
+    pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>) {
+        if let Some(held) = &mut self.held {
+            held.timed = Some((Instant::now(), holds));
+        }
+    }
+
     /// Forgets the keys without releasing them: for a batch the store refused (it wrote
     /// nothing), or one already released.
     pub(crate) fn disarm(mut self) {
@@ -134,6 +145,7 @@ impl LockGuard {
     pub(crate) fn release(mut self) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             if let Some(held) = &mut self.held {
+                held.hold_ended();
                 held.stop_renewal().await;
                 if !held.release().await {
                     return; // dropped armed: retried from `Drop`
@@ -167,6 +179,13 @@ impl RequestGuard {
 }
 
 impl Held {
+    /// Counts the hold's length, once: it ends when its release begins.
+    fn hold_ended(&mut self) {
+        if let Some((began, holds)) = self.timed.take() {
+            holds.record(began.elapsed());
+        }
+    }
+
     /// Stops the renewal and waits for an extension in flight to finish, so that the
     /// release that follows is the last word.
     async fn stop_renewal(&mut self) {
@@ -228,6 +247,7 @@ impl Drop for LockGuard {
         let Some(mut held) = self.held.take() else {
             return;
         };
+        held.hold_ended();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
@@ -366,6 +386,10 @@ mod tests {
 
         fn wakeups(&self) -> &Wakeups {
             self.store.wakeups()
+        }
+
+        fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+            self.store.check()
         }
 
         fn release<'a>(

@@ -1,5 +1,8 @@
 //! The layer users add to a route.
 
+use std::time::Duration;
+
+use http::StatusCode;
 use tower_layer::Layer;
 
 use crate::{LockService, Locks, Wait};
@@ -7,7 +10,7 @@ use crate::{LockService, Locks, Wait};
 /// Locks the keys that an extractor reads from each request, all or nothing, around the
 /// inner service.
 ///
-/// `LockLayer::new` uses the process-wide in-memory store ([`Locks::global`]); for Redis or
+/// `LockLayer::new` uses the process-wide in-memory store ([`Locks::memory`]); for Redis or
 /// a tuned policy, make the layer with [`Locks::layer`].
 ///
 /// ```
@@ -27,7 +30,7 @@ impl<E> LockLayer<E> {
     /// A layer on the process-wide in-memory store: every layer made this way in one
     /// process shares it, so two routes that lock the same key exclude each other.
     pub fn new(extractor: E) -> Self {
-        Self::with_locks(Locks::global(), extractor)
+        Self::with_locks(Locks::memory(), extractor)
     }
 
     pub(crate) fn with_locks(locks: Locks, extractor: E) -> Self {
@@ -49,6 +52,46 @@ impl<E> LockLayer<E> {
     /// ```
     pub fn wait(mut self, wait: Wait) -> Self {
         self.locks = self.locks.wait(wait);
+        self
+    }
+
+    /// How long this layer's locks live if nobody releases them, whatever its [`Locks`]
+    /// says (see [`Locks::ttl`]).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is shorter than a millisecond.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.locks = self.locks.ttl(ttl);
+        self
+    }
+
+    /// The status this layer answers contention with, whatever its [`Locks`] says (see
+    /// [`Locks::contention_status`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::{routing::put, Router};
+    /// use http::StatusCode;
+    /// use tower_batch_lock::{keys, Locks};
+    ///
+    /// let locks = Locks::memory();
+    /// let app: Router = Router::new().route(
+    ///     "/documents/{id}",
+    ///     put(|| async {}).layer(
+    ///         locks
+    ///             .layer(keys::path("document"))
+    ///             .ttl(Duration::from_secs(120))
+    ///             .contention_status(StatusCode::LOCKED),
+    ///     ),
+    /// );
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `status` is not a 4xx client error.
+    pub fn contention_status(mut self, status: StatusCode) -> Self {
+        self.locks = self.locks.contention_status(status);
         self
     }
 }

@@ -31,7 +31,8 @@
 //!
 //! # Stores
 //!
-//! - [`Locks::memory`] and [`Locks::global`] (what [`LockLayer::new`] uses): one process.
+//! - [`Locks::memory`] (what [`LockLayer::new`] uses too): one process; and
+//!   [`Locks::isolated_memory`], a store of its own, for tests.
 //! - [`Locks::redis_url`] and [`Locks::redis`] (feature `redis`, on by default): every
 //!   process that shares a Redis.
 //! - [`Locks::redlock`] and [`Redlock`] (feature `redis`): every process that shares a
@@ -84,6 +85,7 @@
 mod acquire;
 mod backend;
 mod body;
+mod check;
 mod future;
 mod guard;
 pub mod keys;
@@ -92,12 +94,14 @@ mod lease;
 mod locks;
 mod owner;
 mod rejection;
+mod retry_after;
 mod service;
 mod wait;
 
 #[cfg(feature = "redis")]
 pub use backend::redlock::Redlock;
 pub use body::ResponseBody;
+pub use check::CheckError;
 /// The pool crate of [`Locks::redis`], at the version this crate is built with: a pool made
 /// with `tower_batch_lock::deadpool_redis::Config` is always the `Pool` it takes.
 #[cfg(feature = "redis")]
@@ -113,6 +117,7 @@ pub use owner::HeldKeys;
 #[cfg(feature = "redis")]
 pub use redis;
 pub use rejection::Rejection;
+pub use retry_after::RetryAfter;
 pub use service::LockService;
 pub use wait::Wait;
 

@@ -11,13 +11,16 @@ use axum::response::{IntoResponse, Response};
 use http::{request::Parts, HeaderName, Request, StatusCode};
 use tracing::Span;
 
+#[cfg(doc)]
+use crate::Lease;
 use crate::{
     acquire::{Acquisition, Refusal},
     backend::{memory::MemoryBackend, Backend, BoxFuture, Contention, OwnerToken},
     guard::{LockGuard, RequestGuard},
     keys::{normalize, KeyExtractor, KeyPolicy},
     owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
-    FencingToken, Lease, LockLayer, Rejection, Wait,
+    retry_after::HoldTimes,
+    CheckError, FencingToken, LockLayer, Rejection, RetryAfter, Wait,
 };
 
 /// A lock store and the rules for using it; cheap to clone, and every clone shares the store.
@@ -42,6 +45,8 @@ use crate::{
 pub struct Locks {
     backend: Arc<dyn Backend>,
     policy: Arc<Policy>,
+    /// How long this handle's holds lasted lately, for [`RetryAfter::Observed`].
+    holds: Arc<HoldTimes>,
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +63,18 @@ struct Policy {
     on_lost_lease: OnLostLease,
     hold_until_body_end: bool,
     trusted_owner_header: Option<TrustedOwnerHeader>,
+    retry_after: RetryAfter,
+    refusal: Option<RefusalResponse>,
+}
+
+/// A user's way to build the responses the layer refuses requests with.
+#[derive(Clone)]
+struct RefusalResponse(Arc<dyn Fn(Rejection) -> Response + Send + Sync>);
+
+impl fmt::Debug for RefusalResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RefusalResponse(..)")
+    }
 }
 
 /// A header that carries an owner token from a caller this service trusts.
@@ -88,6 +105,11 @@ pub enum OnLostLease {
     Cancel,
 }
 
+/// How long a request may keep its keys by renewal unless [`Locks::max_hold`] says
+/// otherwise: far longer than any sensible handler, short enough that a hung one does not
+/// hold its keys for good.
+const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(300);
+
 /// How many conflicting keys a waiting request watches for releases, whatever the
 /// response names: a lost wake-up only costs a poll interval.
 const WATCHED_CONFLICTS: usize = 20;
@@ -106,29 +128,35 @@ impl Default for Policy {
             backend_timeout: Duration::from_secs(2),
             require_keys: false,
             wait: Wait::none(),
-            renew: false,
-            max_hold: None,
+            renew: true,
+            max_hold: Some(DEFAULT_MAX_HOLD),
             on_lost_lease: OnLostLease::Continue,
             hold_until_body_end: false,
             trusted_owner_header: None,
+            retry_after: RetryAfter::Observed,
+            refusal: None,
         }
     }
 }
 
-/// The store behind [`LockLayer::new`] and [`Locks::global`].
-static GLOBAL: LazyLock<Locks> = LazyLock::new(Locks::memory);
+/// The process-wide in-memory store: [`Locks::memory`]'s and [`LockLayer::new`]'s.
+static MEMORY: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(MemoryBackend::new()));
 
 impl Locks {
-    /// Locks in this process's memory: for a service that runs as one process, and for
-    /// tests. A new, empty store, shared by the clones of this handle only.
+    /// Locks in this process's memory, for a service that runs as one process: the
+    /// process-wide store, which [`LockLayer::new`] uses too, so that every in-memory layer
+    /// of a process excludes every other on the same key, however it was made. Each call
+    /// gives a handle with the default policy; tune it (`Locks::memory().ttl(..)`), and it
+    /// keeps sharing the store.
     pub fn memory() -> Self {
-        Self::with_backend(Arc::new(MemoryBackend::new()))
+        Self::with_backend(MEMORY.clone())
     }
 
-    /// The process-wide in-memory locks that [`LockLayer::new`] uses, with the default
-    /// policy. Tune a copy (`Locks::global().ttl(..)`): it keeps sharing the store.
-    pub fn global() -> Self {
-        GLOBAL.clone()
+    /// A new, empty in-memory store, shared only by the clones of this handle: for tests
+    /// that must not see each other's locks. Layers on it do not exclude layers on
+    /// [`Locks::memory`] or [`LockLayer::new`], even on the same key.
+    pub fn isolated_memory() -> Self {
+        Self::with_backend(Arc::new(MemoryBackend::new()))
     }
 
     /// Locks in the Redis at `url`, shared by every process that uses the same Redis and
@@ -162,8 +190,8 @@ impl Locks {
     /// the same Redis and prefix.
     ///
     /// A pool knows no URL to subscribe with, so waiting requests wake at once for this
-    /// process's releases and otherwise poll (every 5 to 100 ms); [`Locks::redis_url`]
-    /// wakes them for every process's releases.
+    /// process's releases and otherwise poll (every 5 to 100 ms); [`Locks::redis_url`] and
+    /// [`Locks::redis_with_wakeups`] wake them for every process's releases.
     ///
     /// The locks take one connection out of the pool for good and share it (redis-rs
     /// pipelines concurrent commands over one connection, and a checkout from a
@@ -174,6 +202,35 @@ impl Locks {
         Self::with_backend(Arc::new(crate::backend::redis::RedisBackend::new(
             pool, None,
         )))
+    }
+
+    /// Locks in Redis through a pool you already have, like [`Locks::redis`], and with a
+    /// subscription opened at `url` (the same Redis) that wakes waiting requests when any
+    /// process releases their keys, like [`Locks::redis_url`].
+    ///
+    /// ```
+    /// use tower_batch_lock::{deadpool_redis, Locks};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let url = "redis://127.0.0.1/";
+    /// let pool = deadpool_redis::Config::from_url(url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+    /// let locks = Locks::redis_with_wakeups(pool, url)?;
+    /// # drop(locks);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a valid Redis URL. Nothing connects yet.
+    #[cfg(feature = "redis")]
+    pub fn redis_with_wakeups(
+        pool: deadpool_redis::Pool,
+        url: &str,
+    ) -> Result<Self, redis::RedisError> {
+        let client = redis::Client::open(url)?;
+        let backend = crate::backend::redis::RedisBackend::new(pool, Some(client));
+        Ok(Self::with_backend(Arc::new(backend)))
     }
 
     /// Locks over several independent Redis masters with the Redlock algorithm, shared by
@@ -215,6 +272,7 @@ impl Locks {
         Self {
             backend,
             policy: Arc::new(Policy::default()),
+            holds: Arc::default(),
         }
     }
 
@@ -267,6 +325,13 @@ impl Locks {
         self.tune(|p| p.contention_status = status)
     }
 
+    /// What a contention response's `Retry-After` tells the client: by default how long
+    /// this handle's holds lasted lately ([`RetryAfter::Observed`]), never later than the
+    /// earliest expiry among the conflicting keys.
+    pub fn retry_after(self, retry_after: RetryAfter) -> Self {
+        self.tune(|p| p.retry_after = retry_after)
+    }
+
     /// How many distinct keys one request may lock. Default 10,000; more is a 413.
     pub fn max_keys(self, max: usize) -> Self {
         self.tune(|p| p.keys.max_keys = max)
@@ -305,8 +370,10 @@ impl Locks {
 
     /// Whether the lease is extended while the inner service runs (and, with
     /// [`hold_until_body_end`](Self::hold_until_body_end), until the body ends): every
-    /// TTL / 3, by an owner-checked, all-or-nothing extension. Off by default: the TTL is
-    /// then the longest a request holds its keys.
+    /// TTL / 3, by an owner-checked, all-or-nothing extension. On by default, so that a
+    /// handler slower than the TTL keeps its keys (up to [`max_hold`](Self::max_hold));
+    /// off, the TTL is the longest a request holds its keys, and a second request may run
+    /// beside a slow first one once it has passed.
     ///
     /// When an extension finds the keys gone or taken, or cannot reach the store before the
     /// lease runs out, the lease is lost: [`Lease::lost`] resolves, it is logged, and
@@ -316,13 +383,23 @@ impl Locks {
     }
 
     /// With [`renew_lease`](Self::renew_lease), stops renewing once the keys have been held
-    /// this long; they then expire with their TTL. No limit by default.
+    /// this long (waiting for them does not count); they then expire with their TTL, and
+    /// the lease is lost. Default 5 minutes: a hung handler does not hold its keys for
+    /// good. `Duration::MAX` removes the limit.
     pub fn max_hold(self, max: Duration) -> Self {
         self.tune(|p| p.max_hold = Some(max))
     }
 
     /// What happens when the lease is lost while the inner service runs: go on (the
     /// default) or cancel it and answer 503.
+    ///
+    /// Going on is the default because cancelling drops the handler at whatever `.await`
+    /// it has reached, which can leave its work half done (one write made, the next not),
+    /// while a handler that goes on can finish or undo what it started: it learns of the
+    /// loss from [`Lease::lost`] and [`Lease::is_lost`], and a resource that checks
+    /// [fencing tokens](Lease::fencing_token) refuses it anyway once another holder wrote.
+    /// With renewal on (the default), a lease is only lost when the store loses or hands
+    /// over the keys, cannot be reached for a whole TTL, or `max_hold` has passed.
     pub fn on_lost_lease(self, then: OnLostLease) -> Self {
         self.tune(|p| p.on_lost_lease = then)
     }
@@ -372,6 +449,81 @@ impl Locks {
         self.tune(|p| p.trusted_owner_header = Some(header))
     }
 
+    /// Whether the lock store can serve locks now: it answers within the
+    /// [backend timeout](Self::backend_timeout), and has what the locks need (for Redis:
+    /// version 7.0 or later, and every script loads; for Redlock: a majority of the masters
+    /// pass that check). For readiness probes, and for `main` before it serves:
+    ///
+    /// ```no_run
+    /// use tower_batch_lock::Locks;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let locks = Locks::redis_url("redis://127.0.0.1/")?;
+    /// locks.check().await?; // "could not reach the lock store: ..." when Redis is down
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// A [`CheckError`] that says what is wrong.
+    pub async fn check(&self) -> Result<(), CheckError> {
+        let timeout = self.policy.backend_timeout;
+        match tokio::time::timeout(timeout, self.backend.check()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(CheckError::new(
+                "the lock store cannot serve locks",
+                Some(error.into()),
+            )),
+            Err(_) => Err(CheckError::new(
+                format!(
+                    "the lock store did not answer within the backend timeout ({} ms)",
+                    timeout.as_millis()
+                ),
+                None,
+            )),
+        }
+    }
+
+    /// Builds the responses this layer refuses requests with, instead of the default
+    /// problem+json ones: contention, an unavailable store, keys over the limits, no keys
+    /// with [`require_keys`](Self::require_keys), and a lost lease with
+    /// [`OnLostLease::Cancel`]. The [`Rejection`] says which (its
+    /// [`status`](Rejection::status), [`body_text`](Rejection::body_text)), and
+    /// `rejection.into_response()` gives the default, to change a part of it. An
+    /// extractor's own refusals (a body that is not JSON, say) are already responses, and
+    /// are sent as they are.
+    ///
+    /// ```
+    /// use axum::response::{IntoResponse, Response};
+    /// use http::{header, HeaderValue};
+    /// use tower_batch_lock::{Locks, Rejection};
+    ///
+    /// // The default answer, with a header the API's clients look for.
+    /// let locks = Locks::memory().refusal_response(|rejection: Rejection| -> Response {
+    ///     let mut response = rejection.into_response();
+    ///     response
+    ///         .headers_mut()
+    ///         .insert("x-lock-refused", HeaderValue::from_static("1"));
+    ///     response
+    /// });
+    /// ```
+    pub fn refusal_response<F>(self, build: F) -> Self
+    where
+        F: Fn(Rejection) -> Response + Send + Sync + 'static,
+    {
+        self.tune(|p| p.refusal = Some(RefusalResponse(Arc::new(build))))
+    }
+
+    /// The response for a refusal: the user's, or the rejection's own.
+    fn refuse(&self, rejection: Rejection) -> Response {
+        match &self.policy.refusal {
+            Some(build) => (build.0)(rejection),
+            None => rejection.into_response(),
+        }
+    }
+
     /// A layer that locks the keys `extractor` reads from each request.
     pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
         LockLayer::with_locks(self.clone(), extractor)
@@ -406,7 +558,7 @@ impl Locks {
         })?;
         let keys = normalize(keys, &policy.keys).map_err(|rejection| {
             span.record("outcome", "rejected");
-            rejection.into_response()
+            self.refuse(rejection)
         })?;
         span.record("keys", keys.len());
         if keys.is_empty() {
@@ -417,7 +569,7 @@ impl Locks {
                     "no_keys",
                     "the request does not name a resource to lock".to_owned(),
                 );
-                return Err(rejection.into_response());
+                return Err(self.refuse(rejection));
             }
             span.record("outcome", "unlocked");
             return Ok((request, None));
@@ -449,21 +601,34 @@ impl Locks {
             .acquire_waiting(&keys, owner.token, holds_keys, span)
             .await;
         span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
-        let (mut guard, fencing_token) = granted.map_err(IntoResponse::into_response)?;
+        let (mut guard, fencing_token) = granted.map_err(|rejection| self.refuse(rejection))?;
         // `max_hold` counts from here: the time spent waiting for the keys is not holding.
         let granted_at = Instant::now();
         span.record("outcome", "granted");
 
         let lease = guard.lease(fencing_token, self.clone(), owner.clone());
+        guard.time_into(self.holds.clone());
         if policy.renew {
-            guard.renew(policy.ttl, policy.max_hold.map(|max| granted_at + max));
+            let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
+            guard.renew(policy.ttl, until);
         }
         if let Some(lease) = &lease {
             request.extensions_mut().insert(lease.clone());
         }
         let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
             .then_some(lease)
-            .flatten();
+            .flatten()
+            .map(|lease| {
+                let locks = self.clone();
+                Box::pin(async move {
+                    lease.lost().await;
+                    tracing::warn!("lease lost while the handler ran; cancelling it");
+                    locks.refuse(Rejection::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the locks of this request were lost before it finished; try again",
+                    ))
+                }) as BoxFuture<'static, Response>
+            });
         // The layer that made the owner gives back the handler's holds too.
         let extra = made_here.then(|| ExtraHolds(owner));
         Ok((
@@ -510,7 +675,10 @@ impl Locks {
             .acquire_waiting(&keys, owner.token, true, &Span::current())
             .await?;
         if policy.renew {
-            guard.renew(policy.ttl, policy.max_hold.map(|max| Instant::now() + max));
+            let until = policy
+                .max_hold
+                .and_then(|max| Instant::now().checked_add(max));
+            guard.renew(policy.ttl, until);
         }
         let lease = guard.lease(fencing_token, self.clone(), owner.clone());
         let (Some(lease), Some(hold)) = (lease, guard.hold()) else {
@@ -581,19 +749,31 @@ impl Locks {
             contention.total,
             of,
             named,
-            contention.earliest_expiry.unwrap_or(Duration::from_secs(1)),
+            policy
+                .retry_after
+                .advise(&self.holds, contention.earliest_expiry),
         )
     }
 }
 
 /// A granted request's hold on its keys, for the response future.
-#[derive(Debug)]
 pub(crate) struct Holding {
     pub(crate) guard: RequestGuard,
-    /// The lease to watch, when losing it cancels the inner service.
-    pub(crate) cancel_on_loss: Option<Lease>,
+    /// When losing the lease cancels the inner service: resolves, once it is lost, to the
+    /// response that replaces the inner service's.
+    pub(crate) cancel_on_loss: Option<BoxFuture<'static, Response>>,
     /// Whether the keys stay locked until the response body ends.
     pub(crate) until_body_end: bool,
+}
+
+impl fmt::Debug for Holding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Holding")
+            .field("guard", &self.guard)
+            .field("cancel_on_loss", &self.cancel_on_loss.is_some())
+            .field("until_body_end", &self.until_body_end)
+            .finish()
+    }
 }
 
 /// The request, with the guard of its keys, or the response that refuses it.
@@ -604,6 +784,6 @@ impl fmt::Debug for Locks {
         f.debug_struct("Locks")
             .field("backend", &self.backend)
             .field("policy", &self.policy)
-            .finish()
+            .finish_non_exhaustive()
     }
 }

@@ -42,7 +42,7 @@ struct Store {
 
 impl Store {
     fn memory() -> Self {
-        let locks = Locks::memory();
+        let locks = Locks::isolated_memory();
         Self {
             name: "memory",
             locks: [locks.clone(), locks],

@@ -69,14 +69,15 @@ fn quick(locks: &Locks) -> Router {
 
 #[tokio::test]
 async fn held_keys_are_refused_with_409_naming_them_and_retry_after() {
-    let locks = Locks::memory().ttl(Duration::from_secs(5));
+    let locks = Locks::isolated_memory().ttl(Duration::from_secs(5));
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("a,b")));
     gate.entered.notified().await;
 
     let response = quick(&locks).oneshot(request("b,c,a")).await.unwrap();
     assert_eq!(response.status(), StatusCode::CONFLICT);
-    assert_eq!(response.headers()[header::RETRY_AFTER], "5");
+    // No hold of this store has ended yet: a second (`RetryAfter::Observed`), not the TTL.
+    assert_eq!(response.headers()[header::RETRY_AFTER], "1");
     let problem = problem(response).await;
     assert_eq!(problem["status"], 409);
     assert_eq!(problem["conflicting_keys"], serde_json::json!(["a", "b"]));
@@ -98,7 +99,7 @@ async fn held_keys_are_refused_with_409_naming_them_and_retry_after() {
 
 #[tokio::test]
 async fn contention_status_and_naming_are_configurable() {
-    let locks = Locks::memory()
+    let locks = Locks::isolated_memory()
         .contention_status(StatusCode::LOCKED)
         .name_conflicts(0);
     let gate = Gate::default();
@@ -120,10 +121,13 @@ async fn contention_status_and_naming_are_configurable() {
 
 #[tokio::test]
 async fn requests_without_keys_pass_unlocked_unless_keys_are_required() {
-    let response = quick(&Locks::memory()).oneshot(request("")).await.unwrap();
+    let response = quick(&Locks::isolated_memory())
+        .oneshot(request(""))
+        .await
+        .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
 
-    let response = quick(&Locks::memory().require_keys(true))
+    let response = quick(&Locks::isolated_memory().require_keys(true))
         .oneshot(request(""))
         .await
         .unwrap();
@@ -133,7 +137,7 @@ async fn requests_without_keys_pass_unlocked_unless_keys_are_required() {
 
 #[tokio::test]
 async fn key_limits_are_4xx_naming_the_limit() {
-    let locks = Locks::memory().max_keys(3).max_key_len(5);
+    let locks = Locks::isolated_memory().max_keys(3).max_key_len(5);
     let response = quick(&locks).oneshot(request("a,b,c,d")).await.unwrap();
     assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(problem(response).await["limit"], "max_keys");
@@ -148,7 +152,7 @@ async fn key_limits_are_4xx_naming_the_limit() {
 
 #[tokio::test]
 async fn dropping_the_response_future_releases_the_keys() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("a")));
     gate.entered.notified().await;
@@ -168,7 +172,7 @@ async fn dropping_the_response_future_releases_the_keys() {
 
 #[tokio::test]
 async fn an_inner_error_or_panic_releases_the_keys() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let failing =
         tower::service_fn(|_: Request<Body>| async { Err::<Response<Body>, _>("inner failed") });
     let result = ServiceBuilder::new()
@@ -213,7 +217,9 @@ async fn eventually_ok(locks: &Locks, key: &str) -> bool {
 
 #[tokio::test]
 async fn the_handler_sees_its_lease() {
-    let locks = Locks::memory().prefix("app:").ttl(Duration::from_secs(7));
+    let locks = Locks::isolated_memory()
+        .prefix("app:")
+        .ttl(Duration::from_secs(7));
     let app = Router::new().route(
         "/",
         post(|Extension(lease): Extension<Lease>| async move {
@@ -255,7 +261,7 @@ fn json_request(body: impl Into<Body>) -> Request<Body> {
 #[tokio::test]
 async fn the_json_extractor_hands_the_same_bytes_to_the_handler() {
     let body = r#"{"items": ["1", "2"], "note": "kept as sent"}"#;
-    let response = json_app(&Locks::memory(), 1024)
+    let response = json_app(&Locks::isolated_memory(), 1024)
         .oneshot(json_request(body))
         .await
         .unwrap();
@@ -268,7 +274,7 @@ async fn the_json_extractor_hands_the_same_bytes_to_the_handler() {
 
 #[tokio::test]
 async fn the_json_extractor_locks_the_ids_of_the_body() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("sku:2")));
     gate.entered.notified().await;
@@ -288,7 +294,7 @@ async fn the_json_extractor_locks_the_ids_of_the_body() {
 
 #[tokio::test]
 async fn the_json_extractor_refuses_bad_bodies_with_problems() {
-    let app = json_app(&Locks::memory(), 64);
+    let app = json_app(&Locks::isolated_memory(), 64);
     let cases: Vec<(Request<Body>, StatusCode)> = vec![
         (
             Request::post("/orders")
@@ -340,7 +346,7 @@ async fn a_chunked_body_over_the_limit_is_refused_without_reading_the_rest() {
         Ok::<_, Infallible>(Bytes::from_static(&[b' '; 1024]))
     });
     let request = json_request(Body::from_stream(chunks));
-    let response = json_app(&Locks::memory(), 16 * 1024)
+    let response = json_app(&Locks::isolated_memory(), 16 * 1024)
         .oneshot(request)
         .await
         .unwrap();
@@ -359,7 +365,7 @@ async fn a_declared_length_over_the_limit_is_refused_up_front() {
         .header(header::CONTENT_LENGTH, "1000000")
         .body(Body::empty())
         .unwrap();
-    let response = json_app(&Locks::memory(), 1024)
+    let response = json_app(&Locks::isolated_memory(), 1024)
         .oneshot(request)
         .await
         .unwrap();
@@ -368,7 +374,7 @@ async fn a_declared_length_over_the_limit_is_refused_up_front() {
 
 #[tokio::test]
 async fn path_keys_work_under_every_way_of_layering_a_route() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("order:7")));
     gate.entered.notified().await;
@@ -495,7 +501,7 @@ impl Service<Request<Body>> for MustBeReady {
 #[tokio::test]
 async fn the_ready_inner_service_is_the_one_called() {
     let mut service = ServiceBuilder::new()
-        .layer(Locks::memory().layer(header_keys))
+        .layer(Locks::isolated_memory().layer(header_keys))
         .service(MustBeReady::default());
     for keys in ["a", "", "a,b"] {
         let response = service
@@ -512,5 +518,5 @@ async fn the_ready_inner_service_is_the_one_called() {
 #[test]
 #[should_panic(expected = "a lock prefix must not be empty")]
 fn an_empty_prefix_is_refused_at_configuration() {
-    let _ = Locks::memory().prefix("");
+    let _ = Locks::isolated_memory().prefix("");
 }

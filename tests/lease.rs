@@ -62,7 +62,7 @@ impl std::io::Write for Captured {
 
 #[tokio::test]
 async fn a_handler_takes_its_lease_as_an_extractor() {
-    let locks = Locks::memory().prefix("app:");
+    let locks = Locks::isolated_memory().prefix("app:");
     let app = locked(
         &locks,
         |lease: Lease, Extension(same): Extension<Lease>| async move {
@@ -78,7 +78,7 @@ async fn a_handler_takes_its_lease_as_an_extractor() {
 
 #[tokio::test]
 async fn an_optional_lease_is_none_when_the_request_names_no_keys() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let app = locked(&locks, |lease: Option<Lease>| async move {
         match lease {
             Some(lease) => lease.keys().collect::<Vec<_>>().join(","),
@@ -124,7 +124,7 @@ async fn a_route_without_the_layer_answers_500_in_problem_json_and_logs_why() {
 #[tokio::test]
 async fn a_required_lease_answers_500_when_the_request_names_no_keys() {
     errors_logged();
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let app = Router::new().route(
         "/no-keys",
         post(|_: Lease| async {}).layer(locks.layer(header_keys)),
@@ -145,7 +145,9 @@ async fn a_required_lease_answers_500_when_the_request_names_no_keys() {
 
 #[tokio::test]
 async fn debug_shows_the_keys_the_fence_the_time_left_and_whether_it_is_lost() {
-    let locks = Locks::memory().prefix("app:").ttl(Duration::from_secs(30));
+    let locks = Locks::isolated_memory()
+        .prefix("app:")
+        .ttl(Duration::from_secs(30));
     let gate = Gate::new();
     let app = locked(&locks, gated_handler(&gate));
     let holder = tokio::spawn({
@@ -174,7 +176,7 @@ async fn debug_shows_the_keys_the_fence_the_time_left_and_whether_it_is_lost() {
 #[tokio::test]
 async fn debug_shows_the_first_twenty_keys_of_a_large_batch_and_counts_the_rest() {
     let keys: Vec<String> = (0..25).map(|i| format!("k{i:02}")).collect();
-    let app = locked(&Locks::memory(), |lease: Lease| async move {
+    let app = locked(&Locks::isolated_memory(), |lease: Lease| async move {
         format!("{lease:?}")
     });
     let shown = send_text(&app, post_keys("/", &keys.join(","))).await.body;
@@ -185,7 +187,7 @@ async fn debug_shows_the_first_twenty_keys_of_a_large_batch_and_counts_the_rest(
 
 #[tokio::test]
 async fn contention_detail_agrees_in_number_with_the_held_count() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::new();
     let holder = tokio::spawn({
         let app = locked(&locks, gated_handler(&gate));

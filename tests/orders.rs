@@ -124,7 +124,7 @@ fn order<S: AsRef<str>>(order_id: &str, items: &[(S, u64)]) -> Value {
 }
 
 fn memory_app(work_delay: Duration) -> Router {
-    orders::app(Store::memory(), Some(Locks::memory()), work_delay)
+    orders::app(Store::memory(), Some(Locks::isolated_memory()), work_delay)
 }
 
 /// One instance of the service on `server`, with its own pool: a process of its own, as

@@ -455,8 +455,10 @@ async fn ten_thousand_keys_are_granted_in_one_batch_and_released_fully() {
 async fn a_late_release_never_deletes_the_next_owners_key() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    // A's lease is short and its handler outlives it; B's lease is long.
-    let short = Locks::redis(server.pool()).ttl(Duration::from_millis(300));
+    // A's lease is short, unrenewed, and its handler outlives it; B's lease is long.
+    let short = Locks::redis(server.pool())
+        .ttl(Duration::from_millis(300))
+        .renew_lease(false);
     let long = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
 
     let (gate_a, gate_b) = (Gate::new(), Gate::new());
@@ -675,7 +677,9 @@ async fn a_leaked_holder_blocks_others_only_until_the_ttl() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let ttl = Duration::from_millis(300);
-    let locks = Locks::redis(server.pool()).ttl(ttl);
+    // Without renewal: a leaked holder's renewal would go on until `max_hold`
+    // (tests/defaults.rs), as a hung handler's does.
+    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(false);
     let gate = Gate::new();
     let holder = gated_router(&locks, &gate);
 

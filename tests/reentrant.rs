@@ -122,7 +122,7 @@ async fn nested_layers_reenter_their_own_keys_and_free_them_after_the_request() 
 
 #[tokio::test]
 async fn nested_layers_reenter_on_the_memory_store_too() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let app = Router::new()
         .route(
             "/skus/{sku}",
@@ -327,7 +327,7 @@ async fn a_forged_or_malformed_owner_header_never_reenters() {
 /// the order (`keys::all`), and a handler that locks one more key.
 #[tokio::test]
 async fn a_router_wide_layer_a_route_layer_and_the_handler_share_one_owner() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let update = |Extension(lease): Extension<Lease>| async move {
         let account = lease.lock(["account:7"]).await?;
         account.release().await;

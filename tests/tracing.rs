@@ -44,7 +44,7 @@ async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_t
         .with_ansi(false)
         .init();
 
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let holding = {
         let (entered, release) = (entered.clone(), release.clone());

@@ -173,6 +173,11 @@ async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
     let waiter = Locks::redis_url(&server.url()).unwrap().ttl(ttl);
     let subscribed = release_to_grant(&holder, &waiter, 8).await;
 
+    // A pool of the user's own, with a subscription at the URL.
+    let holder = Locks::redis_with_wakeups(server.pool(), &server.url()).unwrap();
+    let waiter = Locks::redis_with_wakeups(server.pool(), &server.url()).unwrap();
+    let (own_pool_median, own_pool) = median(&release_to_grant(&holder, &waiter, 6).await);
+
     // The same two processes without a subscription: the waiter can only poll. This is
     // what the figures above would look like if the wake-up did not travel.
     let holder = Locks::redis(server.pool()).ttl(ttl);
@@ -191,6 +196,11 @@ async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
         subscribed_median < Duration::from_millis(20),
         "a waiter in another process should wake on the published release: {}",
         ms(&subscribed)
+    );
+    assert!(
+        own_pool_median < Duration::from_millis(20) && own_pool_median < polled_median,
+        "Locks::redis_with_wakeups should wake on the published release: {}",
+        ms(&own_pool)
     );
     assert!(
         subscribed_median < polled_median,
@@ -222,7 +232,7 @@ async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_on_the_memory_store_is_woken_by_the_release() {
-    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
     let latencies = release_to_grant(&locks, &locks, 8).await;
     let (median, sorted) = median(&latencies);
     eprintln!(
@@ -286,7 +296,8 @@ async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
         Some(&store),
     )
     .await;
-    let in_memory = bound_passes(&Locks::memory().ttl(Duration::from_secs(10)), None).await;
+    let in_memory =
+        bound_passes(&Locks::isolated_memory().ttl(Duration::from_secs(10)), None).await;
     eprintln!("a 300 ms bound ran out after {on_redis:?} on Redis, {in_memory:?} in memory");
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
@@ -340,7 +351,7 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
 
     // The same on the memory store: after the release the key is free, and the aborted
     // waiter's handler never ran.
-    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
     let holder = gated_router(&locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
     gate.wait_entered().await;
@@ -434,7 +445,7 @@ async fn a_waiting_request_holds_none_of_its_batch() {
     let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
     waiting_holds_nothing(&Locks::redis(server.pool()).ttl(ttl), Some(&store)).await;
-    waiting_holds_nothing(&Locks::memory().ttl(ttl), None).await;
+    waiting_holds_nothing(&Locks::isolated_memory().ttl(ttl), None).await;
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
@@ -1001,7 +1012,7 @@ async fn fencing_tokens_strictly_increase_per_key_across_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fencing_tokens_strictly_increase_per_key_in_memory() {
-    let locks = Locks::memory().ttl(Duration::from_secs(10));
+    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
     let grants = concurrent_grants(&[locks.clone(), locks], 100).await;
     assert_fenced(&grants);
     let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();

@@ -221,7 +221,7 @@ async fn in_process(quick: bool) -> Result<Value, String> {
     } else {
         (3, Duration::from_secs(1))
     };
-    let memory = Locks::memory().ttl(TTL);
+    let memory = Locks::isolated_memory().ttl(TTL);
     let routers = [
         ("bare axum", Router::new().route("/", get(ok))),
         (
@@ -369,7 +369,7 @@ struct Hand {
 }
 
 fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
-    let memory = Locks::memory().ttl(TTL);
+    let memory = Locks::isolated_memory().ttl(TTL);
     let redis = Locks::redis(pool.clone()).ttl(TTL);
     Router::new()
         .route("/bare", get(ok))

@@ -86,7 +86,7 @@ impl Store<'_> {
         }
         let urls: Vec<String> = self.servers.iter().map(|s| s.url()).collect();
         match urls.as_slice() {
-            [] => Ok(Locks::memory()),
+            [] => Ok(Locks::isolated_memory()),
             [url] => Locks::redis_url(url),
             urls => tower_batch_lock::Redlock::new(urls)
                 .node_timeout(REDLOCK_NODE_TIMEOUT)

@@ -379,6 +379,10 @@ impl Backend for MemoryBackend {
         Box::pin(std::future::ready(Ok(withdrawn)))
     }
 
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     fn wakeups(&self) -> &Wakeups {
         &self.wakeups
     }

@@ -272,6 +272,9 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         ticket: Ticket,
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
 
+    /// Whether the store can serve locks: it answers, and has what the locks need.
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>>;
+
     /// How much sooner than `ttl` after an acquisition or extension was sent its lease must
     /// be taken as over: an allowance for the stores' clocks running at different rates.
     /// None for a single store, whose own clock is the only one that counts.

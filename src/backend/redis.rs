@@ -302,6 +302,35 @@ impl Backend for RedisBackend {
         })
     }
 
+    /// Redis 7.0 or later (the scripts need it), and every script loads.
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            let mut call = self.call().await?;
+            let info: RedisResult<String> = redis::cmd("INFO")
+                .arg("server")
+                .query_async(&mut call.connection)
+                .await;
+            let version = match info {
+                Ok(info) => server_version(&info),
+                Err(error) => return call.end::<()>(Err(error)),
+            };
+            if version.is_some_and(|(major, _)| major < 7) {
+                let (major, minor) = version.unwrap_or_default();
+                return Err(BackendError::not_sent(format!(
+                    "the lock store needs Redis 7.0 or later; this server is {major}.{minor}"
+                )));
+            }
+            let scripts = [&*ACQUIRE, &*EXTEND, &*RELEASE, &*WITHDRAW, &*RAISE_FENCE];
+            for script in scripts {
+                let loaded = script.load_async(&mut call.connection).await;
+                if loaded.is_err() {
+                    return call.end(loaded).map(drop);
+                }
+            }
+            call.end(Ok(()))
+        })
+    }
+
     fn wakeups(&self) -> &Wakeups {
         self.listen_for_releases();
         &self.wakeups
@@ -355,6 +384,15 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
+}
+
+/// The major and minor version in the answer to `INFO server`.
+fn server_version(info: &str) -> Option<(u32, u32)> {
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))?;
+    let mut parts = version.trim().split('.').map(|p| p.parse().ok());
+    Some((parts.next()??, parts.next()??))
 }
 
 /// The slots as the release message carries them: `3,17,512`, or `*` for all.

@@ -795,6 +795,35 @@ impl Backend for RedlockBackend {
         })
     }
 
+    /// A majority of the masters pass their own check within the node timeout.
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            let timeout = self.node_timeout;
+            let mut replies = self.start_on(0..self.nodes.len(), |_, master| async move {
+                bounded(timeout, master.check()).await
+            });
+            let (mut passed, mut failures) = (0, Vec::new());
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(()) => passed += 1,
+                    Err(failure) => failures.push(format!("{}: {failure}", self.addresses[node])),
+                }
+            }
+            if passed >= self.quorum {
+                for failure in &failures {
+                    tracing::warn!(failure, "a Redlock master failed its check");
+                }
+                return Ok(());
+            }
+            Err(BackendError::not_sent(format!(
+                "only {passed} of {} Redlock masters passed their check, {} needed: {}",
+                self.nodes.len(),
+                self.quorum,
+                failures.join("; ")
+            )))
+        })
+    }
+
     fn drift(&self, ttl: Duration) -> Duration {
         ttl / 100 + Duration::from_millis(2)
     }
