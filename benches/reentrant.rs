@@ -16,7 +16,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use axum::{body::Body, routing::post, Extension, Router};
+use axum::{body::Body, routing::post, Router};
 use http::{request::Parts, Request, StatusCode};
 use tower::ServiceExt;
 use tower_batch_lock::{Lease, Locks, Rejection};
@@ -35,7 +35,7 @@ async fn measure(locks: &Locks, n: usize, rounds: usize) -> (Duration, Duration)
     let tx = std::sync::Arc::new(std::sync::Mutex::new(Some(tx)));
     let handler = {
         let held = held.clone();
-        move |Extension(lease): Extension<Lease>| {
+        move |lease: Lease| {
             let (held, fresh, tx) = (held.clone(), fresh.clone(), tx.clone());
             async move {
                 let (mut reentrant, mut plain) = (Vec::new(), Vec::new());

@@ -58,7 +58,7 @@ use axum::{
     http::StatusCode,
     response::{IntoResponse, Response},
     routing::{get, post, put},
-    Extension, Json, Router,
+    Json, Router,
 };
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
@@ -175,7 +175,7 @@ async fn get_order(
 /// read and the write below.
 async fn place_order(
     State(app): State<AppState>,
-    lease: Option<Extension<Lease>>,
+    lease: Option<Lease>,
     JsonBody(order): JsonBody<NewOrder>,
 ) -> Result<Response, Rejection> {
     let wanted = quantities(&order)?;
@@ -226,7 +226,7 @@ async fn place_order(
                 qty,
             })
             .collect(),
-        fence: lease.map(|Extension(lease)| lease.fencing_token().get()),
+        fence: lease.map(|lease| lease.fencing_token().get()),
     };
     app.store
         .commit(&remaining, &placed)

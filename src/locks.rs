@@ -243,7 +243,7 @@ impl Locks {
     /// use std::time::Duration;
     /// use tower_batch_lock::Locks;
     ///
-    /// # fn main() -> Result<(), redis::RedisError> {
+    /// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
     /// let locks = Locks::redlock([
     ///     "redis://10.0.0.1:6379/",
     ///     "redis://10.0.0.2:6379/",

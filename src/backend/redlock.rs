@@ -59,7 +59,7 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 /// use std::time::Duration;
 /// use tower_batch_lock::Redlock;
 ///
-/// # fn main() -> Result<(), redis::RedisError> {
+/// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
 /// // Nothing connects yet: each master gets a pool that connects on first use.
 /// let locks = Redlock::new([
 ///     "redis://10.0.0.1:6379/",
