@@ -7,19 +7,20 @@ use std::{
     convert::Infallible,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc,
+        Arc, Mutex, OnceLock,
     },
 };
 
 use axum::{
     body::{Body, Bytes},
-    extract::{FromRequestParts, Path, Query},
+    extract::{FromRequestParts, Path, Query, State},
+    response::{IntoResponse, Response},
     routing::{post, put},
     Extension, Form, Json, Router,
 };
 use http::{header, request::Parts, HeaderValue, Request, StatusCode};
 use serde::Deserialize;
-use support::http::send_text;
+use support::http::{send_text, TextReply};
 use tokio::sync::Notify;
 use tower_batch_lock::{keys, Lease, Locks, Rejection};
 
@@ -84,7 +85,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tenant {
 
 #[tokio::test]
 async fn from_parts_runs_any_head_extractor_and_answers_with_its_rejection() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let app = Router::new()
         .route(
             "/shops/{shop}/items/{item}",
@@ -118,16 +119,61 @@ async fn from_parts_runs_any_head_extractor_and_answers_with_its_rejection() {
         .insert("x-tenant", HeaderValue::from_static("acme"));
     assert_eq!(send_text(&app, request).await.body, "doc:acme/x");
 
-    // Each extractor's own refusal, as it is: axum's in text, the custom one a problem.
+    // Each extractor's own refusal, as a problem: axum's with its status and message, the
+    // custom one as it is.
+    let axum = Router::new()
+        .route(
+            "/shops/{shop}/items/{item}",
+            post(|_: Path<(String, u64)>| async {}),
+        )
+        .route("/seats", post(|_: Query<Range>| async {}))
+        .route("/mine/{id}", post(|_: Tenant, _: Path<String>| async {}));
+    for uri in [
+        "/shops/a/items/seven",
+        "/seats?from=3",
+        "/seats?from=x&to=3",
+    ] {
+        let reply = refused_as_axum_refuses(&app, &axum, || empty(uri)).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    }
     let reply = send_text(&app, empty("/shops/a/items/seven")).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert!(reply.body.contains("`seven`"), "{}", reply.body);
-    let reply = send_text(&app, empty("/seats?from=3")).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert!(reply.body.contains("to"), "{}", reply.body);
+    assert_eq!(
+        reply.detail(),
+        "Invalid URL: Cannot parse value at index 1 with value `seven` to a `u64`"
+    );
     let reply = send_text(&app, empty("/mine/x")).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(reply.detail(), "who are you? send x-tenant");
+    // A tuple answers with the refusal of its first extractor that refuses.
+    let mut request = empty("/mine/x");
+    request
+        .headers_mut()
+        .insert("x-tenant", HeaderValue::from_static("acme"));
+    assert_eq!(send_text(&app, request).await.body, "doc:acme/x");
+}
+
+/// Sends `request()` to `app`, whose key extractor refuses it, and to `axum`, whose handler
+/// takes the same axum extractor: the layer answers with axum's status and headers, and
+/// axum's plain text as the `detail` of a problem document.
+async fn refused_as_axum_refuses(
+    app: &Router,
+    axum: &Router,
+    request: impl Fn() -> Request<Body>,
+) -> TextReply {
+    let ours = send_text(app, request()).await;
+    let theirs = send_text(axum, request()).await;
+    assert!(theirs.status.is_client_error(), "{theirs:?}");
+    assert!(
+        theirs
+            .content_type
+            .as_deref()
+            .unwrap()
+            .starts_with("text/plain"),
+        "{theirs:?}"
+    );
+    assert_eq!(ours.status, theirs.status, "{ours:?}");
+    assert_eq!(ours.detail(), theirs.body);
+    ours
 }
 
 #[derive(Deserialize)]
@@ -142,7 +188,7 @@ struct RequestId(&'static str);
 
 #[tokio::test]
 async fn from_request_hands_the_handler_the_same_bytes_and_head() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let app = Router::new()
         .route(
             "/raw",
@@ -185,38 +231,163 @@ async fn from_request_hands_the_handler_the_same_bytes_and_head() {
 }
 
 #[tokio::test]
-async fn from_request_answers_with_the_extractors_rejection() {
+async fn from_request_answers_with_axums_refusal_as_a_problem() {
     let app = Router::new()
         .route(
             "/json",
-            post(held).layer(Locks::memory().layer(keys::from_request(
+            post(held).layer(Locks::isolated_memory().layer(keys::from_request(
                 |Json(ids): Json<Vec<u64>>| ids.into_iter().map(|id| format!("n:{id}")),
             ))),
         )
         .route(
+            "/form",
+            post(held).layer(Locks::isolated_memory().layer(keys::from_request(
+                |Form(t): Form<Transfer>| [format!("account:{}", t.from)],
+            ))),
+        )
+        .route(
             "/text",
-            post(held).layer(Locks::memory().layer(keys::from_request(|text: String| [text]))),
+            post(held)
+                .layer(Locks::isolated_memory().layer(keys::from_request(|text: String| [text]))),
         );
-    let cases = [
-        (empty("/json"), StatusCode::UNSUPPORTED_MEDIA_TYPE),
-        (json("/json", "[1, 2"), StatusCode::BAD_REQUEST),
-        (json("/json", r#"["1"]"#), StatusCode::UNPROCESSABLE_ENTITY),
+    let axum = Router::new()
+        .route("/json", post(|_: Json<Vec<u64>>| async {}))
+        .route("/form", post(|_: Form<Transfer>| async {}))
+        .route("/text", post(|_: String| async {}));
+    let form = |body: &'static str| {
+        Request::post("/form")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let cases: [(&dyn Fn() -> Request<Body>, StatusCode); 7] = [
+        (&|| empty("/json"), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        (&|| json("/json", "[1, 2"), StatusCode::BAD_REQUEST),
         (
-            Request::post("/text")
-                .body(Body::from(vec![b'a', 0xff]))
-                .unwrap(),
+            &|| json("/json", r#"[1, "2"]"#),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (&|| json("/form", "{}"), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        (&|| form("from=a"), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            &|| form("from=a&to=b&from=c"),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            &|| {
+                Request::post("/text")
+                    .body(Body::from(vec![b'a', 0xff]))
+                    .unwrap()
+            },
             StatusCode::BAD_REQUEST,
         ),
     ];
     for (request, status) in cases {
-        let reply = send_text(&app, request).await;
-        assert_eq!(reply.status, status, "{}", reply.body);
-        // axum's rejections, as a handler taking the same extractor would answer.
-        assert!(reply.content_type.unwrap().starts_with("text/plain"));
-        assert!(!reply.body.is_empty());
+        let reply = refused_as_axum_refuses(&app, &axum, request).await;
+        assert_eq!(reply.status, status, "{reply:?}");
     }
+    // axum's `Json` names the element that does not fit.
+    let reply = send_text(&app, json("/json", r#"[1, "2"]"#)).await;
+    assert!(reply.detail().contains("[1]: invalid type"), "{reply:?}");
     let reply = send_text(&app, json("/json", "[3, 1, 3]")).await;
     assert_eq!(reply.body, "n:1\nn:3");
+}
+
+/// Refuses every request the way an authentication extractor does: a bare status, a
+/// challenge header, no body.
+struct Authenticated;
+
+impl<S: Send + Sync> FromRequestParts<S> for Authenticated {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        match parts.headers.get("x-refuse").map(HeaderValue::as_bytes) {
+            Some(b"json") => Err((
+                StatusCode::FORBIDDEN,
+                Json(serde_json::json!({ "error": "yours, as it is" })),
+            )
+                .into_response()),
+            _ => Err((
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+            )
+                .into_response()),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_without_text_keeps_its_headers_and_one_in_json_stays_as_it_is() {
+    let app = Router::new().route(
+        "/",
+        post(held).layer(
+            Locks::isolated_memory()
+                .layer(keys::from_parts(|_: Authenticated| -> [String; 0] { [] })),
+        ),
+    );
+    let reply = support::http::send(&app, empty("/")).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(reply.headers[header::WWW_AUTHENTICATE], "Bearer");
+    assert_eq!(reply.problem()["detail"], "Unauthorized");
+
+    let mut request = empty("/");
+    request
+        .headers_mut()
+        .insert("x-refuse", HeaderValue::from_static("json"));
+    let reply = send_text(&app, request).await;
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert_eq!(reply.content_type.as_deref(), Some("application/json"));
+    assert_eq!(reply.body, r#"{"error":"yours, as it is"}"#);
+}
+
+/// The state of the router in the tests of `*_with_state`.
+#[derive(Clone)]
+struct Bank {
+    code: &'static str,
+}
+
+#[tokio::test]
+async fn extractors_that_need_the_routers_state_run_with_the_state_given() {
+    let bank = Bank { code: "b1" };
+    let locks = Locks::isolated_memory();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}",
+            post(
+                |State(bank): State<Bank>, lease: Option<Extension<Lease>>| async move {
+                    format!("{}: {}", bank.code, held(lease).await)
+                },
+            )
+            .layer(locks.layer(keys::from_parts_with_state(
+                bank.clone(),
+                |(State(bank), Path(id)): (State<Bank>, Path<u32>)| {
+                    [format!("account:{}/{id}", bank.code)]
+                },
+            ))),
+        )
+        .route(
+            "/transfers",
+            post(held).layer(locks.layer(keys::from_request_with_state(
+                bank.clone(),
+                |(State(bank), Json(ids)): (State<Bank>, Json<Vec<u32>>)| {
+                    ids.into_iter()
+                        .map(move |id| format!("account:{}/{id}", bank.code))
+                },
+            ))),
+        )
+        .with_state(bank);
+
+    let reply = send_text(&app, empty("/accounts/7")).await;
+    assert_eq!(
+        (reply.status, reply.body.as_str()),
+        (StatusCode::OK, "b1: account:b1/7")
+    );
+    let reply = send_text(&app, json("/transfers", "[9, 3]")).await;
+    assert_eq!(reply.body, "account:b1/3\naccount:b1/9");
+    // Refusals are problems there too.
+    let reply = send_text(&app, empty("/accounts/x")).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.detail(), "Invalid URL: Cannot parse `x` to a `u32`");
 }
 
 #[tokio::test]
@@ -230,7 +401,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
     let app =
         Router::new().route(
             "/",
-            post(held).layer(Locks::memory().layer(
+            post(held).layer(Locks::isolated_memory().layer(
                 keys::from_request(|body: Bytes| [format!("{}", body.len())]).limit(64 * 1024),
             )),
         );
@@ -262,7 +433,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
 
 #[tokio::test]
 async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::default();
     let idem = keys::header("idempotency-key", "idem");
     let app = Router::new()
@@ -329,7 +500,7 @@ async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
 
 #[tokio::test]
 async fn query_and_path_keys_name_one_resource_alike() {
-    let locks = Locks::memory();
+    let locks = Locks::isolated_memory();
     let gate = Gate::default();
     let app = Router::new()
         .route(
@@ -393,6 +564,180 @@ async fn query_and_path_keys_name_one_resource_alike() {
     assert_eq!(refused.detail(), "Invalid UTF-8 in `sku`");
 }
 
+#[tokio::test]
+async fn path_keys_on_a_route_with_several_parameters_lock_the_one_named() {
+    let locks = Locks::isolated_memory();
+    let gate = Gate::default();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}",
+            put({
+                let gate = gate.clone();
+                move || gate.clone().hold()
+            })
+            .layer(locks.layer(keys::path("account"))),
+        )
+        .route(
+            "/banks/{bank}/accounts/{id}",
+            post(held).layer(locks.layer(keys::path("account").param("id"))),
+        )
+        .route(
+            "/tenants/{tenant}/orders/{id}",
+            post(held).layer(locks.layer(keys::path("order").param("tenant").param("id"))),
+        );
+
+    let holder = tokio::spawn({
+        let app = app.clone();
+        async move {
+            send_text(
+                &app,
+                Request::put("/accounts/7").body(Body::empty()).unwrap(),
+            )
+            .await
+        }
+    });
+    gate.entered.notified().await;
+    // The one account, whichever route names it: the two exclude each other.
+    let reply = send_text(&app, empty("/banks/b1/accounts/7")).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+    assert_eq!(
+        reply.problem()["conflicting_keys"],
+        serde_json::json!(["account:7"])
+    );
+    gate.release.notify_one();
+    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    let reply = send_text(&app, empty("/banks/b1/accounts/7")).await;
+    assert_eq!(reply.body, "account:7");
+
+    // Ids unique only together: joined in the order named.
+    let reply = send_text(&app, empty("/tenants/acme/orders/42")).await;
+    assert_eq!(reply.body, "order:acme/42");
+}
+
+/// The error events of this test binary, as a `tracing_subscriber::fmt` subscriber writes
+/// them. Global, since a thread-local subscriber misses events that other tests' threads
+/// race it for (see `tests/tracing.rs`); each test looks for the lines of its own routes.
+fn errors_logged() -> String {
+    static CAPTURED: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    let captured = CAPTURED.get_or_init(|| {
+        let captured = Arc::new(Mutex::new(Vec::new()));
+        let writer = Captured(captured.clone());
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::ERROR)
+            .with_ansi(false)
+            .init();
+        captured
+    });
+    String::from_utf8(captured.lock().unwrap().clone()).unwrap()
+}
+
+#[derive(Clone)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_route_that_cannot_give_a_path_key_is_a_500_and_one_logged_error() {
+    errors_logged();
+    let locks = Locks::isolated_memory();
+    let app = Router::new()
+        .route(
+            "/branches/{bank}/{branch}/accounts/{id}",
+            post(held).layer(locks.layer(keys::path("account"))),
+        )
+        .route(
+            "/ledgers/{ledger}",
+            post(held).layer(locks.layer(keys::path("ledger").param("id"))),
+        )
+        .route(
+            "/audits",
+            post(held).layer(locks.layer(keys::path("audit"))),
+        );
+    for uri in ["/branches/b1/x/accounts/7", "/ledgers/2024", "/audits"] {
+        let reply = send_text(&app, empty(uri)).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{uri}");
+        assert_eq!(
+            reply.detail(),
+            "the server could not determine what to lock"
+        );
+    }
+
+    let logged = errors_logged();
+    let lines =
+        |route: &str| -> Vec<&str> { logged.lines().filter(|l| l.contains(route)).collect() };
+    // Several parameters and none named: joining them would make `account:b1/x/7`, which
+    // `/accounts/{id}` would not exclude.
+    let ambiguous = lines("/branches/{bank}/{branch}/accounts/{id}");
+    assert_eq!(ambiguous.len(), 1, "{logged}");
+    assert!(ambiguous[0].contains("ERROR"), "{logged}");
+    assert!(
+        ambiguous[0].contains("it has `bank`, `branch`, `id`; name the one"),
+        "{logged}"
+    );
+    let missing = lines("/ledgers/{ledger}");
+    assert_eq!(missing.len(), 1, "{logged}");
+    assert!(
+        missing[0].contains(
+            r#"keys::path("ledger").param("id"): the route /ledgers/{ledger} has no parameter `id`; its parameters: `ledger`"#
+        ),
+        "{logged}"
+    );
+    let none = lines("/audits");
+    assert_eq!(none.len(), 1, "{logged}");
+    assert!(none[0].contains("found no path parameter"), "{logged}");
+}
+
+#[tokio::test]
+async fn json_refusals_name_the_field_that_does_not_fit() {
+    #[derive(Deserialize)]
+    struct Order {
+        lines: Vec<Line>,
+    }
+    #[derive(Deserialize)]
+    struct Line {
+        sku: String,
+    }
+    let app = Router::new().route(
+        "/orders",
+        post(held).layer(Locks::isolated_memory().layer(keys::json(|order: Order| {
+            order
+                .lines
+                .into_iter()
+                .map(|line| format!("sku:{}", line.sku))
+        }))),
+    );
+    let reply = send_text(
+        &app,
+        json(
+            "/orders",
+            r#"{"lines": [{"sku": "a"}, {"sku": "b"}, {"sku": 5}]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        reply.detail(),
+        "the JSON body is not valid: lines[2].sku: invalid type: integer `5`, expected a \
+         string at line 1 column 48"
+    );
+    let reply = send_text(&app, json("/orders", r#"{"lines": [{"sku": "a"}, {}]}"#)).await;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        reply.detail().contains("lines[1]: missing field `sku`"),
+        "{reply:?}"
+    );
+}
+
 #[derive(Deserialize)]
 struct Lines {
     skus: Vec<String>,
@@ -400,7 +745,7 @@ struct Lines {
 
 #[tokio::test]
 async fn all_locks_the_path_and_the_body_as_one_batch() {
-    let locks = Locks::memory().max_keys(4);
+    let locks = Locks::isolated_memory().max_keys(4);
     let app = Router::new().route(
         "/orders/{id}/lines",
         put(

@@ -563,7 +563,11 @@ fn assert_read_at_most_the_cap(pulled: &AtomicUsize) {
 
 #[tokio::test]
 async fn memory_malformed_requests_get_the_right_4xx() {
-    let app = orders::app(Store::memory(), Some(Locks::memory()), Duration::ZERO);
+    let app = orders::app(
+        Store::memory(),
+        Some(Locks::isolated_memory()),
+        Duration::ZERO,
+    );
     let (layer, handler, pulled) = split_corpus();
     eprintln!(
         "{} refused by the layer, {} by the handler",
@@ -619,7 +623,11 @@ async fn redis_malformed_requests_get_the_right_4xx_and_leave_nothing_behind() {
 async fn a_chunked_upload_over_the_cap_is_answered_before_it_ends() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let app = orders::app(Store::memory(), Some(Locks::memory()), Duration::ZERO);
+    let app = orders::app(
+        Store::memory(),
+        Some(Locks::isolated_memory()),
+        Duration::ZERO,
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(async move { axum::serve(listener, app).await });

@@ -1,30 +1,34 @@
 //! Keys from any axum extractor: the types handlers already take.
 
-use std::{fmt, future::Future, marker::PhantomData, pin::Pin};
+use std::{any::type_name, fmt, future::Future, pin::Pin, sync::Arc};
 
 use axum::{
     extract::{FromRequest, FromRequestParts},
-    response::IntoResponse,
+    response::{IntoResponse, Response},
 };
 use bytes::Bytes;
-use http::Request;
+use futures_util::future::BoxFuture;
+use http::{header, request::Parts, Request};
 use http_body::Body;
 
-use super::{body::read_capped, Extracted, KeyExtractor, DEFAULT_BODY_LIMIT};
+use super::{body::read_capped, Extracted, IntoKeys, KeyExtractor, DEFAULT_BODY_LIMIT};
+use crate::Rejection;
 
 /// Keys from an extractor of the request head: any [`FromRequestParts`] type, such as
 /// [`Path<T>`](axum::extract::Path), `Query<T>`, a typed header, a tuple of those, or one of
-/// your own. `keys` turns the extracted value into keys.
+/// your own. `keys` turns the extracted value into keys ([`IntoKeys`]).
 ///
-/// The extractor runs as it would for a handler, with the state `()`; when it refuses the
-/// request, its rejection is the response, unchanged (axum's own rejections are
-/// `text/plain`). Extractors that need the application's state (`State<T>`, or your own
-/// extractors over `S: FromRef<..>`) cannot run here: write them for any `S`, or read the
-/// head with a closure over [`Parts`](http::request::Parts) instead.
+/// The extractor runs as it would for a handler, with the state `()`: extractors that need
+/// the router's state (`State<T>`, or your own over `S: FromRef<..>`) run in
+/// [`from_parts_with_state`]. When the extractor refuses the request, its status is the
+/// answer: axum's rejections, which are plain text, become a problem document
+/// (`application/problem+json`) with their text as `detail` (`Path<u64>` on `/accounts/x`
+/// answers 400, "Invalid URL: Cannot parse `x` to a `u64`"); a rejection in any other
+/// media type, such as a [`Rejection`], is the answer as it is.
 ///
 /// ```
 /// use axum::{body::Body, extract::Path, routing::put, Extension, Router};
-/// use http::{Request, StatusCode};
+/// use http::{header, Request, StatusCode};
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};
 ///
@@ -46,75 +50,148 @@ use super::{body::read_capped, Extracted, KeyExtractor, DEFAULT_BODY_LIMIT};
 ///
 /// // `Path<u64>` refuses an id that is not a number, before anything is locked.
 /// let refused = app.oneshot(Request::put("/accounts/x").body(Body::empty()).unwrap());
-/// assert_eq!(refused.await.unwrap().status(), StatusCode::BAD_REQUEST);
+/// let response = refused.await.unwrap();
+/// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+/// assert_eq!(response.headers()[header::CONTENT_TYPE], "application/problem+json");
 /// # }
 /// ```
-pub fn from_parts<X, F>(keys: F) -> FromPartsKeys<X, F> {
+pub fn from_parts<X, F, K>(keys: F) -> FromPartsKeys
+where
+    X: PartsExtractor<()>,
+    F: Fn(X) -> K + Send + Sync + 'static,
+    K: IntoKeys,
+{
+    from_parts_with_state((), keys)
+}
+
+/// [`from_parts`] for extractors that need the router's state, such as
+/// [`State<T>`](axum::extract::State): they run with `state`, as a handler's would with the
+/// state of [`Router::with_state`](axum::Router::with_state). As axum's
+/// [`from_fn_with_state`](axum::middleware::from_fn_with_state), since a layer does not
+/// see the router's state: pass the same value (or its part the extractors read).
+///
+/// ```
+/// use axum::{body::Body, extract::{Path, State}, routing::put, Extension, Router};
+/// use http::Request;
+/// use tower::ServiceExt;
+/// use tower_batch_lock::{keys, Lease, LockLayer};
+///
+/// #[derive(Clone)]
+/// struct App { region: &'static str }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let state = App { region: "eu" };
+/// let app = Router::new()
+///     .route(
+///         "/accounts/{id}",
+///         put(|Extension(lease): Extension<Lease>| async move { lease.keys().collect::<String>() })
+///             .layer(LockLayer::new(keys::from_parts_with_state(
+///                 state.clone(),
+///                 |(State(app), Path(id)): (State<App>, Path<u64>)| {
+///                     [format!("account:{}/{id}", app.region)]
+///                 },
+///             ))),
+///     )
+///     .with_state(state);
+///
+/// let response = app.oneshot(Request::put("/accounts/7").body(Body::empty()).unwrap());
+/// let body = axum::body::to_bytes(response.await.unwrap().into_body(), 64).await.unwrap();
+/// assert_eq!(body, "account:eu/7");
+/// # }
+/// ```
+pub fn from_parts_with_state<S, X, F, K>(state: S, keys: F) -> FromPartsKeys
+where
+    S: Clone + Send + Sync + 'static,
+    X: PartsExtractor<S>,
+    F: Fn(X) -> K + Send + Sync + 'static,
+    K: IntoKeys,
+{
+    let keys = Arc::new(keys);
+    let extract = move |mut parts: Parts| -> BoxFuture<'static, _> {
+        let (keys, state) = (keys.clone(), state.clone());
+        Box::pin(async move {
+            let extracted = X::from_request_parts(&mut parts, &state).await;
+            let keys = extracted
+                .map(|value| keys(value).into_keys())
+                .map_err(IntoResponse::into_response);
+            (parts, keys)
+        })
+    };
     FromPartsKeys {
-        keys,
-        extractor: PhantomData,
+        extract: Arc::new(extract),
+        extractor: type_name::<X>(),
     }
 }
 
-/// The extractor [`from_parts`] builds.
-pub struct FromPartsKeys<X, F> {
-    keys: F,
-    extractor: PhantomData<fn() -> X>,
+/// An axum extractor that [`from_parts`] can run with the state `S`: every
+/// [`FromRequestParts<S>`] type. It exists for the compiler's message when a closure takes
+/// something else: a body extractor, or one that needs a state it was not given.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run in `keys::from_parts` with the state `{S}`",
+    label = "not an extractor of the request head with the state `{S}`",
+    note = "`keys::from_parts` runs extractors of the request head (`FromRequestParts`): \
+            `Path<T>`, `Query<T>`, headers, your own, and tuples of them",
+    note = "extractors that need the router's state, such as `State<T>`, run in \
+            `keys::from_parts_with_state(state, keys)`",
+    note = "extractors of the body (`Json<T>`, `Form<T>`, `Bytes`, `String`) run in \
+            `keys::from_request`"
+)]
+pub trait PartsExtractor<S>: FromRequestParts<S> + 'static {}
+
+// `do_not_recommend`: the compiler's message is then this trait's, not that of a bound
+// deep inside axum's impls (`FromRef<()>` is not implemented for your state).
+#[diagnostic::do_not_recommend]
+impl<S, X: FromRequestParts<S> + 'static> PartsExtractor<S> for X {}
+
+/// The extractor [`from_parts`] and [`from_parts_with_state`] build.
+#[derive(Clone)]
+pub struct FromPartsKeys {
+    // The extractor and the closure behind one pointer: the type names neither, so the
+    // compiler checks them where the user wrote them (`from_parts`), and only there.
+    extract: Arc<ExtractFromParts>,
+    extractor: &'static str,
 }
 
-// By hand: deriving would demand `X: Clone` and `X: Debug` of the extracted type.
-impl<X, F: Clone> Clone for FromPartsKeys<X, F> {
-    fn clone(&self) -> Self {
-        Self {
-            keys: self.keys.clone(),
-            extractor: PhantomData,
-        }
-    }
-}
+/// Runs the extractor and the key closure over a request head, and gives the head back.
+type ExtractFromParts =
+    dyn Fn(Parts) -> BoxFuture<'static, (Parts, Result<Vec<String>, Response>)> + Send + Sync;
 
-impl<X, F> fmt::Debug for FromPartsKeys<X, F> {
+impl fmt::Debug for FromPartsKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FromPartsKeys")
-            .field("extractor", &std::any::type_name::<X>())
+            .field("extractor", &self.extractor)
             .finish_non_exhaustive()
     }
 }
 
-impl<B, X, F, I> KeyExtractor<B> for FromPartsKeys<X, F>
-where
-    B: Send + 'static,
-    X: FromRequestParts<()> + 'static,
-    F: Fn(X) -> I + Clone + Send + Sync + 'static,
-    I: IntoIterator,
-    I::Item: Into<String>,
-{
+impl<B: Send + 'static> KeyExtractor<B> for FromPartsKeys {
     type Future = Pin<Box<dyn Future<Output = Extracted<B>> + Send>>;
 
     fn extract(&self, request: Request<B>) -> Self::Future {
-        let keys = self.keys.clone();
+        let (parts, body) = request.into_parts();
+        let extracting = (self.extract)(parts);
         Box::pin(async move {
-            let (mut parts, body) = request.into_parts();
-            let value = X::from_request_parts(&mut parts, &())
-                .await
-                .map_err(IntoResponse::into_response)?;
-            let keys = keys(value).into_iter().map(Into::into).collect();
-            Ok((Request::from_parts(parts, body), keys))
+            match extracting.await {
+                (parts, Ok(keys)) => Ok((Request::from_parts(parts, body), keys)),
+                (_, Err(rejection)) => Err(as_problem(rejection).await),
+            }
         })
     }
 }
 
 /// Keys from an extractor that reads the body: any [`FromRequest`] type, such as
 /// `Json<T>`, `Form<T>`, [`Bytes`], [`String`], or one of your own. `keys` turns the
-/// extracted value into keys.
+/// extracted value into keys ([`IntoKeys`]).
 ///
 /// The body is read first, up to a limit ([`DEFAULT_BODY_LIMIT`], or
 /// [`FromRequestKeys::limit`]; a longer body is refused with 413 without reading the rest,
 /// whether it declares its length or comes in chunks). The extractor then runs on a copy of
-/// the request with those bytes, with the state `()`, and the very same bytes go on to the
-/// handler, which extracts them again. When the extractor refuses the request, its
-/// rejection is the response, unchanged: `Json<T>` answers 415, 400 or 422 in
-/// `text/plain`. For `application/problem+json` answers to bad JSON, use
-/// [`json`](super::json).
+/// the request with those bytes, with the state `()` (or that of
+/// [`from_request_with_state`]), and the very same bytes go on to the handler, which
+/// extracts them again. When the extractor refuses the request, its status is the answer,
+/// and axum's plain-text rejections become problem documents with their text as `detail`,
+/// as in [`from_parts`]: `Json<T>` answers 415, 400 or 422, `Form<T>` 415 or 422.
 ///
 /// ```
 /// use axum::{body::Body, routing::post, Extension, Form, Router};
@@ -150,22 +227,73 @@ where
 /// assert_eq!(body, "9 -> 3, locked account:3 account:9");
 /// # }
 /// ```
-pub fn from_request<X, F>(keys: F) -> FromRequestKeys<X, F> {
+pub fn from_request<X, F, K>(keys: F) -> FromRequestKeys
+where
+    X: RequestExtractor<()>,
+    F: Fn(X) -> K + Send + Sync + 'static,
+    K: IntoKeys,
+{
+    from_request_with_state((), keys)
+}
+
+/// [`from_request`] for extractors that need the router's state: they run with `state`,
+/// as [`from_parts_with_state`]'s do.
+pub fn from_request_with_state<S, X, F, K>(state: S, keys: F) -> FromRequestKeys
+where
+    S: Clone + Send + Sync + 'static,
+    X: RequestExtractor<S>,
+    F: Fn(X) -> K + Send + Sync + 'static,
+    K: IntoKeys,
+{
+    let keys = Arc::new(keys);
+    let extract = move |request: Request<axum::body::Body>| -> BoxFuture<'static, _> {
+        let (keys, state) = (keys.clone(), state.clone());
+        Box::pin(async move {
+            let extracted = X::from_request(request, &state).await;
+            extracted
+                .map(|value| keys(value).into_keys())
+                .map_err(IntoResponse::into_response)
+        })
+    };
     FromRequestKeys {
-        keys,
+        extract: Arc::new(extract),
+        extractor: type_name::<X>(),
         limit: DEFAULT_BODY_LIMIT,
-        extractor: PhantomData,
     }
 }
 
-/// The extractor [`from_request`] builds.
-pub struct FromRequestKeys<X, F> {
-    keys: F,
+/// An axum extractor that [`from_request`] can run with the state `S`: every
+/// [`FromRequest<S>`] type, which includes those of the head. It exists for the compiler's
+/// message when a closure takes something else.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run in `keys::from_request` with the state `{S}`",
+    label = "not an axum extractor with the state `{S}`",
+    note = "`keys::from_request` runs axum extractors (`FromRequest`): `Json<T>`, `Form<T>`, \
+            `Bytes`, `String`, your own",
+    note = "extractors that need the router's state, such as `State<T>`, run in \
+            `keys::from_request_with_state(state, keys)`"
+)]
+pub trait RequestExtractor<S>: FromRequest<S> + 'static {}
+
+// As for `PartsExtractor`: this trait's message, not one from deep inside axum.
+#[diagnostic::do_not_recommend]
+impl<S, X: FromRequest<S> + 'static> RequestExtractor<S> for X {}
+
+/// The extractor [`from_request`] and [`from_request_with_state`] build.
+#[derive(Clone)]
+pub struct FromRequestKeys {
+    // As in `FromPartsKeys`: checked where the user wrote it, behind one pointer.
+    extract: Arc<ExtractFromRequest>,
+    extractor: &'static str,
     limit: usize,
-    extractor: PhantomData<fn() -> X>,
 }
 
-impl<X, F> FromRequestKeys<X, F> {
+/// Runs the extractor and the key closure over a copy of the request.
+type ExtractFromRequest = dyn Fn(Request<axum::body::Body>) -> BoxFuture<'static, Result<Vec<String>, Response>>
+    + Send
+    + Sync;
+
+impl FromRequestKeys {
     /// Reads at most `bytes` of the body; a longer body is refused with 413.
     pub fn limit(mut self, bytes: usize) -> Self {
         self.limit = bytes;
@@ -173,40 +301,25 @@ impl<X, F> FromRequestKeys<X, F> {
     }
 }
 
-// By hand: deriving would demand `X: Clone` and `X: Debug` of the extracted type.
-impl<X, F: Clone> Clone for FromRequestKeys<X, F> {
-    fn clone(&self) -> Self {
-        Self {
-            keys: self.keys.clone(),
-            limit: self.limit,
-            extractor: PhantomData,
-        }
-    }
-}
-
-impl<X, F> fmt::Debug for FromRequestKeys<X, F> {
+impl fmt::Debug for FromRequestKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FromRequestKeys")
-            .field("extractor", &std::any::type_name::<X>())
+            .field("extractor", &self.extractor)
             .field("limit", &self.limit)
             .finish_non_exhaustive()
     }
 }
 
-impl<B, X, F, I> KeyExtractor<B> for FromRequestKeys<X, F>
+impl<B> KeyExtractor<B> for FromRequestKeys
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    X: FromRequest<()> + 'static,
-    F: Fn(X) -> I + Clone + Send + Sync + 'static,
-    I: IntoIterator,
-    I::Item: Into<String>,
 {
     type Future = Pin<Box<dyn Future<Output = Extracted<B>> + Send>>;
 
     fn extract(&self, request: Request<B>) -> Self::Future {
-        let (keys, limit) = (self.keys.clone(), self.limit);
+        let (extract, limit) = (self.extract.clone(), self.limit);
         Box::pin(async move {
             let (parts, body) = request.into_parts();
             let bytes = read_capped(&parts.headers, body, limit)
@@ -215,11 +328,45 @@ where
             // The extractor takes the request whole; it gets a copy of the head, and the
             // handler the original, so nothing the extractor does to it leaks through.
             let copy = Request::from_parts(parts.clone(), axum::body::Body::from(bytes.clone()));
-            let value = X::from_request(copy, &())
-                .await
-                .map_err(IntoResponse::into_response)?;
-            let keys = keys(value).into_iter().map(Into::into).collect();
-            Ok((Request::from_parts(parts, B::from(bytes)), keys))
+            match extract(copy).await {
+                Ok(keys) => Ok((Request::from_parts(parts, B::from(bytes)), keys)),
+                Err(rejection) => Err(as_problem(rejection).await),
+            }
         })
     }
+}
+
+/// The longest plain-text rejection that becomes a `detail` (axum's are a line); a longer
+/// one gives way to the status's reason phrase.
+const MAX_DETAIL: usize = 16 * 1024;
+
+/// An axum extractor's refusal as a problem document, like every other refusal of the
+/// layer: same status, its text as `detail`, its other headers (`WWW-Authenticate`,
+/// `Allow`) kept. axum's rejections are `text/plain`; a refusal of any other media type
+/// (JSON, a [`Rejection`], HTML), or one that is no error (a redirect), is the extractor's
+/// own choice and goes out as it is.
+async fn as_problem(rejection: Response) -> Response {
+    let status = rejection.status();
+    let plain = rejection
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_none_or(|media| {
+            let essence = media.as_bytes().get(..b"text/plain".len());
+            essence.is_some_and(|essence| essence.eq_ignore_ascii_case(b"text/plain"))
+        });
+    if !plain || !(status.is_client_error() || status.is_server_error()) {
+        return rejection;
+    }
+    let (mut head, body) = rejection.into_parts();
+    let detail = match axum::body::to_bytes(body, MAX_DETAIL).await {
+        Ok(text) if !text.trim_ascii().is_empty() => String::from_utf8_lossy(&text).into_owned(),
+        // A bare status, or a text too long for a detail: the status says it all.
+        _ => status.canonical_reason().unwrap_or("refused").to_owned(),
+    };
+    let mut problem = Rejection::new(status, detail).into_response();
+    head.headers.remove(header::CONTENT_TYPE);
+    head.headers.remove(header::CONTENT_LENGTH);
+    problem.headers_mut().extend(head.headers);
+    problem.extensions_mut().extend(head.extensions);
+    problem
 }

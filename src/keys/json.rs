@@ -1,6 +1,6 @@
 //! Keys from a JSON request body.
 
-use std::{fmt, future::Future, marker::PhantomData, pin::Pin};
+use std::{any::type_name, fmt, future::Future, pin::Pin, sync::Arc};
 
 use axum::response::IntoResponse;
 use bytes::Bytes;
@@ -8,7 +8,7 @@ use http::{header, HeaderMap, Request, StatusCode};
 use http_body::Body;
 use serde::de::DeserializeOwned;
 
-use super::{body::read_capped, Extracted, KeyExtractor, DEFAULT_BODY_LIMIT};
+use super::{body::read_capped, Extracted, IntoKeys, KeyExtractor, DEFAULT_BODY_LIMIT};
 use crate::Rejection;
 
 /// Keys from a JSON body: parses it into `T` and gives the value to `keys`.
@@ -23,6 +23,12 @@ use crate::Rejection;
 /// | body over the limit, by `Content-Length` or as it streams | 413 |
 /// | not JSON, or cut short | 400 |
 /// | JSON that does not fit `T` (a missing field, a wrong type) | 422 |
+///
+/// The `detail` of a 400 or 422 says where the body went wrong, field and place: for
+/// `{"items": [{"sku": "a"}, {"sku": 5}]}` it reads ``the JSON body is not valid:
+/// items[1].sku: invalid type: integer `5`, expected a string at line 1 column 34``.
+///
+/// `keys` returns the keys as strings, in any collection or iterator ([`IntoKeys`]).
 ///
 /// ```
 /// use axum::{routing::post, Json, Router};
@@ -43,22 +49,33 @@ use crate::Rejection;
 ///     }))),
 /// );
 /// ```
-pub fn json<T, F>(keys: F) -> JsonKeys<T, F> {
+pub fn json<T, F, K>(keys: F) -> JsonKeys
+where
+    T: DeserializeOwned,
+    F: Fn(T) -> K + Send + Sync + 'static,
+    K: IntoKeys,
+{
     JsonKeys {
-        keys,
+        keys: Arc::new(move |bytes: &[u8]| parse(bytes).map(|value| keys(value).into_keys())),
+        body: type_name::<T>(),
         limit: DEFAULT_BODY_LIMIT,
-        body: PhantomData,
     }
 }
 
 /// The extractor [`json`] builds.
-pub struct JsonKeys<T, F> {
-    keys: F,
+#[derive(Clone)]
+pub struct JsonKeys {
+    // The parser and the closure behind one pointer: the type names neither, so the
+    // compiler checks them where the user wrote them (`json`), and only there.
+    keys: Arc<KeysOfJson>,
+    body: &'static str,
     limit: usize,
-    body: PhantomData<fn() -> T>,
 }
 
-impl<T, F> JsonKeys<T, F> {
+/// Parses a body and gives its keys.
+type KeysOfJson = dyn Fn(&[u8]) -> Result<Vec<String>, Rejection> + Send + Sync;
+
+impl JsonKeys {
     /// Reads at most `bytes` of the body; a longer body is refused with 413.
     pub fn limit(mut self, bytes: usize) -> Self {
         self.limit = bytes;
@@ -66,35 +83,20 @@ impl<T, F> JsonKeys<T, F> {
     }
 }
 
-// By hand: deriving would demand `T: Clone` and `T: Debug` of the parsed type.
-impl<T, F: Clone> Clone for JsonKeys<T, F> {
-    fn clone(&self) -> Self {
-        Self {
-            keys: self.keys.clone(),
-            limit: self.limit,
-            body: PhantomData,
-        }
-    }
-}
-
-impl<T, F> fmt::Debug for JsonKeys<T, F> {
+impl fmt::Debug for JsonKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JsonKeys")
-            .field("type", &std::any::type_name::<T>())
+            .field("type", &self.body)
             .field("limit", &self.limit)
             .finish_non_exhaustive()
     }
 }
 
-impl<B, T, F, I> KeyExtractor<B> for JsonKeys<T, F>
+impl<B> KeyExtractor<B> for JsonKeys
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    T: DeserializeOwned + 'static,
-    F: Fn(T) -> I + Clone + Send + Sync + 'static,
-    I: IntoIterator,
-    I::Item: Into<String>,
 {
     type Future = Pin<Box<dyn Future<Output = Extracted<B>> + Send>>;
 
@@ -105,9 +107,7 @@ where
             let bytes = read_json_body(&parts.headers, body, limit)
                 .await
                 .map_err(IntoResponse::into_response)?;
-            let value: T =
-                serde_json::from_slice(&bytes).map_err(|e| parse_rejection(&e).into_response())?;
-            let keys = keys(value).into_iter().map(Into::into).collect();
+            let keys = keys(&bytes).map_err(IntoResponse::into_response)?;
             Ok((Request::from_parts(parts, B::from(bytes)), keys))
         })
     }
@@ -150,13 +150,32 @@ fn is_json(headers: &HeaderMap) -> bool {
             .is_some_and(|subtype| subtype.ends_with("+json"))
 }
 
+/// Parses the body into `T`, as `serde_json::from_slice` does (trailing characters
+/// included), and names the field where it went wrong.
+///
+/// # Errors
+///
 /// 400 for text that is not JSON, 422 for JSON that does not fit the type, as axum's `Json`.
-fn parse_rejection(error: &serde_json::Error) -> Rejection {
-    let status = match error.classify() {
+fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Rejection> {
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        // `items[2].sku: invalid type: ...`; serde_json's own message alone has no field.
+        let detail = format!("the JSON body is not valid: {error}");
+        Rejection::new(status_of(error.inner()), detail)
+    })?;
+    deserializer.end().map_err(|error| {
+        let detail = format!("the JSON body is not valid: {error}");
+        Rejection::new(status_of(&error), detail)
+    })?;
+    Ok(value)
+}
+
+/// 422 for JSON that does not fit the type, 400 for anything else.
+fn status_of(error: &serde_json::Error) -> StatusCode {
+    match error.classify() {
         serde_json::error::Category::Data => StatusCode::UNPROCESSABLE_ENTITY,
         _ => StatusCode::BAD_REQUEST,
-    };
-    Rejection::new(status, format!("the JSON body is not valid: {error}"))
+    }
 }
 
 #[cfg(test)]
@@ -189,19 +208,49 @@ mod tests {
         assert!(!is_json(&HeaderMap::new()));
     }
 
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)] // only parsed
+    struct Order {
+        id: u64,
+        items: Vec<Item>,
+    }
+
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)] // only parsed
+    struct Item {
+        sku: String,
+    }
+
+    fn refusal(body: &str) -> Rejection {
+        parse::<Order>(body.as_bytes()).unwrap_err()
+    }
+
     #[test]
     fn syntax_errors_are_400_and_shape_errors_422() {
-        #[derive(serde::Deserialize, Debug)]
-        #[allow(dead_code)]
-        struct Order {
-            id: u64,
-        }
-        let status = |body: &str| {
-            parse_rejection(&serde_json::from_str::<Order>(body).unwrap_err()).status()
-        };
+        let status = |body: &str| refusal(body).status();
         assert_eq!(status("{\"id\": "), StatusCode::BAD_REQUEST);
         assert_eq!(status("{id}"), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            status("{\"id\": 1, \"items\": []} {}"),
+            StatusCode::BAD_REQUEST
+        );
         assert_eq!(status("{\"id\": \"x\"}"), StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(status("{}"), StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(parse::<Order>(br#" {"id": 1, "items": []} "#).is_ok());
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        // The example of `json`'s docs.
+        assert_eq!(
+            refusal(r#"{"items": [{"sku": "a"}, {"sku": 5}]}"#).body_text(),
+            "the JSON body is not valid: items[1].sku: invalid type: integer `5`, \
+             expected a string at line 1 column 34"
+        );
+        // A missing field is named by the object that misses it, as serde words it.
+        assert_eq!(
+            refusal(r#"{"id": 1, "items": [{}]}"#).body_text(),
+            "the JSON body is not valid: items[0]: missing field `sku` at line 1 column 22"
+        );
     }
 }

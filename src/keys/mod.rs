@@ -23,14 +23,20 @@
 //!
 //! | extractor | reads | keys |
 //! | --- | --- | --- |
-//! | [`path`] | the route's path parameters, all or [one by name](PathKeys::param) | `{kind}:{value}` |
+//! | [`path`] | the route's path parameter, [by name](PathKeys::param) where it has several | `{kind}:{value}` |
 //! | [`header`] | one header, such as `Idempotency-Key` | `{kind}:{value}` for each value |
 //! | [`query`] | one query parameter | `{kind}:{value}` for each value |
 //! | [`json`] | a JSON body, parsed into your type, refusals in problem+json | what your closure makes of it |
-//! | [`from_parts`] | any axum extractor of the head: `Path<T>`, `Query<T>`, typed headers, your own | what your closure makes of it |
-//! | [`from_request`] | any axum extractor of the body: `Json<T>`, `Form<T>`, `Bytes` | what your closure makes of it |
+//! | [`from_parts`] | any axum extractor of the head: `Path<T>`, `Query<T>`, typed headers, your own; `State<T>` with [`from_parts_with_state`] | what your closure makes of it |
+//! | [`from_request`] | any axum extractor of the body: `Json<T>`, `Form<T>`, `Bytes`; `State<T>` with [`from_request_with_state`] | what your closure makes of it |
 //! | [`all`] | several of the above, in turn | all of their keys, as one batch |
 //! | a closure `Fn(&Parts) -> Result<keys, impl IntoResponse>` | anything in the head | what it returns |
+//!
+//! A key closure returns its keys as strings, in any collection or iterator: a `Vec`, an
+//! array, an `Option`, `ids.map(|id| format!("sku:{id}"))` (see [`IntoKeys`]). Every refusal
+//! is a problem document (`application/problem+json`), also those of the axum extractors
+//! that [`from_parts`] and [`from_request`] run: with axum's status, and its message as the
+//! `detail`.
 //!
 //! Extractors that read the body ([`json`], [`from_request`]) read it up to a cap
 //! ([`DEFAULT_BODY_LIMIT`], 2 MiB, or their `limit`), refuse a longer one with 413 without
@@ -61,9 +67,10 @@
 //!
 //! ## A resource id in the path
 //!
-//! [`path`] locks the route's parameters as axum decoded them; with several, pick one by
-//! name, or have all of them joined with `/`. For a typed id, run axum's `Path<T>` through
-//! [`from_parts`]: an id that does not parse is refused before anything is locked.
+//! [`path`] locks the route's parameter as axum decoded it; on a route with several, name
+//! the one that identifies the resource (without a name, such a route answers 500 and logs
+//! why: see [`path`]). For a typed id, run axum's `Path<T>` through [`from_parts`]: an id
+//! that does not parse is refused before anything is locked.
 //!
 //! ```
 //! use axum::{body::Body, extract::Path, routing::put, Extension, Router};
@@ -192,7 +199,8 @@
 //!
 //! When ids are only unique within a tenant, the key must hold both, or two tenants'
 //! order 42 would wait for each other (and a `/tenants/{tenant}/orders/{id}` route gets
-//! that from [`path`]: `order:acme/42`). Here the tenant comes from a header, through an
+//! that from [`path("order").param("tenant").param("id")`](PathKeys::param):
+//! `order:acme/42`). Here the tenant comes from a header, through an
 //! extractor of your own that the handlers use too, and the id from the path: axum runs a
 //! tuple of extractors as one.
 //!
@@ -281,7 +289,10 @@ mod json;
 mod normalize;
 mod path;
 
-pub use adapter::{from_parts, from_request, FromPartsKeys, FromRequestKeys};
+pub use adapter::{
+    from_parts, from_parts_with_state, from_request, from_request_with_state, FromPartsKeys,
+    FromRequestKeys, PartsExtractor, RequestExtractor,
+};
 pub use all::{all, All};
 pub use body::DEFAULT_BODY_LIMIT;
 pub use head::{header, query, HeaderKeys, QueryKeys};
@@ -298,6 +309,13 @@ pub type Extracted<B> = Result<(Request<B>, Vec<String>), Response>;
 /// Implemented for closures over the request head (see the [module docs](self)) and for
 /// every extractor this module builds. An extractor that reads the body must put the same
 /// bytes back into the request it returns.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a key extractor",
+    label = "not a key extractor",
+    note = "key extractors are `keys::path`, `keys::header`, `keys::query`, `keys::json`, \
+            `keys::from_parts`, `keys::from_request`, `keys::all`, and closures \
+            `Fn(&http::request::Parts) -> Result<impl IntoKeys, impl IntoResponse>`"
+)]
 pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// The future that [`extract`](Self::extract) returns.
     type Future: Future<Output = Extracted<B>> + Send + 'static;
@@ -311,12 +329,11 @@ pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     fn extract(&self, request: Request<B>) -> Self::Future;
 }
 
-impl<B, F, I, E> KeyExtractor<B> for F
+impl<B, F, K, E> KeyExtractor<B> for F
 where
     B: Send + 'static,
-    F: Fn(&Parts) -> Result<I, E> + Clone + Send + Sync + 'static,
-    I: IntoIterator,
-    I::Item: Into<String>,
+    F: Fn(&Parts) -> Result<K, E> + Clone + Send + Sync + 'static,
+    K: IntoKeys,
     E: IntoResponse,
 {
     type Future = Ready<Extracted<B>>;
@@ -324,9 +341,42 @@ where
     fn extract(&self, request: Request<B>) -> Self::Future {
         let (parts, body) = request.into_parts();
         let keys = match self(&parts) {
-            Ok(keys) => keys.into_iter().map(Into::into).collect(),
+            Ok(keys) => keys.into_keys(),
             Err(rejection) => return ready(Err(rejection.into_response())),
         };
         ready(Ok((Request::from_parts(parts, body), keys)))
+    }
+}
+
+/// What a key closure returns: the keys, as any collection or iterator of strings.
+///
+/// Implemented for everything that iterates over values that are `Into<String>`: a
+/// `Vec<String>`, an array `[String; N]`, an `Option<String>` for one key or none, a
+/// `Vec<&str>`, `ids.into_iter().map(|id| format!("sku:{id}"))`. Not for numbers, on
+/// purpose: a key names the kind of its resource (`account:7`), or two kinds of ids would
+/// lock each other. Not for one `String` either, which Rust does not iterate: return
+/// `[key]`.
+#[diagnostic::on_unimplemented(
+    message = "a key closure must return a collection or iterator of string keys, not `{Self}`",
+    label = "this key closure returns `{Self}`",
+    note = "keys are `String`s or `&str`s, each with its kind in front so that two kinds of \
+            ids never lock each other: `ids.into_iter().map(|id| format!(\"account:{{id}}\"))`; \
+            one key is `[key]`"
+)]
+pub trait IntoKeys {
+    /// The keys, in any order, duplicates allowed.
+    fn into_keys(self) -> Vec<String>;
+}
+
+// Without `do_not_recommend`, the compiler would report the deepest bound that fails
+// (`String: From<u64>`) instead of this trait's message, which says what to return.
+#[diagnostic::do_not_recommend]
+impl<I> IntoKeys for I
+where
+    I: IntoIterator,
+    I::Item: Into<String>,
+{
+    fn into_keys(self) -> Vec<String> {
+        self.into_iter().map(Into::into).collect()
     }
 }

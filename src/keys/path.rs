@@ -3,42 +3,72 @@
 use std::{future::Future, pin::Pin, sync::Arc};
 
 use axum::{
-    extract::{rejection::RawPathParamsRejection, FromRequestParts, RawPathParams},
+    extract::{rejection::RawPathParamsRejection, FromRequestParts, MatchedPath, RawPathParams},
     response::{IntoResponse, Response},
 };
-use http::{Request, StatusCode};
+use http::{request::Parts, Request, StatusCode};
 
 use super::{Extracted, KeyExtractor};
 use crate::Rejection;
 
-/// One key from the path parameters of the matched route: `{kind}:{value}`.
+/// One key from a path parameter of the matched route: `{kind}:{value}`.
 ///
-/// With one parameter, `keys::path("order")` on `/orders/{id}` locks `order:42` for
-/// `/orders/42`. With several, their values are joined with `/` in path order
-/// (`/tenants/{t}/orders/{id}` -> `order:acme/42`), and [`PathKeys::param`] picks one by
-/// name. Values are used as axum decoded them (`/stock/a%2Fb` locks `sku:a/b`), so the key
-/// is the one a body extractor makes from the same id with `format!("sku:{id}")`: two
-/// spellings of one resource must never lock different keys. (Two resources that happen to
-/// share a key only wait for each other.) A value that is not UTF-8 once decoded (`%FF`) is
-/// refused with 400, as a problem document.
+/// `keys::path("order")` on `/orders/{id}` locks `order:42` for `/orders/42`. On a route
+/// with several parameters, [`PathKeys::param`] names the one that identifies the resource:
+/// `keys::path("account").param("id")` on `/banks/{bank}/accounts/{id}` locks `account:7`,
+/// the key `/accounts/{id}` locks for the same account, so the two routes exclude each
+/// other. Naming several joins their values with `/`, in the order named, for ids that
+/// are only unique together: `.param("tenant").param("id")` locks `order:acme/42`.
+///
+/// Values are used as axum decoded them (`/stock/a%2Fb` locks `sku:a/b`), so the key is the
+/// one a body extractor makes from the same id with `format!("sku:{id}")`: two spellings of
+/// one resource must never lock different keys. (Two resources that happen to share a key
+/// only wait for each other.) A value that is not UTF-8 once decoded (`%FF`) is refused with
+/// 400, as a problem document.
 ///
 /// It reads the parameters axum's router found, so it works under any axum layering
 /// ([`MethodRouter::layer`](axum::routing::MethodRouter::layer),
 /// [`Router::route_layer`](axum::Router::route_layer), [`Router::layer`](axum::Router::layer));
-/// on a service outside an axum router it answers 500 and logs why.
+/// the parameters of a router that [nests](axum::Router::nest) this one count too. Where it
+/// cannot tell what to lock, the route is set up wrong, not the request: it answers 500
+/// (a problem document) and logs one error that names the route and its parameters:
+///
+/// | route | answer |
+/// | --- | --- |
+/// | one parameter, or `.param(..)` names some it has | the key |
+/// | several parameters, and no `.param(..)` | 500: joining them all would lock `account:b1/7` where `/accounts/{id}` locks `account:7` |
+/// | `.param(name)` names a parameter the route does not have | 500 |
+/// | no parameter, or a service outside an axum router | 500 |
 ///
 /// ```
-/// use axum::{routing::put, Router};
-/// use tower_batch_lock::{keys, LockLayer};
+/// use axum::{body::Body, routing::put, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_batch_lock::{keys, Locks};
 ///
-/// let app: Router = Router::new()
-///     .route("/orders/{id}", put(|| async {}))
-///     .route_layer(LockLayer::new(keys::path("order")));
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let locks = Locks::memory();
+/// let app = Router::new()
+///     .route("/accounts/{id}", put(|| async {}))
+///     .route("/banks/{bank}/accounts/{id}", put(|| async {}))
+///     .route_layer(locks.layer(keys::path("account").param("id")));
+///
+/// let response = app.oneshot(Request::put("/banks/b1/accounts/7").body(Body::empty()).unwrap());
+/// assert_eq!(response.await.unwrap().status(), StatusCode::OK); // with `account:7` locked
+///
+/// // Without `.param("id")`, the route does not say which of its two parameters to lock.
+/// let unsure = Router::new()
+///     .route("/banks/{bank}/accounts/{id}", put(|| async {}))
+///     .route_layer(locks.layer(keys::path("account")));
+/// let response = unsure.oneshot(Request::put("/banks/b1/accounts/7").body(Body::empty()).unwrap());
+/// assert_eq!(response.await.unwrap().status(), StatusCode::INTERNAL_SERVER_ERROR);
+/// # }
 /// ```
 pub fn path(kind: impl Into<String>) -> PathKeys {
     PathKeys {
         kind: kind.into().into(),
-        param: None,
+        params: Arc::new([]),
     }
 }
 
@@ -46,41 +76,106 @@ pub fn path(kind: impl Into<String>) -> PathKeys {
 #[derive(Debug, Clone)]
 pub struct PathKeys {
     kind: Arc<str>,
-    param: Option<Arc<str>>,
+    /// The parameters to lock, in key order; none for the route's only one.
+    params: Arc<[Arc<str>]>,
+}
+
+/// Why a route gives no key: its set-up, not the request, is wrong.
+#[derive(Debug, PartialEq)]
+enum Misconfigured {
+    /// The route has no parameter, or is not in an axum router.
+    NoParameter,
+    /// The route has several parameters, and the extractor names none of them.
+    Ambiguous,
+    /// The extractor names a parameter that the route does not have.
+    Missing(Arc<str>),
 }
 
 impl PathKeys {
-    /// Uses only the parameter called `name` (`{name}` in the route).
+    /// Locks the parameter called `name` (`{name}` in the route), and not the others. Each
+    /// call adds one, joined with `/` in the order of the calls.
     pub fn param(mut self, name: impl Into<String>) -> Self {
-        self.param = Some(name.into().into());
+        let mut params = self.params.to_vec();
+        params.push(name.into().into());
+        self.params = params.into();
         self
     }
 
-    /// The key for these `(name, value)` parameters; `None` when none of them is wanted.
-    fn key<'a>(&self, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Option<String> {
+    /// The key for the route's `(name, value)` parameters.
+    fn key(&self, params: &[(&str, &str)]) -> Result<String, Misconfigured> {
         let mut key = format!("{}:", self.kind);
-        let mut found = 0;
-        for (name, value) in params {
-            if self.param.as_deref().is_some_and(|wanted| wanted != name) {
-                continue;
+        if self.params.is_empty() {
+            match params {
+                [(_, value)] => key.push_str(value),
+                [] => return Err(Misconfigured::NoParameter),
+                _ => return Err(Misconfigured::Ambiguous),
             }
-            if found > 0 {
+            return Ok(key);
+        }
+        for (i, wanted) in self.params.iter().enumerate() {
+            let Some((_, value)) = params.iter().find(|(name, _)| *name == &**wanted) else {
+                return Err(Misconfigured::Missing(wanted.clone()));
+            };
+            if i > 0 {
                 key.push('/');
             }
-            found += 1;
             key.push_str(value);
         }
-        (found > 0).then_some(key)
+        Ok(key)
     }
 
-    /// Used where it cannot work: the client did nothing wrong, the route is set up wrong.
-    fn misconfigured(&self) -> Response {
-        tracing::error!(
-            kind = %self.kind,
-            param = self.param.as_deref(),
-            "keys::path found no path parameter to lock on; use it on a route with parameters, \
-             inside an axum Router"
-        );
+    /// Logs why the route cannot be locked, and answers 500.
+    fn misconfigured(
+        &self,
+        parts: &Parts,
+        params: &[(&str, &str)],
+        why: Misconfigured,
+    ) -> Response {
+        let kind = &*self.kind;
+        let Some(route) = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map(MatchedPath::as_str)
+        else {
+            tracing::error!(
+                kind,
+                "keys::path(\"{kind}\") found no route, so no path parameter to lock: \
+                 it runs outside an axum Router, or on a fallback"
+            );
+            return Self::refusal();
+        };
+        let names = params
+            .iter()
+            .map(|(name, _)| format!("`{name}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        match why {
+            Misconfigured::NoParameter => tracing::error!(
+                kind,
+                route,
+                "keys::path(\"{kind}\") found no path parameter to lock on the route {route}; \
+                 use it on a route with parameters"
+            ),
+            Misconfigured::Ambiguous => tracing::error!(
+                kind,
+                route,
+                "keys::path(\"{kind}\") does not know which parameter of the route {route} \
+                 to lock: it has {names}; name the one that identifies the resource with \
+                 .param(name), so that every route locks it under the same key"
+            ),
+            Misconfigured::Missing(param) => tracing::error!(
+                kind,
+                route,
+                "keys::path(\"{kind}\").param(\"{param}\"): the route {route} has no parameter \
+                 `{param}`; its parameters: {}",
+                if names.is_empty() { "none" } else { &names }
+            ),
+        }
+        Self::refusal()
+    }
+
+    /// The answer to a request on a misconfigured route: the client did nothing wrong.
+    fn refusal() -> Response {
         Rejection::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the server could not determine what to lock",
@@ -102,7 +197,7 @@ where
             let params = match RawPathParams::from_request_parts(&mut parts, &()).await {
                 Ok(params) => params,
                 Err(RawPathParamsRejection::MissingPathParams(_)) => {
-                    return Err(this.misconfigured())
+                    return Err(this.misconfigured(&parts, &[], Misconfigured::NoParameter))
                 }
                 // Invalid UTF-8 in a parameter (`%FF`): the client's fault, a 400, in the
                 // crate's problem+json like every refusal of its own extractors.
@@ -111,7 +206,10 @@ where
                     return Err(rejection.into_response());
                 }
             };
-            let key = this.key(&params).ok_or_else(|| this.misconfigured())?;
+            let params: Vec<(&str, &str)> = params.iter().collect();
+            let key = this
+                .key(&params)
+                .map_err(|why| this.misconfigured(&parts, &params, why))?;
             Ok((Request::from_parts(parts, body), vec![key]))
         })
     }
@@ -122,18 +220,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn joins_decoded_values_in_path_order() {
+    fn the_only_parameter_or_the_named_ones_in_the_order_named() {
         let params = [("tenant", "acme"), ("id", "4/2 %")];
-        assert_eq!(path("order").key(params).unwrap(), "order:acme/4/2 %");
+        assert_eq!(path("order").key(&params[1..]).unwrap(), "order:4/2 %");
         assert_eq!(
-            path("order").param("id").key(params).unwrap(),
+            path("order").param("id").key(&params).unwrap(),
             "order:4/2 %"
+        );
+        assert_eq!(
+            path("order")
+                .param("id")
+                .param("tenant")
+                .key(&params)
+                .unwrap(),
+            "order:4/2 %/acme"
         );
     }
 
     #[test]
-    fn no_matching_parameter_gives_no_key() {
-        assert_eq!(path("order").param("id").key([("sku", "1")]), None);
-        assert_eq!(path("order").key([]), None);
+    fn several_parameters_without_a_name_or_a_missing_name_give_no_key() {
+        let params = [("bank", "b1"), ("id", "7")];
+        assert_eq!(path("account").key(&params), Err(Misconfigured::Ambiguous));
+        assert_eq!(
+            path("account").param("id").param("branch").key(&params),
+            Err(Misconfigured::Missing("branch".into()))
+        );
+        assert_eq!(path("account").key(&[]), Err(Misconfigured::NoParameter));
+        assert_eq!(
+            path("account").param("id").key(&[]),
+            Err(Misconfigured::Missing("id".into()))
+        );
     }
 }
