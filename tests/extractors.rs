@@ -7,7 +7,7 @@ use std::{
     convert::Infallible,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc, Mutex, OnceLock,
+        Arc,
     },
 };
 
@@ -20,7 +20,10 @@ use axum::{
 };
 use http::{header, request::Parts, HeaderValue, Request, StatusCode};
 use serde::Deserialize;
-use support::http::{send_text, TextReply};
+use support::{
+    http::{send_text, TextReply},
+    logs::errors_logged,
+};
 use tokio::sync::Notify;
 use tower_batch_lock::{keys, Lease, Locks, Rejection};
 
@@ -612,38 +615,6 @@ async fn path_keys_on_a_route_with_several_parameters_lock_the_one_named() {
     // Ids unique only together: joined in the order named.
     let reply = send_text(&app, empty("/tenants/acme/orders/42")).await;
     assert_eq!(reply.body, "order:acme/42");
-}
-
-/// The error events of this test binary, as a `tracing_subscriber::fmt` subscriber writes
-/// them. Global, since a thread-local subscriber misses events that other tests' threads
-/// race it for (see `tests/tracing.rs`); each test looks for the lines of its own routes.
-fn errors_logged() -> String {
-    static CAPTURED: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    let captured = CAPTURED.get_or_init(|| {
-        let captured = Arc::new(Mutex::new(Vec::new()));
-        let writer = Captured(captured.clone());
-        tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_max_level(tracing::Level::ERROR)
-            .with_ansi(false)
-            .init();
-        captured
-    });
-    String::from_utf8(captured.lock().unwrap().clone()).unwrap()
-}
-
-#[derive(Clone)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@ mod support;
 use std::{
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc, Mutex, OnceLock,
+        Arc,
     },
     time::Duration,
 };
@@ -16,6 +16,7 @@ use http::{Request, StatusCode};
 use support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, post_keys, send, send_text},
+    logs::errors_logged,
 };
 use tower_batch_lock::{Lease, Locks};
 
@@ -26,38 +27,6 @@ where
     T: 'static,
 {
     Router::new().route("/", post(handler).layer(locks.layer(header_keys)))
-}
-
-/// The error events of this test binary, as a `tracing_subscriber::fmt` subscriber writes
-/// them. Global, since a thread-local subscriber misses events that other tests' threads
-/// race it for (see `tests/tracing.rs`); each test looks for the lines of its own path.
-fn errors_logged() -> String {
-    static CAPTURED: OnceLock<Captured> = OnceLock::new();
-    let captured = CAPTURED.get_or_init(|| {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_max_level(tracing::Level::ERROR)
-            .with_ansi(false)
-            .init();
-        captured
-    });
-    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
-}
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[tokio::test]

@@ -6,32 +6,17 @@
 
 mod support;
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use axum::{routing::post, Router};
 use http::StatusCode;
-use support::http::{header_keys, post_keys};
+use support::{
+    http::{header_keys, post_keys},
+    logs::Captured,
+};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_batch_lock::Locks;
-
-/// Collects what a `tracing_subscriber::fmt` subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[tokio::test]
 async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_time() {
@@ -64,7 +49,7 @@ async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_t
     let granted = tokio::time::timeout(Duration::from_secs(10), holder).await;
     assert_eq!(granted.unwrap().unwrap().unwrap().status(), StatusCode::OK);
 
-    let output = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let output = captured.text();
     let closed: Vec<&str> = output
         .lines()
         .filter(|l| l.contains("lock{") && l.contains("close"))

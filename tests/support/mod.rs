@@ -6,6 +6,7 @@
 
 pub(crate) mod handlers;
 pub(crate) mod http;
+pub(crate) mod logs;
 #[cfg(feature = "redis")]
 mod server;
 
