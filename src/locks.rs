@@ -43,7 +43,7 @@ use crate::{
 /// ```
 #[derive(Clone)]
 pub struct Locks {
-    backend: Arc<dyn Backend>,
+    pub(crate) backend: Arc<dyn Backend>,
     policy: Arc<Policy>,
     /// How long this handle's holds lasted lately, for [`RetryAfter::Observed`].
     holds: Arc<HoldTimes>,
@@ -691,6 +691,16 @@ impl Locks {
     /// How long the namespace prefix is, to show keys without it.
     pub(crate) fn prefix_len(&self) -> usize {
         self.policy.keys.prefix.len()
+    }
+
+    /// The key policy: prefix and limits, to normalize keys as requests' are.
+    pub(crate) fn key_policy(&self) -> &KeyPolicy {
+        &self.policy.keys
+    }
+
+    /// How long one call to the store may take ([`Locks::backend_timeout`]).
+    pub(crate) fn call_timeout(&self) -> Duration {
+        self.policy.backend_timeout
     }
 
     /// Acquires `keys` for `owner`, which may already hold others, under this policy: see
