@@ -284,15 +284,23 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
         observer.all_keys()
     );
 
-    // Values that only look like this version's: foreign, so refused and left alone.
-    for (key, value) in [("doc:3", "|1/2|garbage"), ("doc:4", ""), ("doc:5", "x:y")] {
+    // Values that only look like this version's: foreign, so refused, by a waiter in line
+    // too, and left alone.
+    let looks_like_holds = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx:foreign";
+    let waiting = locks.clone().wait(Wait::up_to(Duration::from_millis(50)));
+    for (key, value) in [
+        ("doc:3", "|1/2|garbage"),
+        ("doc:4", ""),
+        ("doc:5", "x:y"),
+        ("doc:7", looks_like_holds),
+    ] {
         observer.set(&format!("lock:{key}"), value);
-        let refused = send(&counting_router(&locks, &runs), batch(&[key])).await;
-        assert_eq!(refused.status, StatusCode::CONFLICT, "{value:?}");
-        assert_eq!(
-            observer.cmd::<String>(redis::cmd("GET").arg(format!("lock:{key}"))),
-            value
-        );
+        for locks in [&locks, &waiting] {
+            let refused = send(&counting_router(locks, &runs), batch(&[key])).await;
+            assert_eq!(refused.status, StatusCode::CONFLICT, "{value:?}");
+            let now: String = observer.cmd(redis::cmd("GET").arg(format!("lock:{key}")));
+            assert_eq!(now, value);
+        }
     }
 
     // A key this version holds: the previous version's script refuses it too.
@@ -317,6 +325,78 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     assert_eq!(observer.get("lock:doc:6"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::redis(server.pool());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+
+    // Writes need a replica that this server does not have: every write is refused.
+    observer.cmd::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("min-replicas-to-write")
+            .arg(1),
+    );
+    let refused = send(&app, batch(&["doc:1", "doc:2"])).await;
+    assert_unavailable(&refused);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    observer.cmd::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("min-replicas-to-write")
+            .arg(0),
+    );
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+    assert_eq!(
+        send(&app, batch(&["doc:1", "doc:2"])).await.status,
+        StatusCode::OK
+    );
+}
+
+/// A script of the crate's Redis store, as the store builds it.
+fn crate_script(body: &str) -> redis::Script {
+    redis::Script::new(&[include_str!("../src/backend/scripts/value.lua"), body].concat())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquisition_run_twice_is_one_hold() {
+    // The store runs a script again when the connection broke before its answer: the same
+    // hold twice must be one hold, which one release ends.
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let acquire = crate_script(include_str!("../src/backend/scripts/acquire.lua"));
+    let release = crate_script(include_str!("../src/backend/scripts/release.lua"));
+    let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000aa");
+    for _ in 0..2 {
+        let (granted, ..): (i64, i64, i64, Vec<String>) = acquire
+            .key("lock:")
+            .key("lock:doc:1")
+            .arg(owner)
+            .arg(hold)
+            .arg(10_000)
+            .arg(20)
+            .arg("")
+            .arg(0)
+            .invoke(&mut observer.connection())
+            .unwrap();
+        assert_eq!(granted, 1);
+    }
+    assert_eq!(observer.lock("lock:doc:1").unwrap().holds, [hold]);
+    let released: i64 = release
+        .key("lock:doc:1")
+        .arg(owner)
+        .arg(hold)
+        .arg("tower-batch-lock:released")
+        .arg("*")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    assert_eq!(released, 1);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
 
 // ---------------------------------------------------------------------------------------

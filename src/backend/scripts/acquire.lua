@@ -26,6 +26,12 @@ local conflicts, earliest, named = 0, -1, {}
 local taken, found = {}, {}
 for i = 2, #KEYS do
   local old = redis.pcall('SET', KEYS[i], mine, 'PX', ttl, 'NX', 'GET')
+  if type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE' then
+    -- Redis refused the write itself (out of memory, a read-only replica, ...): the store
+    -- cannot lock, which is not contention. Undo, and fail the call.
+    for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
+    return redis.error_reply(old.err)
+  end
   if not old then
     taken[#taken + 1] = i
   else
@@ -81,8 +87,10 @@ for i, parts in pairs(found) do
   local holds, queue = parts[1], parts[2]
   if queue ~= '' then queue = requeue(queue, ticket) end
   if holds ~= '' then
-    -- The owner's own: enter it again, never shortening it.
-    redis.call('SET', KEYS[i], holds .. ':' .. hold .. queue, 'KEEPTTL')
+    -- The owner's own: enter it again, never shortening it. A hold that is already there
+    -- is this very acquisition, run again after a broken connection: once is enough.
+    if not string.find(holds, ':' .. hold, 33, true) then holds = holds .. ':' .. hold end
+    redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
     redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
   else
     redis.call('SET', KEYS[i], mine .. queue, 'PX', ttl)

@@ -25,13 +25,22 @@ local function now()
   return clock_ms
 end
 
+-- Whether `holds` has the form of holds: 32 hex digits, then ':' and 16 hex digits once
+-- or more. Anything else (a value of another program that merely has a ':' in the same
+-- place) is foreign, and never written to.
+local function ours_in_form(holds)
+  if #holds < 49 or (#holds - 32) % 17 ~= 0 then return false end
+  if string.find(string.sub(holds, 1, 32), '%X') then return false end
+  return string.gsub(string.sub(holds, 33), ':' .. string.rep('%x', 16), '') == ''
+end
+
 -- The holds and the reservations of a value, or nil when the value is foreign.
 local function split(value)
   if type(value) ~= 'string' or value == '' then return nil end
   local bar = string.find(value, '|', 1, true)
   local holds = bar and string.sub(value, 1, bar - 1) or value
   local queue = bar and string.sub(value, bar) or ''
-  if holds ~= '' and string.byte(holds, 33) ~= 58 then return nil end
+  if holds ~= '' and not ours_in_form(holds) then return nil end
   if queue ~= '' and string.gsub(queue, '|%d+/%d+', '') ~= '' then return nil end
   return holds, queue
 end
