@@ -13,6 +13,7 @@ use tokio::{
 
 use crate::{
     backend::{Backend, BoxFuture, Holder},
+    inspect::Registered,
     lease::LeaseStatus,
     owner::{ExtraHolds, RequestOwner},
     retry_after::HoldTimes,
@@ -39,6 +40,8 @@ struct Held {
     renewal: Option<Renewal>,
     /// When the hold began, and where to count how long it lasted.
     timed: Option<(Instant, Arc<HoldTimes>)>,
+    /// The hold's entry in [`Locks::held_batches`], until it ends.
+    listed: Option<Registered>,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -74,6 +77,7 @@ impl LockGuard {
                 status,
                 renewal: None,
                 timed: None,
+                listed: None,
             }),
         }
     }
@@ -124,6 +128,13 @@ impl LockGuard {
     pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>) {
         if let Some(held) = &mut self.held {
             held.timed = Some((Instant::now(), holds));
+        }
+    }
+
+    /// Lists the hold in [`Locks::held_batches`] until it ends.
+    pub(crate) fn list_in(&mut self, entry: Registered) {
+        if let Some(held) = &mut self.held {
+            held.listed = Some(entry);
         }
     }
 
@@ -181,6 +192,7 @@ impl RequestGuard {
 impl Held {
     /// Counts the hold's length, once: it ends when its release begins.
     fn hold_ended(&mut self) {
+        self.listed = None;
         if let Some((began, holds)) = self.timed.take() {
             holds.record(began.elapsed());
         }
@@ -342,7 +354,8 @@ mod tests {
 
     use super::*;
     use crate::backend::{
-        memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, Line, OwnerToken, Ticket,
+        memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, KeyView, Line, OwnerToken,
+        Ticket,
     };
 
     /// The memory store, except that its next release never answers: a store that went
@@ -390,6 +403,20 @@ mod tests {
 
         fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
             self.store.check()
+        }
+
+        fn inspect<'a>(
+            &'a self,
+            keys: &'a [String],
+        ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
+            self.store.inspect(keys)
+        }
+
+        fn force_release<'a>(
+            &'a self,
+            keys: &'a [String],
+        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+            self.store.force_release(keys)
         }
 
         fn release<'a>(

@@ -83,11 +83,14 @@
 //! trusted downstream service can re-enter them ([`Locks::trust_owner_header`]).
 
 mod acquire;
+#[cfg(feature = "admin")]
+pub mod admin;
 mod backend;
 mod body;
 mod check;
 mod future;
 mod guard;
+mod inspect;
 pub mod keys;
 mod layer;
 mod lease;
@@ -107,6 +110,7 @@ pub use check::CheckError;
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
 pub use future::ResponseFuture;
+pub use inspect::{HeldBatch, KeyState, KeyStatus, OperatorError};
 pub use keys::KeyExtractor;
 pub use layer::LockLayer;
 pub use lease::{FencingToken, Lease};

@@ -17,6 +17,7 @@ use crate::{
     acquire::{Acquisition, Refusal},
     backend::{memory::MemoryBackend, Backend, BoxFuture, Contention, OwnerToken},
     guard::{LockGuard, RequestGuard},
+    inspect::Batches,
     keys::{normalize, KeyExtractor, KeyPolicy},
     owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
     retry_after::HoldTimes,
@@ -47,6 +48,8 @@ pub struct Locks {
     policy: Arc<Policy>,
     /// How long this handle's holds lasted lately, for [`RetryAfter::Observed`].
     holds: Arc<HoldTimes>,
+    /// The batches this handle's requests hold now, for [`Locks::held_batches`].
+    pub(crate) batches: Arc<Batches>,
 }
 
 #[derive(Debug, Clone)]
@@ -273,6 +276,7 @@ impl Locks {
             backend,
             policy: Arc::new(Policy::default()),
             holds: Arc::default(),
+            batches: Arc::default(),
         }
     }
 
@@ -608,6 +612,7 @@ impl Locks {
 
         let lease = guard.lease(fencing_token, self.clone(), owner.clone());
         guard.time_into(self.holds.clone());
+        guard.list_in(self.batches.register(&request, keys.len()));
         if policy.renew {
             let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
             guard.renew(policy.ttl, until);

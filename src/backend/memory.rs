@@ -12,9 +12,10 @@ use std::{
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, OwnerToken, Ticket,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, KeyView, Line, OwnerToken,
+    Ticket,
 };
-use crate::{FencingToken, Wait};
+use crate::{FencingToken, KeyStatus, Wait};
 
 /// Enough shards that small batches on different keys rarely share a mutex on two cores
 /// or twenty, few enough that a batch of thousands locks them all cheaply.
@@ -280,6 +281,46 @@ impl MemoryBackend {
         withdrawn
     }
 
+    /// What each key looks like now, seen all at once (every shard of the batch locked).
+    fn view(&self, keys: &[String]) -> Vec<KeyView> {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        keys.iter()
+            .zip(&slots)
+            .map(|(key, &slot)| {
+                let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+                    return KeyView::FREE;
+                };
+                let waiters = entry.queue.iter().filter(|r| r.until > now).count();
+                match entry.live(now) {
+                    Some(holds) => KeyView {
+                        status: KeyStatus::Held,
+                        ttl: Some(holds.expires_at - now),
+                        holds: holds.holds.len(),
+                        waiters,
+                    },
+                    None => KeyView {
+                        waiters,
+                        ..KeyView::FREE
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Ends every live hold on the keys, and wakes the waiters they kept out.
+    fn release_all(&self, keys: &[String]) -> usize {
+        let now = Instant::now();
+        let released = self.each_entry(keys, now, |entry| {
+            let held = entry.live(now).is_some();
+            entry.holds = None;
+            held
+        });
+        self.wakeups.wake_slots(slots_of(keys));
+        released
+    }
+
     /// Changes the entry of each key that has one, shard by shard, dropping entries left
     /// with neither a live hold nor a live reservation; counts the changes that `change`
     /// reports.
@@ -381,6 +422,20 @@ impl Backend for MemoryBackend {
 
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
         Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.view(keys))))
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.release_all(keys))))
     }
 
     fn wakeups(&self) -> &Wakeups {

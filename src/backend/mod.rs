@@ -177,6 +177,28 @@ pub(crate) struct Contention {
     pub(crate) earliest_expiry: Option<Duration>,
 }
 
+/// What a store knows of one key, for an operator ([`Backend::inspect`]): never who holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyView {
+    pub(crate) status: crate::KeyStatus,
+    /// Time left on the key's holds (or on a foreign value's ttl), when held.
+    pub(crate) ttl: Option<Duration>,
+    /// How many holds the key has: more than one when its owner re-entered it.
+    pub(crate) holds: usize,
+    /// How many live reservations of waiters in line are on the key.
+    pub(crate) waiters: usize,
+}
+
+impl KeyView {
+    /// A key nobody holds or reserves.
+    pub(crate) const FREE: Self = Self {
+        status: crate::KeyStatus::Free,
+        ttl: None,
+        holds: 0,
+        waiters: 0,
+    };
+}
+
 /// A lock store that could not answer.
 #[derive(Debug)]
 pub(crate) struct BackendError {
@@ -270,6 +292,21 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         &'a self,
         keys: &'a [String],
         ticket: Ticket,
+    ) -> BoxFuture<'a, Result<usize, BackendError>>;
+
+    /// What the store knows of each key, in the order given, without changing anything.
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>>;
+
+    /// Ends every hold on the keys, whoever has it, and wakes the waiters they kept out;
+    /// waiters' reservations stay. Foreign values are left alone. Returns how many keys
+    /// were held. For [`Locks::force_release`](crate::Locks::force_release) only: it takes
+    /// the keys from under their holders.
+    fn force_release<'a>(
+        &'a self,
+        keys: &'a [String],
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
 
     /// Whether the store can serve locks: it answers, and has what the locks need.

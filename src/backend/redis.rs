@@ -27,9 +27,9 @@ use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult, Script, Scr
 
 use super::{
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, Ticket,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, KeyView, Line, Ticket,
 };
-use crate::{FencingToken, Wait};
+use crate::{FencingToken, KeyStatus, Wait};
 
 /// The pub/sub channel on which releases name the wake-up slots of their keys.
 pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
@@ -58,6 +58,14 @@ static RELEASE: LazyLock<Script> =
 /// Takes a waiter's reservations off its keys, and announces it.
 static WITHDRAW: LazyLock<Script> =
     LazyLock::new(|| value_script(include_str!("scripts/withdraw.lua")));
+
+/// Reads what an operator may see of keys: state, ttl, holds, waiters; never owners.
+static INSPECT: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/inspect.lua")));
+
+/// Ends every hold on keys, whoever has it, and announces it.
+static FORCE_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| value_script(include_str!("scripts/force_release.lua")));
 
 /// Raises a namespace's fencing counter to a floor (for Redlock).
 static RAISE_FENCE: LazyLock<Script> =
@@ -302,6 +310,36 @@ impl Backend for RedisBackend {
         })
     }
 
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
+        Box::pin(async move {
+            let mut script = INSPECT.prepare_invoke();
+            script.key(keys);
+            let reply: Vec<i64> = self.invoke(&script).await?;
+            if reply.len() != keys.len() * 4 {
+                return Err(BackendError::unknown(format!(
+                    "the inspect script answered {} numbers for {} keys",
+                    reply.len(),
+                    keys.len()
+                )));
+            }
+            Ok(reply.chunks_exact(4).map(key_view).collect())
+        })
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let mut script = FORCE_RELEASE.prepare_invoke();
+            script.key(keys);
+            self.invoke_announcing(script, keys).await
+        })
+    }
+
     /// Redis 7.0 or later (the scripts need it), and every script loads.
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
         Box::pin(async move {
@@ -321,6 +359,7 @@ impl Backend for RedisBackend {
                 )));
             }
             let scripts = [&*ACQUIRE, &*EXTEND, &*RELEASE, &*WITHDRAW, &*RAISE_FENCE];
+            // INSPECT and FORCE_RELEASE are an operator's: they load when first used.
             for script in scripts {
                 let loaded = script.load_async(&mut call.connection).await;
                 if loaded.is_err() {
@@ -377,6 +416,23 @@ impl Drop for Call<'_> {
         if !self.ended {
             self.backend.forget(self.generation);
         }
+    }
+}
+
+/// One key's four numbers from the inspect script.
+fn key_view(numbers: &[i64]) -> KeyView {
+    let count = |n: i64| usize::try_from(n).unwrap_or(0);
+    let status = match numbers[0] {
+        0 => KeyStatus::Free,
+        1 => KeyStatus::Held,
+        _ => KeyStatus::Foreign,
+    };
+    KeyView {
+        status,
+        // -1: no ttl; -2: gone since (it cannot be, inside a script).
+        ttl: u64::try_from(numbers[1]).ok().map(Duration::from_millis),
+        holds: count(numbers[2]),
+        waiters: count(numbers[3]),
     }
 }
 

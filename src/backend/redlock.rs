@@ -41,9 +41,9 @@ use redis::IntoConnectionInfo;
 use super::{
     redis::RedisBackend,
     wake::{slots_of, Wakeups},
-    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, Line, Ticket,
+    Acquire, Backend, BackendError, BoxFuture, Contention, Holder, KeyView, Line, Ticket,
 };
-use crate::{FencingToken, Locks};
+use crate::{FencingToken, KeyStatus, Locks};
 
 /// How long one master may take to answer one call, unless [`Redlock::node_timeout`] says
 /// otherwise.
@@ -574,6 +574,45 @@ fn merge(held: Vec<Contention>, report: usize) -> Contention {
     }
 }
 
+/// The `quorum`-th largest of `values`: the most that `quorum` of them reach.
+fn reached_by<T: Ord + Copy>(mut values: Vec<T>, quorum: usize) -> Option<T> {
+    values.sort_unstable_by(|a, b| b.cmp(a));
+    values.get(quorum.checked_sub(1)?).copied()
+}
+
+/// One key as a majority of the masters that answered see it: held when `quorum` of them
+/// hold it (then no acquisition can get a majority), with the time left and the holds that
+/// `quorum` of them still have; foreign when `quorum` of them are kept out by something
+/// else; free otherwise, even if a minority still holds it (what is left there expires,
+/// and keeps nobody out). The waiters that `quorum` of them have in line.
+fn majority_view(views: &[KeyView], quorum: usize) -> KeyView {
+    let held: Vec<&KeyView> = views
+        .iter()
+        .filter(|v| v.status == KeyStatus::Held)
+        .collect();
+    let blocked: Vec<&KeyView> = views
+        .iter()
+        .filter(|v| v.status != KeyStatus::Free)
+        .collect();
+    let waiters = reached_by(views.iter().map(|v| v.waiters).collect(), quorum).unwrap_or(0);
+    let (status, seen) = if held.len() >= quorum {
+        (KeyStatus::Held, held)
+    } else if blocked.len() >= quorum {
+        (KeyStatus::Foreign, blocked)
+    } else {
+        return KeyView {
+            waiters,
+            ..KeyView::FREE
+        };
+    };
+    KeyView {
+        status,
+        ttl: reached_by(seen.iter().filter_map(|v| v.ttl).collect(), quorum),
+        holds: reached_by(seen.iter().map(|v| v.holds).collect(), quorum).unwrap_or(0),
+        waiters,
+    }
+}
+
 impl Backend for RedlockBackend {
     fn acquire<'a>(
         &'a self,
@@ -795,6 +834,82 @@ impl Backend for RedlockBackend {
         })
     }
 
+    /// Asks every master (each bounded by the node timeout) and reports, per key, what a
+    /// majority of them see ([`majority_view`]); fails when fewer than a majority answer.
+    fn inspect<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
+        Box::pin(async move {
+            let keys: Arc<[String]> = keys.into();
+            let timeout = self.node_timeout;
+            let mut replies = self.start_on(0..self.nodes.len(), |_, master| {
+                let keys = keys.clone();
+                async move { bounded(timeout, master.inspect(&keys)).await }
+            });
+            let mut answers = Vec::with_capacity(self.nodes.len());
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(views) if views.len() == keys.len() => answers.push(views),
+                    Ok(_) => tracing::warn!(
+                        master = %self.addresses[node],
+                        "a Redlock master answered an inspection for other keys"
+                    ),
+                    Err(failure) => self.report(node, "inspect", &failure),
+                }
+            }
+            if answers.len() < self.quorum {
+                return Err(BackendError::not_sent(format!(
+                    "only {} of {} Redlock masters answered the inspection, {} needed",
+                    answers.len(),
+                    self.nodes.len(),
+                    self.quorum
+                )));
+            }
+            Ok((0..keys.len())
+                .map(|i| {
+                    let views: Vec<KeyView> = answers.iter().map(|a| a[i]).collect();
+                    majority_view(&views, self.quorum)
+                })
+                .collect())
+        })
+    }
+
+    /// Ends the holds on every master at once (each bounded by the node timeout), and
+    /// succeeds when a majority answered: a master that did not keeps its holds until they
+    /// expire, and alone they keep nobody out.
+    fn force_release<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let keys: Arc<[String]> = keys.into();
+            let timeout = self.node_timeout;
+            let mut replies = self.start_on(0..self.nodes.len(), |_, master| {
+                let keys = keys.clone();
+                async move { bounded(timeout, master.force_release(&keys)).await }
+            });
+            let (mut answered, mut released) = (0, 0);
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(count) => {
+                        answered += 1;
+                        released = released.max(count);
+                    }
+                    Err(failure) => self.report(node, "force_release", &failure),
+                }
+            }
+            self.wakeups.wake_slots(slots_of(&keys));
+            if answered < self.quorum {
+                return Err(BackendError::unknown(format!(
+                    "only {answered} of {} Redlock masters answered the forced release",
+                    self.nodes.len()
+                )));
+            }
+            Ok(released)
+        })
+    }
+
     /// A majority of the masters pass their own check within the node timeout.
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
         Box::pin(async move {
@@ -858,6 +973,28 @@ mod tests {
         assert_eq!(merged.keys, ["lock:a", "lock:b", "lock:c"]);
         assert_eq!(merged.total, 3);
         assert_eq!(merged.earliest_expiry, Some(Duration::from_millis(400)));
+    }
+
+    #[test]
+    fn a_key_is_held_when_a_majority_holds_it() {
+        let held = |ttl: u64, holds: usize, waiters: usize| KeyView {
+            status: KeyStatus::Held,
+            ttl: Some(Duration::from_millis(ttl)),
+            holds,
+            waiters,
+        };
+        let free = |waiters: usize| KeyView {
+            waiters,
+            ..KeyView::FREE
+        };
+        let view = majority_view(&[held(900, 2, 1), held(500, 1, 0), free(3)], 2);
+        assert_eq!(view.status, KeyStatus::Held);
+        // Two masters still hold it for 500 ms, with one hold each; one waiter on two.
+        assert_eq!(view.ttl, Some(Duration::from_millis(500)));
+        assert_eq!((view.holds, view.waiters), (1, 1));
+        // A leftover on one master keeps nobody out.
+        let view = majority_view(&[held(900, 1, 0), free(0), free(0)], 2);
+        assert_eq!(view, KeyView::FREE);
     }
 
     #[test]

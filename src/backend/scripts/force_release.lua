@@ -1,0 +1,21 @@
+-- KEYS: the keys. ARGV: channel, wake-up slots.
+-- Ends every hold on the keys, whoever has it: an operator's tool for a stuck lock. The
+-- waiters' reservations stay (a key that has some lives on until the latest of them), so
+-- that the waiters in line still go first, in their order. Foreign values are left alone:
+-- this crate cannot tell what they are. Announces the release to waiters in other
+-- processes. Returns how many keys were held.
+local released = 0
+each_value(1, function(i, value)
+  if value == false then return end
+  local holds, queue = split(value)
+  if holds == nil or holds == '' then return end
+  released = released + 1
+  if queue == '' then
+    redis.call('DEL', KEYS[i])
+  else
+    local left, latest = requeue(queue)
+    store(KEYS[i], '', left, latest)
+  end
+end)
+if released > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return released

@@ -1,0 +1,33 @@
+-- KEYS: the keys to look at. No ARGV. Reads only: an operator's view of the locks.
+-- Returns four numbers per key, in the order of KEYS: its state (0 free, 1 held, 2 foreign),
+-- the ms left on its holds (or on a foreign key's ttl; -1 when free or without a ttl), how
+-- many holds it has, and how many waiters' reservations on it are still live. Never the
+-- owner token or a hold id: those are capabilities.
+local out = {}
+each_value(1, function(i, value)
+  local state, left, holds, waiters = 0, -1, 0, 0
+  if value == false then
+    -- MGET answers nil for a missing key and for a key of another type: only the latter is
+    -- there, and foreign.
+    if redis.call('EXISTS', KEYS[i]) == 1 then state = 2 end
+  else
+    local held, queue = split(value)
+    if held == nil then
+      state = 2
+    else
+      if held ~= '' then
+        state = 1
+        holds = (#held - 32) / 17
+      end
+      for _, u in string.gmatch(queue, '|(%d+)/(%d+)') do
+        if tonumber(u) > now() then waiters = waiters + 1 end
+      end
+    end
+  end
+  if state ~= 0 then left = redis.call('PTTL', KEYS[i]) end
+  out[#out + 1] = state
+  out[#out + 1] = left
+  out[#out + 1] = holds
+  out[#out + 1] = waiters
+end)
+return out
