@@ -10,6 +10,7 @@ use std::{
 use crate::{
     backend::{wake::any_released, Acquire, Backend, Contention, Holder, Line, OwnerToken, Ticket},
     guard::LockGuard,
+    observe::{Layer, Waiting},
     wait::Backoff,
     FencingToken, Wait,
 };
@@ -28,6 +29,8 @@ pub(crate) struct Acquisition<'a> {
     pub(crate) report: usize,
     /// Whether the owner already holds keys (see [`Line::Holder`]).
     pub(crate) holds_keys: bool,
+    /// The metrics label of a request's acquisition (not of a handler's `Lease::lock`).
+    pub(crate) layer: Option<&'a Layer>,
 }
 
 /// Why a batch was not granted.
@@ -48,7 +51,6 @@ impl Acquisition<'_> {
     /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
     /// that already holds keys stands in no line ([`Line::Holder`]).
     pub(crate) async fn run(self, owner: OwnerToken) -> Result<(LockGuard, FencingToken), Refusal> {
-        let holder = Holder::new(owner);
         let deadline = Instant::now() + self.wait.bound();
         let place = (self.wait.queues() && !self.holds_keys)
             .then(|| Place::take(self.backend.clone(), self.keys.clone(), self.timeout));
@@ -58,7 +60,13 @@ impl Acquisition<'_> {
             None => Line::Outside,
         };
         let mut backoff = Backoff::new();
+        // Counted from the first refusal that makes the request wait, until it ends.
+        let mut waiting = None;
         loop {
+            // A hold of its own for each attempt: a release of a failed attempt that is still
+            // retried in the background (Redlock's, on a slow master) must never end the
+            // hold of a later attempt that was granted.
+            let holder = Holder::new(owner);
             let attempted = Instant::now();
             let guard = LockGuard::new(
                 self.backend.clone(),
@@ -118,6 +126,9 @@ impl Acquisition<'_> {
                     place.withdraw().await;
                 }
                 return Err(Refusal::Contended(contention));
+            }
+            if let (None, Some(layer)) = (&waiting, self.layer) {
+                waiting = Some(Waiting::start(layer));
             }
             let mut released = self.backend.wakeups().watch(&contention.keys);
             let wake_at = (now + backoff.pause()).min(deadline);

@@ -15,6 +15,7 @@ use crate::{
     backend::{Backend, BoxFuture, Holder},
     inspect::Registered,
     lease::LeaseStatus,
+    observe::{self, Layer},
     owner::{ExtraHolds, RequestOwner},
     retry_after::HoldTimes,
     FencingToken, Lease, Locks,
@@ -42,6 +43,8 @@ struct Held {
     timed: Option<(Instant, Arc<HoldTimes>)>,
     /// The hold's entry in [`Locks::held_batches`], until it ends.
     listed: Option<Registered>,
+    /// The metrics label of the request that holds the keys, once it holds them.
+    layer: Option<Layer>,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -78,6 +81,7 @@ impl LockGuard {
                 renewal: None,
                 timed: None,
                 listed: None,
+                layer: None,
             }),
         }
     }
@@ -119,15 +123,19 @@ impl LockGuard {
             until,
             attempt_limit: held.timeout.min(ttl / 3),
             status: held.status.clone(),
+            layer: held.layer.clone(),
         };
         let task = tokio::spawn(renewer.run(stopped));
         held.renewal = Some(Renewal { stop, task });
     }
 
-    /// Counts how long the hold lasts, from now until its release, in `holds`.
-    pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>) {
+    /// Counts how long the hold lasts, from now until its release, in `holds` and in the
+    /// metrics of `layer`, which count it as held meanwhile.
+    pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>, layer: Layer) {
         if let Some(held) = &mut self.held {
+            observe::holding(&layer, 1.0);
             held.timed = Some((Instant::now(), holds));
+            held.layer = Some(layer);
         }
     }
 
@@ -194,7 +202,12 @@ impl Held {
     fn hold_ended(&mut self) {
         self.listed = None;
         if let Some((began, holds)) = self.timed.take() {
-            holds.record(began.elapsed());
+            let held = began.elapsed();
+            holds.record(held);
+            if let Some(layer) = &self.layer {
+                observe::holding(layer, -1.0);
+                observe::held(layer, held);
+            }
         }
     }
 
@@ -232,6 +245,10 @@ impl Held {
         }
     }
 
+    fn count_release_failure(&self, result: &'static str) {
+        observe::release(self.layer.as_ref().unwrap_or(&Layer::UNNAMED), result);
+    }
+
     /// Retries until the store answers, or until the keys would have expired anyway.
     ///
     /// One attempt is not enough after an acquisition whose outcome is unknown: the store
@@ -241,11 +258,13 @@ impl Held {
     async fn release_until_answered(&self) {
         let mut pause = Duration::from_millis(50);
         while !self.release().await {
+            self.count_release_failure("retried");
             if Instant::now() + pause >= self.status.borrow().expires_at {
                 tracing::warn!(
                     keys = self.keys.len(),
                     "gave up releasing locks; they expire with their TTL"
                 );
+                self.count_release_failure("gave_up");
                 return;
             }
             tokio::time::sleep(pause).await;
@@ -286,6 +305,7 @@ struct Renewer {
     /// How long one extension may take: never so long that the lease runs out unseen.
     attempt_limit: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
+    layer: Option<Layer>,
 }
 
 impl Renewer {
@@ -343,6 +363,7 @@ impl Renewer {
     }
 
     fn lost(&self, why: &'static str) {
+        observe::lease_lost(self.layer.as_ref().unwrap_or(&Layer::UNNAMED));
         tracing::warn!(keys = self.keys.len(), why, "lease lost");
         self.status.send_modify(|s| s.lost = true);
     }

@@ -95,6 +95,7 @@ pub mod keys;
 mod layer;
 mod lease;
 mod locks;
+mod observe;
 mod owner;
 mod rejection;
 mod retry_after;

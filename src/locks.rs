@@ -7,7 +7,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::response::{IntoResponse, Response};
+use axum::{
+    extract::MatchedPath,
+    response::{IntoResponse, Response},
+};
 use http::{request::Parts, HeaderName, Request, StatusCode};
 use tracing::Span;
 
@@ -19,6 +22,7 @@ use crate::{
     guard::{LockGuard, RequestGuard},
     inspect::Batches,
     keys::{normalize, KeyExtractor, KeyPolicy},
+    observe::{self, Layer, Outcome},
     owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
     retry_after::HoldTimes,
     CheckError, FencingToken, LockLayer, Rejection, RetryAfter, Wait,
@@ -68,6 +72,8 @@ struct Policy {
     trusted_owner_header: Option<TrustedOwnerHeader>,
     retry_after: RetryAfter,
     refusal: Option<RefusalResponse>,
+    /// The `layer` label of the metrics, when not the route.
+    name: Option<Arc<str>>,
 }
 
 /// A user's way to build the responses the layer refuses requests with.
@@ -138,6 +144,7 @@ impl Default for Policy {
             trusted_owner_header: None,
             retry_after: RetryAfter::Observed,
             refusal: None,
+            name: None,
         }
     }
 }
@@ -528,6 +535,15 @@ impl Locks {
         }
     }
 
+    /// The name of these locks in metrics (the `layer` label; see the README's metrics
+    /// table). By default a request's metrics carry the route it matched: a name groups
+    /// several routes, or tells apart two layers on one route. Choose a fixed word, never
+    /// anything from a request.
+    pub fn name(self, name: impl Into<String>) -> Self {
+        let name: Arc<str> = name.into().into();
+        self.tune(|p| p.name = Some(name))
+    }
+
     /// A layer that locks the keys `extractor` reads from each request.
     pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
         LockLayer::with_locks(self.clone(), extractor)
@@ -546,28 +562,34 @@ impl Locks {
         B: Send + 'static,
         E: KeyExtractor<B>,
     {
+        // Named before the extractor takes the request: a refused one is counted too.
+        let route = request.extensions().get::<MatchedPath>();
+        let layer = Layer::new(self.policy.name.as_ref(), route.map(MatchedPath::as_str));
         let extracted = extractor.extract(request);
         let locks = self.clone();
-        Box::pin(async move { locks.acquire(extracted, &span).await })
+        Box::pin(async move { locks.acquire(extracted, &layer, &span).await })
     }
 
     async fn acquire<B>(
         self,
         extracted: impl Future<Output = crate::keys::Extracted<B>>,
+        layer: &Layer,
         span: &Span,
     ) -> Locked<B> {
         let policy = &self.policy;
-        let (mut request, keys) = extracted.await.inspect_err(|_| {
+        let rejected = || {
             span.record("outcome", "rejected");
-        })?;
+            observe::outcome(layer, Outcome::Rejected, None);
+        };
+        let (mut request, keys) = extracted.await.inspect_err(|_| rejected())?;
         let keys = normalize(keys, &policy.keys).map_err(|rejection| {
-            span.record("outcome", "rejected");
+            rejected();
             self.refuse(rejection)
         })?;
         span.record("keys", keys.len());
         if keys.is_empty() {
             if policy.require_keys {
-                span.record("outcome", "rejected");
+                rejected();
                 let rejection = Rejection::limit(
                     StatusCode::BAD_REQUEST,
                     "no_keys",
@@ -599,19 +621,26 @@ impl Locks {
             }
         };
 
+        observe::batch(layer, keys.len());
         let keys: Arc<[String]> = keys.into();
         let started = Instant::now();
         let granted = self
-            .acquire_waiting(&keys, owner.token, holds_keys, span)
+            .acquire_waiting(&keys, owner.token, holds_keys, Some(layer), span)
             .await;
-        span.record("acquire_ms", started.elapsed().as_secs_f64() * 1e3);
-        let (mut guard, fencing_token) = granted.map_err(|rejection| self.refuse(rejection))?;
+        let took = started.elapsed();
+        span.record("acquire_ms", took.as_secs_f64() * 1e3);
+        let outcome = granted
+            .as_ref()
+            .map_or_else(|(_, o)| *o, |_| Outcome::Granted);
+        observe::outcome(layer, outcome, Some(took));
+        let (mut guard, fencing_token) =
+            granted.map_err(|(rejection, _)| self.refuse(rejection))?;
         // `max_hold` counts from here: the time spent waiting for the keys is not holding.
         let granted_at = Instant::now();
         span.record("outcome", "granted");
 
         let lease = guard.lease(fencing_token, self.clone(), owner.clone());
-        guard.time_into(self.holds.clone());
+        guard.time_into(self.holds.clone(), layer.clone());
         guard.list_in(self.batches.register(&request, keys.len()));
         if policy.renew {
             let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
@@ -677,8 +706,9 @@ impl Locks {
             return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
         }
         let (mut guard, fencing_token) = self
-            .acquire_waiting(&keys, owner.token, true, &Span::current())
-            .await?;
+            .acquire_waiting(&keys, owner.token, true, None, &Span::current())
+            .await
+            .map_err(|(rejection, _)| rejection)?;
         if policy.renew {
             let until = policy
                 .max_hold
@@ -709,14 +739,16 @@ impl Locks {
     }
 
     /// Acquires `keys` for `owner`, which may already hold others, under this policy: see
-    /// [`Acquisition`].
+    /// [`Acquisition`]. A refusal comes with what it counts as; a request's acquisition has
+    /// the `layer` its waiting counts under.
     async fn acquire_waiting(
         &self,
         keys: &Arc<[String]>,
         owner: OwnerToken,
         holds_keys: bool,
+        layer: Option<&Layer>,
         span: &Span,
-    ) -> Result<(LockGuard, FencingToken), Rejection> {
+    ) -> Result<(LockGuard, FencingToken), (Rejection, Outcome)> {
         let policy = &self.policy;
         let report = if policy.wait.bound().is_zero() {
             policy.name_conflicts
@@ -732,6 +764,7 @@ impl Locks {
             timeout: policy.backend_timeout,
             report,
             holds_keys,
+            layer,
         };
         acquisition
             .run(owner)
@@ -740,11 +773,11 @@ impl Locks {
                 Refusal::Contended(contention) => {
                     span.record("outcome", "contended");
                     tracing::debug!(held = contention.total, "locks held by another owner");
-                    self.contention(keys.len(), contention)
+                    (self.contention(keys.len(), contention), Outcome::Contended)
                 }
                 Refusal::Unavailable => {
                     span.record("outcome", "unavailable");
-                    Rejection::unavailable()
+                    (Rejection::unavailable(), Outcome::Unavailable)
                 }
             })
     }

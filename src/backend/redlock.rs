@@ -486,6 +486,7 @@ impl RedlockBackend {
         let last = warned.load(Ordering::Relaxed);
         let due = last == 0 || now.saturating_sub(last) >= WARN_EVERY_MS;
         let master = &self.addresses[node];
+        crate::observe::node_error(master, call);
         if due
             && warned
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)

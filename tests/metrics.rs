@@ -1,0 +1,259 @@
+//! Metrics (issue 13): every answer a client saw is counted once, under its outcome; the
+//! gauges come back to zero when the layer is idle; waiting and holding are timed. Checked
+//! against what the clients were answered, on the memory store and a real Redis.
+#![cfg(all(feature = "redis", feature = "metrics"))]
+
+mod support;
+
+use std::{
+    collections::BTreeMap,
+    sync::{Mutex, OnceLock},
+    time::Duration,
+};
+
+use axum::{routing::post, Router};
+use http::StatusCode;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use support::{
+    handlers::{gated_handler, Gate},
+    http::{header_keys, post_keys, send},
+    RedisServer,
+};
+use tower_batch_lock::{Locks, Wait};
+
+/// A metric, by name and labels.
+type Id = (String, Vec<(String, String)>);
+
+/// Everything recorded in this test binary. The debugging recorder's snapshots reset what
+/// they read, so they are added up here, and every test reads the sum under its own labels.
+struct Recorded {
+    snapshotter: Snapshotter,
+    counters: Mutex<BTreeMap<Id, u64>>,
+    gauges: Mutex<BTreeMap<Id, f64>>,
+    histograms: Mutex<BTreeMap<Id, Vec<f64>>>,
+}
+
+/// The recorder, installed on the first call (each test calls it before it starts, so
+/// that nothing it does goes unrecorded), with everything recorded so far.
+fn recorded() -> &'static Recorded {
+    static RECORDED: OnceLock<Recorded> = OnceLock::new();
+    let recorded = RECORDED.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this binary");
+        Recorded {
+            snapshotter,
+            counters: Mutex::default(),
+            gauges: Mutex::default(),
+            histograms: Mutex::default(),
+        }
+    });
+    recorded.refresh();
+    recorded
+}
+
+impl Recorded {
+    fn refresh(&self) {
+        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let mut labels: Vec<(String, String)> = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            labels.sort();
+            let id = (key.name().to_owned(), labels);
+            match value {
+                DebugValue::Counter(n) => {
+                    *self.counters.lock().unwrap().entry(id).or_default() += n
+                }
+                // Gauges are changed by increments: what a snapshot reads is the change since
+                // the last one.
+                DebugValue::Gauge(v) => *self.gauges.lock().unwrap().entry(id).or_default() += v.0,
+                DebugValue::Histogram(values) => self
+                    .histograms
+                    .lock()
+                    .unwrap()
+                    .entry(id)
+                    .or_default()
+                    .extend(values.into_iter().map(|v| v.0)),
+            }
+        }
+    }
+
+    fn id(name: &str, labels: &[(&str, &str)]) -> Id {
+        let mut labels: Vec<(String, String)> = labels
+            .iter()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        labels.sort();
+        (name.to_owned(), labels)
+    }
+
+    fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        let counters = self.counters.lock().unwrap();
+        counters.get(&Self::id(name, labels)).copied().unwrap_or(0)
+    }
+
+    fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let gauges = self.gauges.lock().unwrap();
+        gauges.get(&Self::id(name, labels)).copied().unwrap_or(0.0)
+    }
+
+    fn samples(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+        let histograms = self.histograms.lock().unwrap();
+        histograms
+            .get(&Self::id(name, labels))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The acquisitions counted under `layer`, by outcome.
+    fn outcomes(&self, layer: &str) -> [u64; 4] {
+        ["granted", "contended", "unavailable", "rejected"].map(|outcome| {
+            self.counter(
+                "tower_batch_lock_acquisitions_total",
+                &[("layer", layer), ("outcome", outcome)],
+            )
+        })
+    }
+}
+
+fn locked(locks: &Locks, route: &str) -> Router {
+    Router::new().route(route, post(|| async {}).layer(locks.layer(header_keys)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_answer_is_counted_once_under_its_outcome() {
+    recorded();
+    let server = RedisServer::start();
+    let stores = [
+        ("counted-memory", Locks::isolated_memory()),
+        ("counted-redis", Locks::redis(server.pool())),
+    ];
+    for (name, locks) in stores {
+        let locks = locks.name(name).max_keys(3);
+        let gate = Gate::new();
+        let holder = Router::new().route(
+            "/",
+            post(gated_handler(&gate)).layer(locks.layer(header_keys)),
+        );
+        let held = tokio::spawn(async move { send(&holder, post_keys("/", "a")).await });
+        gate.wait_entered().await;
+        assert_eq!(
+            recorded().gauge("tower_batch_lock_held_batches", &[("layer", name)]),
+            1.0,
+            "{name}: one batch held"
+        );
+
+        // What the clients see: 5 refusals, 1 bad request, then 1 more grant.
+        let app = locked(&locks, "/");
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            statuses.push(send(&app, post_keys("/", "a,b")).await.status);
+        }
+        statuses.push(send(&app, post_keys("/", "a,b,c,d")).await.status);
+        gate.open();
+        statuses.push(held.await.unwrap().status);
+        statuses.push(send(&app, post_keys("/", "a,b")).await.status);
+        let seen = |status| statuses.iter().filter(|&&s| s == status).count() as u64;
+
+        let recorded = recorded();
+        let [granted, contended, unavailable, rejected] = recorded.outcomes(name);
+        assert_eq!(
+            contended,
+            seen(StatusCode::CONFLICT),
+            "{name}: {statuses:?}"
+        );
+        assert_eq!(granted, seen(StatusCode::OK), "{name}: {statuses:?}");
+        assert_eq!(rejected, seen(StatusCode::PAYLOAD_TOO_LARGE), "{name}");
+        assert_eq!(
+            (granted, contended, unavailable, rejected),
+            (2, 5, 0, 1),
+            "{name}"
+        );
+        let acquired = recorded.samples(
+            "tower_batch_lock_acquire_seconds",
+            &[("layer", name), ("outcome", "contended")],
+        );
+        assert_eq!(acquired.len(), 5, "{name}");
+        let sizes = recorded.samples("tower_batch_lock_keys", &[("layer", name)]);
+        assert_eq!(sizes.len(), 7, "{name}: batches that got to the store");
+        assert!(
+            sizes.iter().all(|&n| n == 1.0 || n == 2.0),
+            "{name}: {sizes:?}"
+        );
+        let holds = recorded.samples("tower_batch_lock_hold_seconds", &[("layer", name)]);
+        assert_eq!(holds.len(), 2, "{name}");
+        assert_eq!(
+            recorded.gauge("tower_batch_lock_held_batches", &[("layer", name)]),
+            0.0,
+            "{name}: back to zero when idle"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_requests_are_counted_while_they_wait_and_timed() {
+    recorded();
+    let locks = Locks::isolated_memory()
+        .name("waiting")
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let gate = Gate::new();
+    let holder = Router::new().route(
+        "/",
+        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
+    );
+    let held = tokio::spawn(async move { send(&holder, post_keys("/", "w")).await });
+    gate.wait_entered().await;
+    let app = locked(&locks, "/");
+    let waiter = tokio::spawn(async move { send(&app, post_keys("/", "w")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let labels = [("layer", "waiting")];
+    assert_eq!(
+        recorded().gauge("tower_batch_lock_waiting_requests", &labels),
+        1.0
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    let recorded = recorded();
+    assert_eq!(
+        recorded.gauge("tower_batch_lock_waiting_requests", &labels),
+        0.0
+    );
+    let waited = recorded.samples("tower_batch_lock_wait_seconds", &labels);
+    assert_eq!(waited.len(), 1);
+    assert!(waited[0] >= 0.09, "{waited:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unavailable() {
+    recorded();
+    let mut server = RedisServer::start();
+    let locks = Locks::redis(server.pool()).backend_timeout(Duration::from_millis(300));
+    let app = Router::new().route(
+        "/orders/{id}",
+        post(|| async {}).layer(locks.layer(tower_batch_lock::keys::path("order"))),
+    );
+    let ok = send(
+        &app,
+        http::Request::post("/orders/7")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::OK);
+    server.kill();
+    let down = send(
+        &app,
+        http::Request::post("/orders/7")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+    let [granted, _, unavailable, _] = recorded().outcomes("/orders/{id}");
+    assert_eq!((granted, unavailable), (1, 1));
+}
