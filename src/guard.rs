@@ -1,7 +1,10 @@
 //! What holds a request's keys, renews them, and releases them.
 
 use std::{
-    sync::Arc,
+    sync::{
+        atomic::{AtomicU8, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -52,7 +55,15 @@ struct Held {
 struct Renewal {
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
+    phase: Arc<AtomicU8>,
 }
+
+/// What the renewal task is doing, so that stopping it waits only for an extension in
+/// flight: most requests end long before their first extension, and waiting for the task
+/// itself to wind down would add a scheduling round trip to every response.
+const SLEEPING: u8 = 0;
+const EXTENDING: u8 = 1;
+const STOPPED: u8 = 2;
 
 impl LockGuard {
     /// A guard for `holder`'s hold on `keys`, made *before* the acquisition is sent: if the
@@ -115,7 +126,9 @@ impl LockGuard {
     pub(crate) fn renew(&mut self, ttl: Duration, until: Option<Instant>) {
         let Some(held) = &mut self.held else { return };
         let (stop, stopped) = oneshot::channel();
+        let phase = Arc::new(AtomicU8::new(SLEEPING));
         let renewer = Renewer {
+            phase: phase.clone(),
             backend: held.backend.clone(),
             keys: held.keys.clone(),
             holder: held.holder,
@@ -126,7 +139,7 @@ impl LockGuard {
             layer: held.layer.clone(),
         };
         let task = tokio::spawn(renewer.run(stopped));
-        held.renewal = Some(Renewal { stop, task });
+        held.renewal = Some(Renewal { stop, task, phase });
     }
 
     /// Counts how long the hold lasts, from now until its release, in `holds` and in the
@@ -214,9 +227,18 @@ impl Held {
     /// Stops the renewal and waits for an extension in flight to finish, so that the
     /// release that follows is the last word.
     async fn stop_renewal(&mut self) {
-        if let Some(Renewal { stop, task }) = self.renewal.take() {
+        if let Some(Renewal { stop, task, phase }) = self.renewal.take() {
             drop(stop);
-            // The task bounds its own attempts by the backend timeout.
+            // Sleeping (or ended): no extension is in flight, and none can start after
+            // this; the task ends on its own when it sees the stop.
+            if phase
+                .compare_exchange(SLEEPING, STOPPED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return;
+            }
+            // An extension is in flight: wait for it. The task bounds its own attempts by
+            // the backend timeout.
             let _ = task.await;
         }
     }
@@ -306,6 +328,7 @@ struct Renewer {
     attempt_limit: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
     layer: Option<Layer>,
+    phase: Arc<AtomicU8>,
 }
 
 impl Renewer {
@@ -333,11 +356,20 @@ impl Renewer {
             if now + self.attempt_limit > expires_at {
                 return self.lost("the lock store could not be reached before the lease ran out");
             }
+            // Only while not stopped: a stop from here on waits for this extension.
+            if self
+                .phase
+                .compare_exchange(SLEEPING, EXTENDING, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                return;
+            }
             let extended = tokio::time::timeout(
                 self.attempt_limit,
                 self.backend.extend(&self.keys, self.holder, self.ttl),
             )
             .await;
+            self.phase.store(SLEEPING, Ordering::Release);
             match extended {
                 Ok(Ok(true)) => {
                     let valid_for = self.ttl.saturating_sub(self.backend.drift(self.ttl));
