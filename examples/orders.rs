@@ -33,6 +33,10 @@
 //! - `LOCK_FAIR`: `0` lets waiters race for the locks instead of being served in order of
 //!   arrival (default `1`: a purchase order of thousands of SKUs is not starved by retail
 //!   orders of a few).
+//! - `ADMIN_ADDR`: the admin port, default `127.0.0.1:3001`: `GET /metrics` (Prometheus
+//!   text) and, built with the `admin` feature, the operator's view of the locks under
+//!   `/admin` (`GET /admin/locks?key=sku:apple`, `GET /admin/locks/held`,
+//!   `POST /admin/locks/force-release`). Never expose it where clients can reach it.
 //! - `RUST_LOG`: the log filter, default `info`.
 //!
 //! ```text
@@ -60,6 +64,7 @@ use axum::{
     routing::{get, post, put},
     Json, Router,
 };
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
 
@@ -430,6 +435,19 @@ fn env_ms(name: &str, default: u64) -> Result<u64, StoreError> {
     }
 }
 
+/// The admin port's routes: the metrics in Prometheus's text format, and with the `admin`
+/// feature the operator's view of the locks. On a port of its own, never the public one:
+/// it names keys, and can force locks open.
+fn admin_app(
+    metrics: PrometheusHandle,
+    #[cfg_attr(not(feature = "admin"), allow(unused_variables))] locks: &Locks,
+) -> Router {
+    let router = Router::new().route("/metrics", get(move || async move { metrics.render() }));
+    #[cfg(feature = "admin")]
+    let router = router.nest("/admin", tower_batch_lock::admin::router(locks.clone()));
+    router
+}
+
 #[tokio::main]
 async fn main() -> Result<(), StoreError> {
     tracing_subscriber::fmt()
@@ -439,6 +457,8 @@ async fn main() -> Result<(), StoreError> {
         )
         .init();
 
+    // Before anything records: the layer's metrics, for GET /metrics on the admin port.
+    let metrics = PrometheusBuilder::new().install_recorder()?;
     let addr = env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let work_delay = Duration::from_millis(env_ms("WORK_DELAY_MS", 0)?);
     let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
@@ -498,6 +518,11 @@ async fn main() -> Result<(), StoreError> {
         "orders listening on http://{}, {backend}",
         listener.local_addr()?
     );
+    let admin_addr = env::var("ADMIN_ADDR").unwrap_or_else(|_| "127.0.0.1:3001".to_owned());
+    let admin_listener = tokio::net::TcpListener::bind(&admin_addr).await?;
+    tracing::info!("admin (metrics) on http://{}", admin_listener.local_addr()?);
+    let admin = admin_app(metrics, &locks);
+    tokio::spawn(async move { axum::serve(admin_listener, admin).await });
     axum::serve(listener, app(store, Some(locks), work_delay))
         // In-flight orders finish and release their locks before the process exits.
         .with_graceful_shutdown(async {

@@ -710,7 +710,7 @@ mod binary {
             Some(other) => vec!["--profile".into(), other.into()],
         };
         let build = Command::new(env!("CARGO"))
-            .args(["build", "--example", "orders", "--features", "redis"])
+            .args(["build", "--example", "orders", "--features", "redis,admin"])
             .args(["--message-format", "json-render-diagnostics"])
             .args(profile)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -758,13 +758,20 @@ mod binary {
         (status, body.to_owned())
     }
 
-    /// The running example; killed when dropped, whatever the test did.
-    struct Example(Child);
+    /// The running example, and its admin port; killed when dropped, whatever the test
+    /// did.
+    struct Example(Child, SocketAddr);
 
     impl Drop for Example {
         fn drop(&mut self) {
             let _ = self.0.start_kill();
         }
+    }
+
+    /// A free loopback address, for the example to listen on.
+    fn free_addr() -> SocketAddr {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
     }
 
     impl Example {
@@ -773,10 +780,7 @@ mod binary {
         /// its start-up log line.
         async fn start(env: &[(&str, &str)]) -> (Self, SocketAddr, String) {
             let binary = build_example().await;
-            let addr: SocketAddr = {
-                let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-                probe.local_addr().unwrap()
-            };
+            let (addr, admin) = (free_addr(), free_addr());
             let mut command = Command::new(&binary);
             for variable in [
                 "REDIS_URL",
@@ -789,6 +793,7 @@ mod binary {
             }
             command
                 .env("ORDERS_ADDR", addr.to_string())
+                .env("ADMIN_ADDR", admin.to_string())
                 .env("RUST_LOG", "info");
             command.envs(env.iter().copied());
             let child = command
@@ -796,7 +801,7 @@ mod binary {
                 .stderr(Stdio::inherit())
                 .spawn()
                 .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
-            let mut example = Self(child);
+            let mut example = Self(child, admin);
 
             let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
             while TcpStream::connect(addr).await.is_err() {
@@ -847,6 +852,22 @@ mod binary {
         let (status, body) = http(addr, "GET", "/stock/apple", "").await;
         assert_eq!((status, body.as_str()), (200, r#"{"sku":"apple","qty":1}"#));
         assert_eq!(http(addr, "GET", "/orders/nope", "").await.0, 404);
+
+        // The admin port: the layer's metrics, labelled by route, and the operator's view.
+        let admin = _example.1;
+        let (status, metrics) = http(admin, "GET", "/metrics", "").await;
+        assert_eq!(status, 200);
+        let granted = r#"tower_batch_lock_acquisitions_total{layer="/orders",outcome="granted"} 2"#;
+        assert!(metrics.contains(granted), "{metrics}");
+        let (status, held) = http(admin, "GET", "/admin/locks/held", "").await;
+        assert_eq!(
+            (status, held.as_str()),
+            (200, r#"{"batches":[]}"#),
+            "nothing is held"
+        );
+        let (status, apple) = http(admin, "GET", "/admin/locks?key=sku:apple", "").await;
+        assert_eq!(status, 200, "{apple}");
+        assert!(apple.contains("free"), "{apple}");
 
         let mut data = server.keys("*");
         data.sort();
