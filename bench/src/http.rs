@@ -8,6 +8,10 @@
 //! `REPS` times, the cases taking turns, so that a slow moment of the machine does not land
 //! on one case alone; requests per second is the median of the runs, the latency
 //! percentiles are over every request of every run.
+//!
+//! Then the same with a metrics recorder: a global recorder cannot be uninstalled, so it is
+//! installed (metrics-exporter-prometheus, as an application would) only once every figure
+//! without one is taken, and the memory layer runs again, taking turns with bare axum.
 
 use std::{net::SocketAddr, sync::LazyLock, time::Duration};
 
@@ -45,17 +49,24 @@ struct Route {
     locks: bool,
 }
 
+const BARE: Route = Route {
+    path: "/bare",
+    name: "bare axum",
+    locks: false,
+};
+
+const MEMORY: Route = Route {
+    path: "/memory/1",
+    name: "layer, memory, 1 key",
+    locks: true,
+};
+
+/// How often the recorder's upkeep runs: the exporter's own default.
+const UPKEEP: Duration = Duration::from_secs(5);
+
 const ROUTES: [Route; 6] = [
-    Route {
-        path: "/bare",
-        name: "bare axum",
-        locks: false,
-    },
-    Route {
-        path: "/memory/1",
-        name: "layer, memory, 1 key",
-        locks: true,
-    },
+    BARE,
+    MEMORY,
     Route {
         path: "/redis/1",
         name: "layer, Redis, 1 key",
@@ -112,6 +123,92 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
                 .map(|route| (*route, true)),
         )
         .collect();
+    let outcomes = measure(addr, &cases, reps, duration, warmup, "").await?;
+    check_statuses(&cases, &outcomes)?;
+    let in_process_plain = in_process(quick, "").await?;
+
+    // From here on every request records: the recorder is global and stays.
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("could not install the metrics recorder: {e}"))?;
+    // What the exporter's HTTP listener would do in an application: without upkeep its
+    // histograms keep every sample until the next render.
+    let upkeep = tokio::spawn({
+        let recorder = recorder.clone();
+        async move {
+            let mut every = tokio::time::interval(UPKEEP);
+            loop {
+                every.tick().await;
+                recorder.run_upkeep();
+            }
+        }
+    });
+    let in_process_recorded = in_process(quick, ", metrics recorder installed").await?;
+    let recorded_cases = [(BARE, false), (MEMORY, false)];
+    let recorded = measure(
+        addr,
+        &recorded_cases,
+        reps,
+        duration,
+        warmup,
+        ", metrics recorder installed",
+    )
+    .await?;
+    upkeep.abort();
+    let _ = stop.send(());
+    let _ = server.await;
+    check_statuses(&recorded_cases, &recorded)?;
+    let rendered = recorder.render();
+    if !rendered.contains("tower_batch_lock_acquisitions_total") {
+        return Err(format!(
+            "the recorder saw no tower_batch_lock_acquisitions_total; it rendered:\n{rendered}"
+        ));
+    }
+    let granted_recorded = granted(&rendered, MEMORY.path);
+
+    let mut results: Vec<Value> = cases
+        .iter()
+        .zip(outcomes)
+        .map(|((route, contended), outcomes)| summarize(route, *contended, false, outcomes))
+        .collect();
+    let [bare_recorded, memory_recorded]: [Vec<Outcome>; 2] = recorded
+        .try_into()
+        .map_err(|_| "two recorded cases".to_owned())?;
+    let bare_recorded_runs: Vec<f64> = bare_recorded.iter().map(Outcome::per_second).collect();
+    let mut memory_recorded = summarize(&MEMORY, false, true, memory_recorded);
+    memory_recorded["bare_axum_requests_per_second_runs"] = json!(bare_recorded_runs
+        .iter()
+        .map(|r| stats::round(*r, 1))
+        .collect::<Vec<_>>());
+    memory_recorded["bare_axum_requests_per_second"] =
+        json!(stats::round(median(bare_recorded_runs), 1));
+    memory_recorded["granted_counted_by_recorder"] = json!(granted_recorded);
+    results.push(memory_recorded);
+    let targets = targets(&results);
+    Ok(json!({
+        "method": format!(
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does. The case with a metrics recorder runs after every other case (a global recorder cannot be uninstalled): metrics-exporter-prometheus's recorder, with upkeep every {} s, bare axum and the memory layer taking turns again; its target pairs those runs",
+            duration.as_secs_f64(),
+            UPKEEP.as_secs()
+        ),
+        "connections": CONNECTIONS,
+        "runs_per_case": reps,
+        "run_seconds": duration.as_secs_f64(),
+        "cases": results,
+        "in_process": in_process_json(&in_process_plain, &in_process_recorded),
+        "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// Runs every case `reps` times, the cases taking turns; the outcomes by case, in run order.
+async fn measure(
+    addr: SocketAddr,
+    cases: &[(Route, bool)],
+    reps: usize,
+    duration: Duration,
+    warmup: Duration,
+    suffix: &str,
+) -> Result<Vec<Vec<Outcome>>, String> {
     let mut outcomes: Vec<Vec<Outcome>> = cases.iter().map(|_| Vec::new()).collect();
     let total = cases.len() * reps;
     let mut run = 0;
@@ -136,7 +233,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             };
             progress::begin(
                 format!(
-                    "http {run}/{total} {}, {mode} (run {}/{reps})",
+                    "http {run}/{total} {}{suffix}, {mode} (run {}/{reps})",
                     route.name,
                     rep + 1
                 ),
@@ -161,29 +258,16 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             outcomes[index].push(outcome);
         }
     }
-    let _ = stop.send(());
-    let _ = server.await;
+    Ok(outcomes)
+}
 
-    check_statuses(&cases, &outcomes)?;
-    let in_process = in_process(quick).await?;
-    let results: Vec<Value> = cases
-        .iter()
-        .zip(outcomes)
-        .map(|((route, contended), outcomes)| summarize(route, *contended, outcomes))
-        .collect();
-    let targets = targets(&results);
-    Ok(json!({
-        "method": format!(
-            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does",
-            duration.as_secs_f64()
-        ),
-        "connections": CONNECTIONS,
-        "runs_per_case": reps,
-        "run_seconds": duration.as_secs_f64(),
-        "cases": results,
-        "in_process": in_process,
-        "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
-    }))
+/// The grants the recorder counted on the layer labelled `layer`, from its rendered text.
+fn granted(rendered: &str, layer: &str) -> Option<u64> {
+    let series =
+        format!("tower_batch_lock_acquisitions_total{{layer=\"{layer}\",outcome=\"granted\"}} ");
+    rendered
+        .lines()
+        .find_map(|line| line.strip_prefix(&series)?.trim().parse().ok())
 }
 
 /// Every request was answered, with 200, or 409 under contention: anything else means a
@@ -214,8 +298,9 @@ fn check_statuses(cases: &[(Route, bool)], outcomes: &[Vec<Outcome>]) -> Result<
 }
 
 /// What the memory layer costs a request without the network: bare axum and the layered
-/// route called with `oneshot` in a loop, on one task, taking turns.
-async fn in_process(quick: bool) -> Result<Value, String> {
+/// route called with `oneshot` in a loop, on one task, taking turns. Whether a metrics
+/// recorder is installed is up to the caller.
+async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
     let (reps, limit) = if quick {
         (1, Duration::from_millis(200))
     } else {
@@ -233,7 +318,7 @@ async fn in_process(quick: bool) -> Result<Value, String> {
     for rep in 0..reps {
         for (index, (name, router)) in routers.iter().enumerate() {
             progress::begin(
-                format!("http in-process {name} (run {}/{reps})", rep + 1),
+                format!("http in-process {name}{suffix} (run {}/{reps})", rep + 1),
                 "requests",
                 1_000_000,
             );
@@ -260,14 +345,31 @@ async fn in_process(quick: bool) -> Result<Value, String> {
             per_request[index].push(ns);
         }
     }
-    let bare = median(per_request[0].clone());
-    let layered = median(per_request[1].clone());
-    Ok(json!({
-        "method": "Router::oneshot in a loop on one task, no network; median of the runs",
-        "bare_ns_per_request": stats::round(bare, 0),
-        "layer_memory_ns_per_request": stats::round(layered, 0),
-        "layer_adds_ns": stats::round(layered - bare, 0),
-    }))
+    Ok(InProcess {
+        bare_ns: median(per_request[0].clone()),
+        layer_ns: median(per_request[1].clone()),
+    })
+}
+
+/// Nanoseconds a request, each the median of its runs.
+struct InProcess {
+    bare_ns: f64,
+    layer_ns: f64,
+}
+
+fn in_process_json(plain: &InProcess, recorded: &InProcess) -> Value {
+    let ns = |value: f64| stats::round(value, 0);
+    json!({
+        "method": "Router::oneshot in a loop on one task, no network; bare axum and the memory layer taking turns, median of the runs; then, once a metrics recorder (metrics-exporter-prometheus) is installed, both again",
+        "bare_ns_per_request": ns(plain.bare_ns),
+        "layer_memory_ns_per_request": ns(plain.layer_ns),
+        "layer_adds_ns": ns(plain.layer_ns - plain.bare_ns),
+        "with_recorder": {
+            "bare_ns_per_request": ns(recorded.bare_ns),
+            "layer_memory_ns_per_request": ns(recorded.layer_ns),
+            "layer_adds_ns": ns(recorded.layer_ns - recorded.bare_ns),
+        },
+    })
 }
 
 /// The generator on a thread and a runtime of its own, as a separate client would be.
@@ -283,7 +385,7 @@ async fn drive(addr: SocketAddr, load: Load) -> Result<Outcome, String> {
     .map_err(|e| e.to_string())?
 }
 
-fn summarize(route: &Route, contended: bool, outcomes: Vec<Outcome>) -> Value {
+fn summarize(route: &Route, contended: bool, recorder: bool, outcomes: Vec<Outcome>) -> Value {
     let runs: Vec<f64> = outcomes.iter().map(Outcome::per_second).collect();
     let median_rps = median(runs.clone());
     let mut latencies = Vec::new();
@@ -305,10 +407,16 @@ fn summarize(route: &Route, contended: bool, outcomes: Vec<Outcome>) -> Value {
             json!(stats::ms(percentile(&latencies, 0.99))),
         )
     };
+    let name = if recorder {
+        format!("{}, metrics recorder installed", route.name)
+    } else {
+        route.name.to_owned()
+    };
     json!({
-        "route": route.name,
+        "route": name,
         "path": route.path,
         "contended": contended,
+        "metrics_recorder": recorder,
         "requests_per_second": stats::round(median_rps, 1),
         "requests_per_second_runs": runs.iter().map(|r| stats::round(*r, 1)).collect::<Vec<_>>(),
         "p50_ms": p50,
@@ -326,28 +434,35 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-/// Requests per second of each run of the uncontended case of `path`, in run order.
-fn runs(results: &[Value], path: &str) -> Option<Vec<f64>> {
-    let case = results
+/// The uncontended case of `path`, with or without a metrics recorder.
+fn uncontended<'a>(results: &'a [Value], path: &str, recorder: bool) -> Option<&'a Value> {
+    results
         .iter()
-        .find(|r| r["path"] == path && r["contended"] == false)?;
-    case["requests_per_second_runs"]
-        .as_array()?
-        .iter()
-        .map(Value::as_f64)
-        .collect()
+        .find(|r| r["path"] == path && r["contended"] == false && r["metrics_recorder"] == recorder)
+}
+
+/// Requests per second of each run of `field` of a case, in run order.
+fn runs(case: &Value, field: &str) -> Option<Vec<f64>> {
+    case[field].as_array()?.iter().map(Value::as_f64).collect()
 }
 
 /// The median, over the runs, of each run's ratio: two routes that ran back to back saw
 /// the same machine, so a slow moment weighs on both sides of a ratio alike.
-fn paired_ratio(results: &[Value], ours: &str, theirs: &str) -> Option<f64> {
-    let (ours, theirs) = (runs(results, ours)?, runs(results, theirs)?);
+fn paired_ratio(ours: Option<Vec<f64>>, theirs: Option<Vec<f64>>) -> Option<f64> {
+    let (ours, theirs) = (ours?, theirs?);
     let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(o, t)| o / t).collect();
     (!ratios.is_empty()).then(|| median(ratios))
 }
 
 fn targets(results: &[Value]) -> Vec<Target> {
-    let ratio = |ours: &str, theirs: &str| paired_ratio(results, ours, theirs);
+    let case_runs = |path: &str| runs(uncontended(results, path, false)?, RUNS);
+    let ratio = |ours: &str, theirs: &str| paired_ratio(case_runs(ours), case_runs(theirs));
+    // The bare runs that took turns with the recorded ones, not those before the recorder.
+    let recorded = uncontended(results, MEMORY.path, true);
+    let recorded_ratio = paired_ratio(
+        recorded.and_then(|case| runs(case, RUNS)),
+        recorded.and_then(|case| runs(case, "bare_axum_requests_per_second_runs")),
+    );
     vec![
         Target::at_least(
             "HTTP, Redis, 1 key: layer / hand-written requests/s",
@@ -359,8 +474,15 @@ fn targets(results: &[Value]) -> Vec<Target> {
             ratio("/memory/1", "/bare"),
             0.95,
         ),
+        Target::at_least(
+            "HTTP, memory, 1 key, with a recorder: layer / bare axum requests/s",
+            recorded_ratio,
+            0.95,
+        ),
     ]
 }
+
+const RUNS: &str = "requests_per_second_runs";
 
 #[derive(Clone)]
 struct Hand {

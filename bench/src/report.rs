@@ -263,7 +263,30 @@ fn http(out: &mut String, http: &Value) {
             thousands(case["conflict_409"].as_u64().unwrap_or(0)),
         );
     }
+    recorded(out, cases);
     in_process(out, http);
+}
+
+/// How the row with a metrics recorder was measured, and bare axum's figure next to it.
+fn recorded(out: &mut String, cases: &[Value]) {
+    let Some(case) = cases
+        .iter()
+        .find(|c| c["metrics_recorder"].as_bool() == Some(true))
+    else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nThe last row ran after all the others, once a metrics recorder was installed \
+         (metrics-exporter-prometheus, as an application would: a global recorder cannot be \
+         uninstalled); bare axum ran again, taking turns with it, at {} requests/s, and the \
+         target with a recorder pairs those runs.",
+        thousands(
+            case["bare_axum_requests_per_second"]
+                .as_f64()
+                .unwrap_or(0.0) as u64
+        ),
+    );
 }
 
 fn in_process(out: &mut String, http: &Value) {
@@ -274,7 +297,7 @@ fn in_process(out: &mut String, http: &Value) {
     ) else {
         return;
     };
-    let _ = writeln!(
+    let _ = write!(
         out,
         "\nWithout the network (`oneshot` in a loop on one task), bare axum takes {} a request \
          and the memory layer {}: the layer adds {}.",
@@ -282,6 +305,21 @@ fn in_process(out: &mut String, http: &Value) {
         duration(layered / 1e6),
         duration((layered - bare) / 1e6),
     );
+    let recorded = &figures["with_recorder"];
+    if let (Some(bare), Some(layered)) = (
+        recorded["bare_ns_per_request"].as_f64(),
+        recorded["layer_memory_ns_per_request"].as_f64(),
+    ) {
+        let _ = write!(
+            out,
+            " With a metrics recorder installed, the memory layer takes {} (bare axum, measured \
+             again alongside it, {}): the layer adds {}.",
+            duration(layered / 1e6),
+            duration(bare / 1e6),
+            duration((layered - bare) / 1e6),
+        );
+    }
+    let _ = writeln!(out);
 }
 
 fn field(out: &mut String, field: &Value) {
