@@ -8,6 +8,7 @@ use std::{
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
+use tokio::time::Sleep;
 use tower_service::Service;
 use tracing::Span;
 
@@ -52,6 +53,8 @@ pin_project! {
             guard: Option<RequestGuard>,
             lost: Option<BoxFuture<'static, axum::response::Response>>,
             until_body_end: bool,
+            // Fires when the guard's renewal must start, if the inner service still runs.
+            renew_at: Option<Pin<Box<Sleep>>>,
         },
         // The response is ready and waits for the release, so that a client's next
         // request never finds the keys of its previous one still held.
@@ -92,19 +95,25 @@ where
                     Ok((request, holding)) => {
                         let mut inner = inner.take().expect("future polled after completion");
                         let future = inner.call(request);
-                        let (guard, lost, until_body_end) = match holding {
+                        let (guard, lost, until_body_end, renew_at) = match holding {
                             Some(Holding {
                                 guard,
                                 cancel_on_loss,
                                 until_body_end,
-                            }) => (Some(guard), cancel_on_loss, until_body_end),
-                            None => (None, None, false),
+                                renew_at,
+                            }) => {
+                                let renew_at = renew_at
+                                    .map(|at| Box::pin(tokio::time::sleep_until(at.into())));
+                                (Some(guard), cancel_on_loss, until_body_end, renew_at)
+                            }
+                            None => (None, None, false, None),
                         };
                         this.state.set(State::Running {
                             future,
                             guard,
                             lost,
                             until_body_end,
+                            renew_at,
                         });
                     }
                     Err(refusal) => return Poll::Ready(Ok(refusal.map(ResponseBody::refusal))),
@@ -114,7 +123,17 @@ where
                     guard,
                     lost,
                     until_body_end,
+                    renew_at,
                 } => {
+                    if renew_at
+                        .as_mut()
+                        .is_some_and(|timer| timer.as_mut().poll(cx).is_ready())
+                    {
+                        *renew_at = None;
+                        if let Some(guard) = guard.as_mut() {
+                            guard.start_deferred_renewal();
+                        }
+                    }
                     if let Some(Poll::Ready(refusal)) =
                         lost.as_mut().map(|lost| lost.as_mut().poll(cx))
                     {
@@ -129,8 +148,11 @@ where
                         return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
                     };
                     match output {
-                        // The body takes the guard and releases it when it ends.
+                        // The body takes the guard and releases it when it ends; the
+                        // renewal runs meanwhile (a body may stream for long).
                         Ok(response) if *until_body_end => {
+                            let mut guard = guard;
+                            guard.start_deferred_renewal();
                             return Poll::Ready(Ok(
                                 response.map(|body| ResponseBody::holding(body, guard))
                             ));

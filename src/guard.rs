@@ -42,6 +42,9 @@ struct Held {
     timeout: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
     renewal: Option<Renewal>,
+    /// A renewal not started yet: its TTL, its end, and when its first extension is due
+    /// (see [`LockGuard::renew_later`]).
+    deferred: Option<(Duration, Option<Instant>, Instant)>,
     /// When the hold began, and where to count how long it lasted.
     timed: Option<(Instant, Arc<HoldTimes>)>,
     /// The hold's entry in [`Locks::held_batches`], until it ends.
@@ -90,6 +93,7 @@ impl LockGuard {
                 timeout,
                 status,
                 renewal: None,
+                deferred: None,
                 timed: None,
                 listed: None,
                 layer: None,
@@ -124,6 +128,31 @@ impl LockGuard {
     /// Extends the lease by `ttl` every `ttl / 3` until the guard releases, or until
     /// `until`, in a task of its own.
     pub(crate) fn renew(&mut self, ttl: Duration, until: Option<Instant>) {
+        self.start_renewal(ttl, until, Instant::now() + ttl / 3);
+    }
+
+    /// Renews as [`renew`](Self::renew) does, once [`start_deferred_renewal`] is called: the
+    /// caller calls it at the returned instant, when the first extension is due, if the
+    /// keys are still held then. Most requests end long before, and a task spawned for
+    /// each of them would cost more than the rest of the layer.
+    ///
+    /// [`start_deferred_renewal`]: Self::start_deferred_renewal
+    pub(crate) fn renew_later(&mut self, ttl: Duration, until: Option<Instant>) -> Option<Instant> {
+        let held = self.held.as_mut()?;
+        let due = Instant::now() + ttl / 3;
+        held.deferred = Some((ttl, until, due));
+        Some(due)
+    }
+
+    /// Starts the renewal that [`renew_later`](Self::renew_later) deferred: its first
+    /// extension when it was due, or now if that has passed.
+    pub(crate) fn start_deferred_renewal(&mut self) {
+        if let Some((ttl, until, due)) = self.held.as_mut().and_then(|held| held.deferred.take()) {
+            self.start_renewal(ttl, until, due);
+        }
+    }
+
+    fn start_renewal(&mut self, ttl: Duration, until: Option<Instant>, first: Instant) {
         let Some(held) = &mut self.held else { return };
         let (stop, stopped) = oneshot::channel();
         let phase = Arc::new(AtomicU8::new(SLEEPING));
@@ -134,6 +163,7 @@ impl LockGuard {
             holder: held.holder,
             ttl,
             until,
+            first,
             attempt_limit: held.timeout.min(ttl / 3),
             status: held.status.clone(),
             layer: held.layer.clone(),
@@ -197,6 +227,11 @@ pub(crate) struct RequestGuard {
 }
 
 impl RequestGuard {
+    /// Starts the layer's deferred renewal (see [`LockGuard::renew_later`]).
+    pub(crate) fn start_deferred_renewal(&mut self) {
+        self.guard.start_deferred_renewal();
+    }
+
     /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
     /// a drop midway leaves is released in the background.
     pub(crate) fn release(self) -> BoxFuture<'static, ()> {
@@ -324,6 +359,8 @@ struct Renewer {
     holder: Holder,
     ttl: Duration,
     until: Option<Instant>,
+    /// When the first extension is due.
+    first: Instant,
     /// How long one extension may take: never so long that the lease runs out unseen.
     attempt_limit: Duration,
     status: Arc<watch::Sender<LeaseStatus>>,
@@ -334,7 +371,7 @@ struct Renewer {
 impl Renewer {
     async fn run(self, mut stopped: oneshot::Receiver<()>) {
         let every = self.ttl / 3;
-        let mut next = Instant::now() + every;
+        let mut next = self.first;
         loop {
             // Sleep until the next extension, unless the guard stops us first. An
             // extension in flight is never interrupted: the guard waits for it.

@@ -642,10 +642,12 @@ impl Locks {
         let lease = guard.lease(fencing_token, self.clone(), owner.clone());
         guard.time_into(self.holds.clone(), layer.clone());
         guard.list_in(self.batches.register(&request, keys.len()));
-        if policy.renew {
+        // The response future starts the renewal if the request still holds its keys when
+        // the first extension is due.
+        let renew_at = policy.renew.then(|| {
             let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
-            guard.renew(policy.ttl, until);
-        }
+            guard.renew_later(policy.ttl, until)
+        });
         if let Some(lease) = &lease {
             request.extensions_mut().insert(lease.clone());
         }
@@ -671,6 +673,7 @@ impl Locks {
                 guard: RequestGuard { guard, extra },
                 cancel_on_loss,
                 until_body_end: policy.hold_until_body_end,
+                renew_at: renew_at.flatten(),
             }),
         ))
     }
@@ -812,6 +815,8 @@ pub(crate) struct Holding {
     pub(crate) cancel_on_loss: Option<BoxFuture<'static, Response>>,
     /// Whether the keys stay locked until the response body ends.
     pub(crate) until_body_end: bool,
+    /// When the guard's deferred renewal must start, if the keys are still held then.
+    pub(crate) renew_at: Option<Instant>,
 }
 
 impl fmt::Debug for Holding {
@@ -820,6 +825,7 @@ impl fmt::Debug for Holding {
             .field("guard", &self.guard)
             .field("cancel_on_loss", &self.cancel_on_loss.is_some())
             .field("until_body_end", &self.until_body_end)
+            .field("renew_at", &self.renew_at)
             .finish()
     }
 }
