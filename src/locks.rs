@@ -644,10 +644,12 @@ impl Locks {
         guard.list_in(self.batches.register(&request, keys.len()));
         // The response future starts the renewal if the request still holds its keys when
         // the first extension is due.
-        let renew_at = policy.renew.then(|| {
+        let renew_at = if policy.renew {
             let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
             guard.renew_later(policy.ttl, until)
-        });
+        } else {
+            None
+        };
         if let Some(lease) = &lease {
             request.extensions_mut().insert(lease.clone());
         }
@@ -673,7 +675,7 @@ impl Locks {
                 guard: RequestGuard { guard, extra },
                 cancel_on_loss,
                 until_body_end: policy.hold_until_body_end,
-                renew_at: renew_at.flatten(),
+                renew_at,
             }),
         ))
     }
