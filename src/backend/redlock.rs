@@ -473,6 +473,29 @@ impl RedlockBackend {
         })
     }
 
+    /// Waits for every master's answer to `call`, which frees `keys` for others (each is
+    /// bounded by the node timeout), reports those that failed, and wakes this process's
+    /// waiters: how many answered, and the largest count any of them gave.
+    async fn freed_everywhere(
+        &self,
+        call: &'static str,
+        mut replies: Replies<usize>,
+        keys: &[String],
+    ) -> (usize, usize) {
+        let (mut answered, mut freed) = (0, 0);
+        while let Some((node, reply)) = replies.next().await {
+            match reply {
+                Ok(count) => {
+                    answered += 1;
+                    freed = freed.max(count);
+                }
+                Err(failure) => self.report(node, call, &failure),
+            }
+        }
+        self.wakeups.wake_slots(slots_of(keys));
+        (answered, freed)
+    }
+
     /// Logs that a master did not answer a call: as a warning at most every 10 s per
     /// master, so that a master that is down shows in the logs without flooding them
     /// (requests that still find a majority succeed without a word); at debug level
@@ -814,18 +837,8 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
             let keys: Arc<[String]> = keys.into();
-            let mut replies = self.start_withdrawals(0..self.nodes.len(), &keys, ticket);
-            let (mut answered, mut withdrawn) = (0, 0);
-            while let Some((node, reply)) = replies.next().await {
-                match reply {
-                    Ok(count) => {
-                        answered += 1;
-                        withdrawn = withdrawn.max(count);
-                    }
-                    Err(failure) => self.report(node, "withdraw", &failure),
-                }
-            }
-            self.wakeups.wake_slots(slots_of(&keys));
+            let replies = self.start_withdrawals(0..self.nodes.len(), &keys, ticket);
+            let (answered, withdrawn) = self.freed_everywhere("withdraw", replies, &keys).await;
             if answered == 0 {
                 return Err(BackendError::unknown(
                     "no Redlock master answered the withdrawal",
@@ -886,21 +899,11 @@ impl Backend for RedlockBackend {
         Box::pin(async move {
             let keys: Arc<[String]> = keys.into();
             let timeout = self.node_timeout;
-            let mut replies = self.start_on(0..self.nodes.len(), |_, master| {
+            let replies = self.start_on(0..self.nodes.len(), |_, master| {
                 let keys = keys.clone();
                 async move { bounded(timeout, master.force_release(&keys)).await }
             });
-            let (mut answered, mut released) = (0, 0);
-            while let Some((node, reply)) = replies.next().await {
-                match reply {
-                    Ok(count) => {
-                        answered += 1;
-                        released = released.max(count);
-                    }
-                    Err(failure) => self.report(node, "force_release", &failure),
-                }
-            }
-            self.wakeups.wake_slots(slots_of(&keys));
+            let (answered, released) = self.freed_everywhere("force_release", replies, &keys).await;
             if answered < self.quorum {
                 return Err(BackendError::unknown(format!(
                     "only {answered} of {} Redlock masters answered the forced release",
