@@ -15,6 +15,10 @@
 //!   with `Retry-After` while another request holds one of its locks.
 //! - `GET /orders/{order_id}` reads an order, or 404.
 //!
+//! `POST /orders` also takes an optional `Idempotency-Key` header: a retry with the same
+//! key and body gets the first answer again, marked `Idempotent-Replayed: true`; the same
+//! key with another body is 422, and a retry while the first still runs is 409.
+//!
 //! Every refusal is an `application/problem+json` document.
 //!
 //! Environment:
@@ -66,6 +70,7 @@ use axum::{
 };
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tower::ServiceBuilder;
 use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
 
 /// The body of `POST /orders`.
@@ -124,7 +129,14 @@ pub fn app(store: Store, locks: Option<Locks>, work_delay: Duration) -> Router {
         // `PUT /stock/apple` locks `sku:apple`.
         set_stock = set_stock.layer(locks.layer(keys::path("sku")));
         // `POST /orders` locks `order:{order_id}` and `sku:{sku}` of each item, as one batch.
-        place_order = place_order.layer(locks.layer(keys::json(order_keys)));
+        // Around it (a `ServiceBuilder` lists layers outermost first), a request with an
+        // `Idempotency-Key` runs once: a retry gets the first answer again, 201 and all,
+        // without taking any lock.
+        place_order = place_order.layer(
+            ServiceBuilder::new()
+                .layer(locks.idempotency())
+                .layer(locks.layer(keys::json(order_keys))),
+        );
     }
     Router::new()
         .route("/stock/{sku}", set_stock)

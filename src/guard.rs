@@ -509,6 +509,24 @@ mod tests {
             self.store.force_release(keys)
         }
 
+        #[cfg(feature = "idempotency")]
+        fn load_answer<'a>(
+            &'a self,
+            key: &'a str,
+        ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, BackendError>> {
+            self.store.load_answer(key)
+        }
+
+        #[cfg(feature = "idempotency")]
+        fn store_answer<'a>(
+            &'a self,
+            key: &'a str,
+            answer: bytes::Bytes,
+            retention: Duration,
+        ) -> BoxFuture<'a, Result<bool, BackendError>> {
+            self.store.store_answer(key, answer, retention)
+        }
+
         fn release<'a>(
             &'a self,
             keys: &'a [String],

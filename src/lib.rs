@@ -68,6 +68,13 @@
 //!   resources that must refuse a stale holder's writes.
 //! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
 //!
+//! # Idempotent requests
+//!
+//! [`Locks::idempotency`] (feature `idempotency`, on by default) is a layer that stores the
+//! first answer to each `Idempotency-Key` header on the same store as the locks, and
+//! replays it to retries on any process, so that a retried `POST` never runs twice; see
+//! [`idempotency::Idempotency`].
+//!
 //! # Dependencies
 //!
 //! With the `redis` feature, the crate re-exports the two crates whose types its API takes
@@ -90,6 +97,8 @@ mod body;
 mod check;
 mod future;
 mod guard;
+#[cfg(feature = "idempotency")]
+pub mod idempotency;
 mod inspect;
 pub mod keys;
 mod layer;

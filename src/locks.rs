@@ -529,10 +529,13 @@ impl Locks {
 
     /// The response for a refusal: the user's, or the rejection's own.
     fn refuse(&self, rejection: Rejection) -> Response {
-        match &self.policy.refusal {
+        let refused = rejection.refused();
+        let mut response = match &self.policy.refusal {
             Some(build) => (build.0)(rejection),
             None => rejection.into_response(),
-        }
+        };
+        response.extensions_mut().insert(refused);
+        response
     }
 
     /// The name of these locks in metrics (the `layer` label; see the README's metrics

@@ -33,6 +33,19 @@ pub struct Rejection {
     detail: Cow<'static, str>,
     retry_after: Option<Duration>,
     extension: Option<(&'static str, serde_json::Value)>,
+    /// Whether other requests' locks caused it (rather than the request itself, or the
+    /// store).
+    contended: bool,
+}
+
+/// Marks a response that a lock layer gave instead of running its inner service, so that
+/// a layer around it knows the request did not run (the idempotency layer stores no such
+/// answer).
+#[cfg_attr(not(feature = "idempotency"), allow(dead_code))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Refused {
+    /// Whether other requests' locks were in the way ([`Rejection::contention`]).
+    pub(crate) contended: bool,
 }
 
 impl Rejection {
@@ -43,6 +56,7 @@ impl Rejection {
             detail: detail.into(),
             retry_after: None,
             extension: None,
+            contended: false,
         }
     }
 
@@ -64,6 +78,7 @@ impl Rejection {
             ),
         };
         let mut rejection = Self::new(status, detail).retry_after(retry_after);
+        rejection.contended = true;
         if !named.is_empty() {
             rejection.extension = Some(("conflicting_keys", named.into()));
         }
@@ -99,6 +114,13 @@ impl Rejection {
     fn retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
         self
+    }
+
+    /// The marker of the response that refuses a request with this rejection.
+    pub(crate) fn refused(&self) -> Refused {
+        Refused {
+            contended: self.contended,
+        }
     }
 
     /// The status code of the response.

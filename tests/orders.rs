@@ -202,16 +202,54 @@ async fn basic_flows(app: &Router) {
     missing.problem_detail();
 }
 
+/// `POST /orders` with an `Idempotency-Key`: a retry gets the first answer, 201 and all,
+/// and takes nothing again; the key with another order is 422.
+async fn idempotent_orders(app: &Router) {
+    put_stock(app, "plum", 5).await;
+    let with_key = |key: &str, order: &Value| {
+        let mut request = json_request(Method::POST, "/orders", order);
+        request
+            .headers_mut()
+            .insert("idempotency-key", key.parse().unwrap());
+        request
+    };
+    let first_order = order("o-10", &[("plum", 2)]);
+    let first = support::http::send(app, with_key("\"k-10\"", &first_order)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let retry = support::http::send(app, with_key("\"k-10\"", &first_order)).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the first answer, not the 200 of a replay"
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(stock(app, "plum").await, Some(3), "taken once");
+
+    let other = send(app, with_key("\"k-10\"", &order("o-11", &[("plum", 1)]))).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        other.problem_detail().contains("Idempotency-Key"),
+        "{}",
+        other.body
+    );
+    assert_eq!(stock(app, "plum").await, Some(3));
+}
+
 #[tokio::test]
 async fn memory_basic_flows() {
-    basic_flows(&memory_app(Duration::ZERO)).await;
+    let app = memory_app(Duration::ZERO);
+    basic_flows(&app).await;
+    idempotent_orders(&app).await;
 }
 
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_basic_flows() {
     let server = support::RedisServer::start();
-    basic_flows(&redis_app(&server, Duration::ZERO, true)).await;
+    let app = redis_app(&server, Duration::ZERO, true);
+    basic_flows(&app).await;
+    idempotent_orders(&app).await;
 
     assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
     let mut data = server.keys("*");
@@ -219,12 +257,16 @@ async fn redis_basic_flows() {
     assert_eq!(
         data,
         [
+            "idempotency:", // the in-flight locks' fencing counter
+            "idempotency:done:0::k-10",
             "lock:", // the fencing counter
             "orders:order:o-1",
+            "orders:order:o-10",
             "orders:stock:apple",
-            "orders:stock:pear"
+            "orders:stock:pear",
+            "orders:stock:plum",
         ],
-        "the data lives under `orders:`, apart from the locks"
+        "the data lives under `orders:`, apart from the locks and the stored answers"
     );
 }
 

@@ -10,6 +10,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+
 use super::{
     wake::{slots_of, Wakeups},
     Acquire, Backend, BackendError, BoxFuture, Contention, Holder, KeyView, Line, OwnerToken,
@@ -32,6 +35,9 @@ pub(crate) struct MemoryBackend {
     /// increasing across all grants, so across every grant that shares a key.
     fence: AtomicU64,
     wakeups: Wakeups,
+    /// The idempotency layer's stored answers.
+    #[cfg(feature = "idempotency")]
+    answers: Mutex<Answers>,
 }
 
 #[derive(Debug, Default)]
@@ -122,6 +128,8 @@ impl MemoryBackend {
             hasher: std::hash::RandomState::new(),
             fence: AtomicU64::new(0),
             wakeups: Wakeups::new(),
+            #[cfg(feature = "idempotency")]
+            answers: Mutex::default(),
         }
     }
 
@@ -438,8 +446,68 @@ impl Backend for MemoryBackend {
         Box::pin(std::future::ready(Ok(self.release_all(keys))))
     }
 
+    #[cfg(feature = "idempotency")]
+    fn load_answer<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Bytes>, BackendError>> {
+        let answer = self.answers().load(key, Instant::now());
+        Box::pin(std::future::ready(Ok(answer)))
+    }
+
+    #[cfg(feature = "idempotency")]
+    fn store_answer<'a>(
+        &'a self,
+        key: &'a str,
+        answer: Bytes,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        let stored = self.answers().store(key, answer, retention, Instant::now());
+        Box::pin(std::future::ready(Ok(stored)))
+    }
+
     fn wakeups(&self) -> &Wakeups {
         &self.wakeups
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl MemoryBackend {
+    fn answers(&self) -> MutexGuard<'_, Answers> {
+        // Every change is one map operation: a poisoned table is still whole.
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The idempotency layer's answers, each until its retention ends. Answers are few next to
+/// locks (one per request with an `Idempotency-Key`, not one per key of a batch), so one
+/// mutex serves them; expired ones are swept as the table grows, as a shard's are.
+#[cfg(feature = "idempotency")]
+#[derive(Debug, Default)]
+struct Answers {
+    entries: HashMap<String, (Bytes, Instant)>,
+    sweep_at: usize,
+}
+
+#[cfg(feature = "idempotency")]
+impl Answers {
+    fn load(&self, key: &str, now: Instant) -> Option<Bytes> {
+        let (answer, until) = self.entries.get(key)?;
+        (*until > now).then(|| answer.clone())
+    }
+
+    fn store(&mut self, key: &str, answer: Bytes, retention: Duration, now: Instant) -> bool {
+        if self.load(key, now).is_some() {
+            return false;
+        }
+        if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
+            self.entries.retain(|_, (_, until)| *until > now);
+            self.sweep_at = self.entries.len() * 2;
+        }
+        // The layer bounds retention to a year, far from the clock's end.
+        self.entries
+            .insert(key.to_owned(), (answer, now + retention));
+        true
     }
 }
 

@@ -12,6 +12,8 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
 use uuid::Uuid;
 
 pub(crate) mod memory;
@@ -308,6 +310,25 @@ pub(crate) trait Backend: fmt::Debug + Send + Sync + 'static {
         &'a self,
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<usize, BackendError>>;
+
+    /// The answer that [`store_answer`](Self::store_answer) keeps under `key`, if it is
+    /// still there. For the idempotency layer: `key` is a whole store key (namespaced by
+    /// the layer), never a lock key.
+    #[cfg(feature = "idempotency")]
+    fn load_answer<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Bytes>, BackendError>>;
+
+    /// Keeps `answer` under `key` for `retention`, unless an answer is there already: the
+    /// first answer stays. Returns whether this one is now the stored answer.
+    #[cfg(feature = "idempotency")]
+    fn store_answer<'a>(
+        &'a self,
+        key: &'a str,
+        answer: Bytes,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>>;
 
     /// Whether the store can serve locks: it answers, and has what the locks need.
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>>;

@@ -122,22 +122,27 @@ impl RedisBackend {
         }
     }
 
-    /// Runs a script on the shared connection. A connection that broke since its last use
-    /// (the server restarted, say) fails the first command sent on it: then the script runs
-    /// once more on a new one. Every script here is idempotent for its hold (acquiring
-    /// again rewrites the same field; at worst it takes one more fencing number), so
-    /// running one twice is harmless.
+    /// Runs a script on the shared connection (see [`send`](Self::send)).
     async fn invoke<T: FromRedisValue>(
         &self,
         script: &ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
+        self.send(Command::Script(script)).await
+    }
+
+    /// Sends a command on the shared connection. A connection that broke since its last use
+    /// (the server restarted, say) fails the first command sent on it: then the command
+    /// runs once more on a new one. Every command here is idempotent for its caller (a
+    /// script acquiring again rewrites the same hold, and at worst takes one more fencing
+    /// number; an answer is stored only where none is), so running one twice is harmless.
+    async fn send<T: FromRedisValue>(&self, command: Command<'_>) -> Result<T, BackendError> {
         let mut call = self.call().await?;
-        let result = script.invoke_async(&mut call.connection).await;
+        let result = command.send_on(&mut call.connection).await;
         match result {
             Err(error) if call.reused && broken(&error) => {
                 drop(call);
                 let mut call = self.call().await?;
-                let result = script.invoke_async(&mut call.connection).await;
+                let result = command.send_on(&mut call.connection).await;
                 call.end(result)
             }
             result => call.end(result),
@@ -370,6 +375,38 @@ impl Backend for RedisBackend {
         })
     }
 
+    #[cfg(feature = "idempotency")]
+    fn load_answer<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, BackendError>> {
+        Box::pin(async move {
+            let answer: Option<Vec<u8>> = self
+                .send(Command::Plain(redis::cmd("GET").arg(key)))
+                .await?;
+            Ok(answer.map(bytes::Bytes::from))
+        })
+    }
+
+    #[cfg(feature = "idempotency")]
+    fn store_answer<'a>(
+        &'a self,
+        key: &'a str,
+        answer: bytes::Bytes,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        Box::pin(async move {
+            let mut set = redis::cmd("SET");
+            set.arg(key)
+                .arg(&answer[..])
+                .arg("PX")
+                .arg(millis(retention))
+                .arg("NX");
+            let stored: Option<String> = self.send(Command::Plain(&set)).await?;
+            Ok(stored.is_some())
+        })
+    }
+
     fn wakeups(&self) -> &Wakeups {
         self.listen_for_releases();
         &self.wakeups
@@ -382,6 +419,28 @@ impl Backend for RedisBackend {
 struct Shared {
     connection: Option<(MultiplexedConnection, u64)>,
     generation: u64,
+}
+
+/// What one call sends.
+#[derive(Clone, Copy)]
+enum Command<'a> {
+    Script(&'a ScriptInvocation<'a>),
+    /// A plain command (the idempotency layer's answers need no script).
+    #[cfg(feature = "idempotency")]
+    Plain(&'a redis::Cmd),
+}
+
+impl Command<'_> {
+    async fn send_on<T: FromRedisValue>(
+        self,
+        connection: &mut MultiplexedConnection,
+    ) -> RedisResult<T> {
+        match self {
+            Self::Script(script) => script.invoke_async(connection).await,
+            #[cfg(feature = "idempotency")]
+            Self::Plain(command) => command.query_async(connection).await,
+        }
+    }
 }
 
 /// One call on the shared connection. If the call fails with the connection (not with an

@@ -943,6 +943,78 @@ impl Backend for RedlockBackend {
         })
     }
 
+    /// Asks every master at once and gives the first answer found: only the request that
+    /// held the in-flight lock stores one, so any copy is that answer. "None" needs a
+    /// majority to say so: a minority may have missed the store.
+    #[cfg(feature = "idempotency")]
+    fn load_answer<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, BackendError>> {
+        Box::pin(async move {
+            let key: Arc<str> = key.into();
+            let timeout = self.node_timeout;
+            let mut replies = self.start_on(0..self.nodes.len(), |_, master| {
+                let key = key.clone();
+                async move { bounded(timeout, master.load_answer(&key)).await }
+            });
+            let mut answered = 0;
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(Some(answer)) => {
+                        finish_in_background(replies);
+                        return Ok(Some(answer));
+                    }
+                    Ok(None) => answered += 1,
+                    Err(failure) => self.report(node, "load_answer", &failure),
+                }
+            }
+            if answered < self.quorum {
+                return Err(BackendError::not_sent(format!(
+                    "only {answered} of {} Redlock masters answered a read of a stored answer",
+                    self.nodes.len()
+                )));
+            }
+            Ok(None)
+        })
+    }
+
+    /// Stores on every master at once; succeeds once a majority answered, and says whether
+    /// a majority now has this answer.
+    #[cfg(feature = "idempotency")]
+    fn store_answer<'a>(
+        &'a self,
+        key: &'a str,
+        answer: bytes::Bytes,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        Box::pin(async move {
+            let key: Arc<str> = key.into();
+            let timeout = self.node_timeout;
+            let mut replies = self.start_on(0..self.nodes.len(), |_, master| {
+                let (key, answer) = (key.clone(), answer.clone());
+                async move { bounded(timeout, master.store_answer(&key, answer, retention)).await }
+            });
+            let (mut answered, mut stored) = (0, 0);
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(ours) => {
+                        answered += 1;
+                        stored += usize::from(ours);
+                    }
+                    Err(failure) => self.report(node, "store_answer", &failure),
+                }
+            }
+            if answered < self.quorum {
+                return Err(BackendError::unknown(format!(
+                    "only {answered} of {} Redlock masters answered the store of an answer",
+                    self.nodes.len()
+                )));
+            }
+            Ok(stored >= self.quorum)
+        })
+    }
+
     fn drift(&self, ttl: Duration) -> Duration {
         ttl / 100 + Duration::from_millis(2)
     }

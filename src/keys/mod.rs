@@ -281,7 +281,7 @@ use http::{request::Parts, Request};
 
 mod adapter;
 mod all;
-mod body;
+pub(crate) mod body;
 #[cfg(test)]
 mod fuzz;
 mod head;

@@ -1,0 +1,416 @@
+//! The idempotency service: look for a stored answer, lock the key, run, store.
+
+use std::{
+    fmt,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use axum::{
+    body::Body,
+    response::{IntoResponse, Response},
+};
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::{stream, StreamExt};
+use http::{request, HeaderMap, Request};
+use http_body::{Body as HttpBody, Frame};
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::{
+    answer::{fingerprint, Answer, Fingerprint},
+    key, Config,
+};
+use crate::{
+    backend::BoxFuture, keys::body::read_capped, owner::OwnerExtension, rejection::Refused, Lease,
+    LockService, Locks, Rejection,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The keys of the in-flight lock: the one in the request's [`Run`], none without one.
+pub(super) type InFlightKeys = fn(&request::Parts) -> Result<Vec<String>, Rejection>;
+
+pub(super) fn in_flight_keys(parts: &request::Parts) -> Result<Vec<String>, Rejection> {
+    Ok(parts
+        .extensions
+        .get::<Run>()
+        .map(|run| vec![run.lock_key.clone()])
+        .unwrap_or_default())
+}
+
+/// The service that [`Idempotency`](super::Idempotency) wraps around its inner service.
+///
+/// Its own refusals, replays and the inner service's answers are all
+/// [`axum::response::Response`]s.
+pub struct IdempotencyService<S> {
+    /// The in-flight lock around the recorder around the inner service.
+    inner: LockService<Recorder<S>, InFlightKeys>,
+    shared: Arc<Shared>,
+}
+
+/// What every request of a layer needs: the store and the settings.
+struct Shared {
+    locks: Locks,
+    config: Config,
+}
+
+/// One request with a key, on its way through the in-flight lock.
+#[derive(Clone)]
+struct Run {
+    /// The in-flight lock's key (without the namespace).
+    lock_key: String,
+    /// The stored answer's key (with the namespace).
+    answer_key: String,
+    fingerprint: Fingerprint,
+    /// The owner and the lease of lock layers outside this one, if any.
+    outer_owner: Option<OwnerExtension>,
+    outer_lease: Option<Lease>,
+}
+
+impl<S> IdempotencyService<S> {
+    pub(super) fn new(inner: S, locks: Locks, config: Config) -> Self {
+        let shared = Arc::new(Shared { locks, config });
+        let recorder = Recorder {
+            inner,
+            shared: shared.clone(),
+        };
+        Self {
+            inner: super::in_flight_layer(shared.locks.clone()).layer(recorder),
+            shared,
+        }
+    }
+}
+
+impl<S: Clone> Clone for IdempotencyService<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("locks", &self.shared.locks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // Made ready by `poll_ready`: that one runs this request.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let config = &shared.config;
+            let (mut parts, body) = request.into_parts();
+            let key = match key::read(&parts.headers, config.max_key_len) {
+                Ok(Some(key)) => key,
+                Ok(None) if !config.required => {
+                    // No key: the request runs as it is, through no lock.
+                    let request = Request::from_parts(parts, Body::new(body));
+                    return Ok(inner.call(request).await?.map(Body::new));
+                }
+                Ok(None) => return Ok(super::missing_key()),
+                Err(rejection) => return Ok(rejection.into_response()),
+            };
+            let body = match read_capped(&parts.headers, body, config.body_limit).await {
+                Ok(body) => body,
+                Err(rejection) => return Ok(rejection.into_response()),
+            };
+            let mut run = shared.run(&parts, &body, &key);
+            run.outer_owner = parts.extensions.get::<OwnerExtension>().cloned();
+            run.outer_lease = parts.extensions.get::<Lease>().cloned();
+            // A retry of a finished request is answered without taking any lock.
+            if let Some(answer) = shared.stored(&run).await {
+                return Ok(answer);
+            }
+            parts.extensions.insert(run);
+            let response = inner
+                .call(Request::from_parts(parts, Body::from(body)))
+                .await?;
+            // The recorder takes the marks off its inner service's refusals: a refusal
+            // here is the in-flight lock's.
+            let refused = response.extensions().get::<Refused>().copied();
+            if refused.is_some_and(|r| r.contended) {
+                let after = response.headers().get(http::header::RETRY_AFTER).cloned();
+                return Ok(super::in_progress(after));
+            }
+            Ok(response.map(Body::new))
+        })
+    }
+}
+
+impl Shared {
+    /// The keys and the fingerprint of a request with `key`.
+    fn run(&self, parts: &request::Parts, body: &[u8], key: &str) -> Run {
+        let scope = self.config.scope.as_ref().map(|scope| scope(parts));
+        let scope = scope.as_deref().unwrap_or_default();
+        // The scope's length first: no scope and key can be cut into another pair.
+        let scoped = format!("{}:{scope}:{key}", scope.len());
+        let path = parts.uri.path();
+        let fingerprint = match &self.config.fingerprint {
+            Some(custom) => fingerprint(&parts.method, path, &[&custom(parts, body)]),
+            None => {
+                let query = parts.uri.query().unwrap_or_default().as_bytes();
+                fingerprint(&parts.method, path, &[query, body])
+            }
+        };
+        Run {
+            answer_key: format!("{}done:{scoped}", self.locks.key_policy().prefix),
+            lock_key: format!("run:{scoped}"),
+            fingerprint,
+            outer_owner: None,
+            outer_lease: None,
+        }
+    }
+
+    /// The response to `run` from its stored answer: the replay, or 422 when the answer
+    /// is another request's; or 503 when the store cannot say. `None`: no answer yet.
+    async fn stored(&self, run: &Run) -> Option<Response> {
+        let backend = &self.locks.backend;
+        let loaded = tokio::time::timeout(
+            self.locks.call_timeout(),
+            backend.load_answer(&run.answer_key),
+        )
+        .await;
+        let bytes = match loaded {
+            Ok(Ok(bytes)) => bytes?,
+            Ok(Err(error)) => {
+                tracing::error!(%error, "could not read a stored idempotent answer");
+                return Some(Rejection::unavailable().into_response());
+            }
+            Err(_) => {
+                tracing::error!("the store did not answer a read of an idempotent answer in time");
+                return Some(Rejection::unavailable().into_response());
+            }
+        };
+        let Some(answer) = Answer::decode(bytes) else {
+            // Not written by this version: a later one's format, or not ours at all.
+            tracing::error!("a stored idempotent answer is in a format this version cannot read");
+            return Some(Rejection::unavailable().into_response());
+        };
+        if answer.fingerprint != run.fingerprint {
+            tracing::debug!("an Idempotency-Key was sent again with another request");
+            return Some(super::reused_key());
+        }
+        tracing::debug!(status = answer.status.as_u16(), "replaying a stored answer");
+        Some(answer.replay())
+    }
+
+    /// Stores `answer` for `run`; a failure is logged, and the response goes out anyway.
+    async fn store(&self, run: &Run, answer: &Answer) {
+        let store = self.locks.backend.store_answer(
+            &run.answer_key,
+            answer.encode(),
+            self.config.retention,
+        );
+        match tokio::time::timeout(self.locks.call_timeout(), store).await {
+            Ok(Ok(true)) => {}
+            // Another run of the key stored first: its lease lapsed while this one ran.
+            Ok(Ok(false)) => tracing::warn!(
+                "another answer was stored for this Idempotency-Key first; it is the one replayed"
+            ),
+            Ok(Err(error)) => tracing::error!(
+                %error,
+                "could not store an idempotent answer: a retry will run the request again"
+            ),
+            Err(_) => tracing::error!(
+                "the store did not take an idempotent answer in time: a retry may run the \
+                 request again"
+            ),
+        }
+    }
+}
+
+/// Runs the inner service for a request that holds its key's in-flight lock, and stores
+/// the answer before the lock is released.
+pub(super) struct Recorder<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S: Clone> Clone for Recorder<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for Recorder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Recorder").finish_non_exhaustive()
+    }
+}
+
+impl<S, ResBody> Service<Request<Body>> for Recorder<S>
+where
+    S: Service<Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let Some(run) = request.extensions().get::<Run>().cloned() else {
+                return Ok(inner.call(request).await?.map(Body::new));
+            };
+            // The in-flight lock is this layer's own business: the request goes on with
+            // the owner and the lease it came with. Lock layers inside that took the
+            // in-flight lock's owner for theirs would see an owner that already holds
+            // keys, which no waiter's reservation keeps out: requests with a key would
+            // jump the line of fair waiting.
+            let extensions = request.extensions_mut();
+            extensions.remove::<Lease>();
+            if let Some(lease) = run.outer_lease.clone() {
+                extensions.insert(lease);
+            }
+            if let Some(owner) = run.outer_owner.clone() {
+                extensions.insert(owner);
+            } else {
+                extensions.remove::<OwnerExtension>();
+            }
+            // The first request may have finished between the first look and the lock.
+            if let Some(answer) = shared.stored(&run).await {
+                return Ok(answer);
+            }
+            let (mut parts, body) = inner.call(request).await?.into_parts();
+            let refused = parts.extensions.remove::<Refused>().is_some();
+            if refused || !(shared.config.store_if)(&parts) {
+                tracing::debug!(status = parts.status.as_u16(), "an answer not to store");
+                return Ok(Response::from_parts(parts, Body::new(body)));
+            }
+            let captured = Captured::read(Body::new(body), shared.config.max_answer).await;
+            if let Some(kept) = captured.kept() {
+                shared
+                    .store(&run, &Answer::of(run.fingerprint, &parts, kept))
+                    .await;
+            }
+            Ok(Response::from_parts(parts, captured.into_body()))
+        })
+    }
+}
+
+/// A response body as read for storing.
+enum Captured {
+    /// All of it.
+    Whole {
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// More than the limit: what was read, and the rest, still to be sent.
+    TooLarge { read: Bytes, rest: Body },
+    /// It failed half-way: what was read, and the error, still to be sent.
+    Failed { read: Bytes, error: axum::Error },
+}
+
+impl Captured {
+    /// Reads `body` up to `limit` bytes.
+    async fn read(mut body: Body, limit: usize) -> Self {
+        let mut data = BytesMut::new();
+        if body.size_hint().lower() > limit as u64 {
+            return Self::TooLarge {
+                read: Bytes::new(),
+                rest: body,
+            };
+        }
+        while let Some(frame) = body.frame().await {
+            let frame = match frame {
+                Ok(frame) => frame,
+                Err(error) => {
+                    let read = data.freeze();
+                    return Self::Failed { read, error };
+                }
+            };
+            match frame.into_data() {
+                Ok(chunk) => {
+                    let over = data.len() + chunk.len() > limit;
+                    data.put(chunk);
+                    if over {
+                        let read = data.freeze();
+                        return Self::TooLarge { read, rest: body };
+                    }
+                }
+                Err(frame) => {
+                    // Trailers end the body; they go out, and are not replayed.
+                    let trailers = frame.into_trailers().ok();
+                    let data = data.freeze();
+                    return Self::Whole { data, trailers };
+                }
+            }
+        }
+        let data = data.freeze();
+        Self::Whole {
+            data,
+            trailers: None,
+        }
+    }
+
+    /// What to store of the body: all of it, or `Some(None)` when it was too large to keep;
+    /// `None` for a body that failed, which is not stored: a retry runs again.
+    fn kept(&self) -> Option<Option<Bytes>> {
+        match self {
+            Self::Whole { data, .. } => Some(Some(data.clone())),
+            Self::TooLarge { .. } => Some(None),
+            Self::Failed { .. } => None,
+        }
+    }
+
+    /// The body to send: the same frames the inner service gave.
+    fn into_body(self) -> Body {
+        match self {
+            Self::Whole {
+                data,
+                trailers: None,
+            } => Body::from(data),
+            Self::Whole {
+                data,
+                trailers: Some(trailers),
+            } => frames([Ok(Frame::data(data)), Ok(Frame::trailers(trailers))]),
+            Self::TooLarge { read, rest } => Body::new(StreamBody::new(
+                stream::once(async { Ok(Frame::data(read)) }).chain(BodyStream::new(rest)),
+            )),
+            Self::Failed { read, error } => frames([Ok(Frame::data(read)), Err(error)]),
+        }
+    }
+}
+
+fn frames<const N: usize>(frames: [Result<Frame<Bytes>, axum::Error>; N]) -> Body {
+    Body::new(StreamBody::new(stream::iter(frames)))
+}

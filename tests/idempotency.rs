@@ -1,0 +1,761 @@
+//! The idempotency layer on every store, across two routers (two processes): a request
+//! with an `Idempotency-Key` runs once, its retries get its answer, and everything else a
+//! client can send gets the draft's answer.
+#![cfg(all(feature = "idempotency", feature = "redis"))]
+
+mod support;
+
+use std::{
+    convert::Infallible,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    body::Body,
+    http::{header, Request, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{post, MethodRouter},
+    Router,
+};
+use bytes::Bytes;
+use support::{
+    handlers::{gated_handler, Gate},
+    http::{header_keys, poll_every, post_keys, send, within, Reply},
+    RedisServer, Rng,
+};
+use tower_batch_lock::{idempotency::Idempotency, Locks, Redlock, Wait};
+
+struct Store {
+    name: &'static str,
+    /// Two handles on the store: two processes (the memory store is one process's only).
+    locks: [Locks; 2],
+    servers: Vec<RedisServer>,
+}
+
+impl Store {
+    fn memory() -> Self {
+        let locks = Locks::isolated_memory();
+        Self {
+            name: "memory",
+            locks: [locks.clone(), locks],
+            servers: Vec::new(),
+        }
+    }
+
+    fn redis() -> Self {
+        let server = RedisServer::start();
+        let handle = || Locks::redis_url(&server.url()).expect("a valid URL");
+        Self {
+            name: "redis",
+            locks: [handle(), handle()],
+            servers: vec![server],
+        }
+    }
+
+    fn redlock() -> Self {
+        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+        // A generous node timeout: the masters share two cores with the test.
+        let handle = || {
+            Redlock::new(&urls)
+                .node_timeout(Duration::from_millis(500))
+                .build()
+                .expect("valid URLs")
+        };
+        Self {
+            name: "redlock",
+            locks: [handle(), handle()],
+            servers,
+        }
+    }
+
+    fn all() -> [Self; 3] {
+        [Self::memory(), Self::redis(), Self::redlock()]
+    }
+
+    /// Checks that no in-flight lock is left on any server: only answers and the fencing
+    /// counter stay.
+    fn assert_no_run_left(&self) {
+        for server in &self.servers {
+            let left = server.keys("idempotency:run:*");
+            assert!(
+                left.is_empty(),
+                "{}: in-flight locks left: {left:?}",
+                self.name
+            );
+        }
+    }
+}
+
+/// The orders service's database: how many orders it created.
+#[derive(Default)]
+struct Orders {
+    created: AtomicUsize,
+}
+
+/// `POST /orders`: creates an order (after the gate, if there is one) and answers 201 with
+/// its number and a `Location`.
+fn create_order(orders: &Arc<Orders>, gate: Option<&Arc<Gate>>) -> MethodRouter {
+    let (orders, gate) = (orders.clone(), gate.cloned());
+    post(move |body: Bytes| {
+        let (orders, gate) = (orders.clone(), gate.clone());
+        async move {
+            if let Some(gate) = gate {
+                gate.pass().await;
+            }
+            let n = orders.created.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = format!(
+                r#"{{"order":{n},"request":{}}}"#,
+                String::from_utf8_lossy(&body)
+            );
+            (
+                StatusCode::CREATED,
+                [
+                    (header::LOCATION, format!("/orders/{n}")),
+                    (header::CONTENT_TYPE, "application/json".to_owned()),
+                ],
+                body,
+            )
+        }
+    })
+}
+
+/// [`create_order`] at `/orders`, behind `idempotency`.
+fn orders_router(
+    idempotency: Idempotency,
+    orders: &Arc<Orders>,
+    gate: Option<&Arc<Gate>>,
+) -> Router {
+    Router::new().route("/orders", create_order(orders, gate).layer(idempotency))
+}
+
+fn order(key: Option<&str>, body: &str) -> Request<Body> {
+    let mut request = Request::post("/orders").header(header::CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::from(body.to_owned())).unwrap()
+}
+
+fn assert_replay_of(first: &Reply, retry: &Reply) {
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.body, first.body, "the replayed body is the first one");
+    assert_eq!(
+        retry.headers[header::LOCATION],
+        first.headers[header::LOCATION]
+    );
+    assert_eq!(
+        retry.headers[header::CONTENT_TYPE],
+        first.headers[header::CONTENT_TYPE]
+    );
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert!(first.headers.get("idempotent-replayed").is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Duplicates run once
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_in_flight_gets_409_and_a_retry_after_it_gets_the_first_answer() {
+    for store in Store::all() {
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        let [a, b] = &store.locks;
+        let first_app = orders_router(a.idempotency(), &orders, Some(&gate));
+        let other_app = orders_router(b.idempotency(), &orders, None);
+        let key = "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"";
+
+        let first = tokio::spawn({
+            let app = first_app.clone();
+            async move { send(&app, order(Some(key), r#"{"sku":"s1"}"#)).await }
+        });
+        gate.wait_entered().await;
+        // The same request on the other process, while the first runs.
+        let duplicate = send(&other_app, order(Some(key), r#"{"sku":"s1"}"#)).await;
+        assert_eq!(duplicate.status, StatusCode::CONFLICT, "{}", store.name);
+        let problem = duplicate.problem();
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("still being processed"),
+            "{problem}"
+        );
+        assert!(duplicate.retry_after() >= 1);
+
+        gate.open();
+        let first = first.await.unwrap();
+        assert_eq!(
+            first.status,
+            StatusCode::CREATED,
+            "{}: {first:?}",
+            store.name
+        );
+
+        // Retries on the other process, and on the first, get the first answer.
+        for app in [&other_app, &first_app] {
+            let retry = send(app, order(Some(key), r#"{"sku":"s1"}"#)).await;
+            assert_replay_of(&first, &retry);
+        }
+        // The bare form of the same key is the same key.
+        let bare = send(
+            &other_app,
+            order(Some(&key[1..key.len() - 1]), r#"{"sku":"s1"}"#),
+        )
+        .await;
+        assert_replay_of(&first, &bare);
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
+        store.assert_no_run_left();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_duplicates_on_two_processes_creates_one_order() {
+    for store in Store::all() {
+        let orders = Arc::new(Orders::default());
+        let apps: Vec<Router> = store
+            .locks
+            .iter()
+            .map(|locks| orders_router(locks.idempotency(), &orders, None))
+            .collect();
+        for round in 0..5 {
+            let key = format!("burst-{round}");
+            let body = format!(r#"{{"round":{round}}}"#);
+            let replies = futures_util::future::join_all((0..16).map(|i| {
+                let app = apps[i % 2].clone();
+                let request = order(Some(&key), &body);
+                async move { send(&app, request).await }
+            }))
+            .await;
+            assert!(
+                replies
+                    .iter()
+                    .all(|r| r.status == StatusCode::CREATED || r.status == StatusCode::CONFLICT),
+                "{}: {replies:?}",
+                store.name
+            );
+            // A retry after the burst: it runs if no copy did (on Redlock, racing copies
+            // can split the masters so that none has a majority), and is answered with the
+            // one order otherwise.
+            let last = send(&apps[0], order(Some(&key), &body)).await;
+            assert_eq!(last.status, StatusCode::CREATED, "{}", store.name);
+            // Every 201 is the one order's answer, however many were replays.
+            let created = replies.iter().filter(|r| r.status == StatusCode::CREATED);
+            assert!(
+                created.into_iter().all(|r| r.body == last.body),
+                "{}",
+                store.name
+            );
+            assert_eq!(
+                orders.created.load(Ordering::SeqCst),
+                round + 1,
+                "{}: round {round}",
+                store.name
+            );
+        }
+        store.assert_no_run_left();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_duplicate_gets_the_first_answer_when_it_is_done() {
+    for store in [Store::memory(), Store::redis()] {
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        let [a, b] = &store.locks;
+        let first_app = orders_router(a.idempotency(), &orders, Some(&gate));
+        let waiting_app = orders_router(
+            b.idempotency().wait(Wait::up_to(Duration::from_secs(5))),
+            &orders,
+            None,
+        );
+        let first = tokio::spawn({
+            let app = first_app.clone();
+            async move { send(&app, order(Some("w"), "{}")).await }
+        });
+        gate.wait_entered().await;
+        let waiting = tokio::spawn({
+            let app = waiting_app.clone();
+            async move { send(&app, order(Some("w"), "{}")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !waiting.is_finished(),
+            "{}: the duplicate waits",
+            store.name
+        );
+        gate.open();
+        let first = first.await.unwrap();
+        let waited = waiting.await.unwrap();
+        assert_replay_of(&first, &waited);
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// What clients can get wrong
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_key_reused_for_another_request_is_422_and_a_missing_or_bad_key_400() {
+    for store in [Store::memory(), Store::redis()] {
+        let orders = Arc::new(Orders::default());
+        let [a, b] = &store.locks;
+        let app = orders_router(a.idempotency().required(true), &orders, None);
+        let other = orders_router(b.idempotency().required(true), &orders, None);
+
+        let first = send(&app, order(Some("k1"), r#"{"sku":"s1"}"#)).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let reused = send(&other, order(Some("k1"), r#"{"sku":"s2"}"#)).await;
+        assert_eq!(
+            reused.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{}",
+            store.name
+        );
+        assert!(reused.problem()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("different request"));
+        // Another path or method with the same key is another request too.
+        let elsewhere = Router::new()
+            .route("/carts", post(|| async { "ok" }))
+            .route("/orders", axum::routing::put(|| async { "ok" }))
+            .layer(b.idempotency());
+        for request in [
+            Request::post("/carts")
+                .header("idempotency-key", "k1")
+                .body(Body::from(r#"{"sku":"s1"}"#)),
+            Request::put("/orders")
+                .header("idempotency-key", "k1")
+                .body(Body::from(r#"{"sku":"s1"}"#)),
+        ] {
+            let reply = send(&elsewhere, request.unwrap()).await;
+            assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{reply:?}");
+        }
+
+        let missing = send(&app, order(None, "{}")).await;
+        assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+        assert!(missing.problem()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("needs an Idempotency-Key"));
+        let long = "x".repeat(256);
+        for bad in ["\"unterminated", "two words", "\"\"", long.as_str()] {
+            let reply = send(&app, order(Some(bad), "{}")).await;
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}: {reply:?}");
+            reply.problem();
+        }
+        let twice = Request::post("/orders")
+            .header("idempotency-key", "a")
+            .header("idempotency-key", "b")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(send(&app, twice).await.status, StatusCode::BAD_REQUEST);
+        // None of these ran.
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+
+        // Without `required`, a request without a key runs, every time.
+        let optional = orders_router(a.idempotency(), &orders, None);
+        for _ in 0..2 {
+            let reply = send(&optional, order(None, "{}")).await;
+            assert_eq!(reply.status, StatusCode::CREATED);
+            assert!(reply.headers.get("idempotent-replayed").is_none());
+        }
+        assert_eq!(orders.created.load(Ordering::SeqCst), 3);
+        store.assert_no_run_left();
+    }
+}
+
+#[tokio::test]
+async fn scoped_keys_of_two_clients_never_meet() {
+    let store = Store::redis();
+    let orders = Arc::new(Orders::default());
+    let by_account = |parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-account")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let app = orders_router(
+        store.locks[0].idempotency().scope(by_account),
+        &orders,
+        None,
+    );
+    let as_account = |account: &str| {
+        let mut request = order(Some("same-key"), "{}");
+        request
+            .headers_mut()
+            .insert("x-account", account.parse().unwrap());
+        request
+    };
+    let alice = send(&app, as_account("alice")).await;
+    let bob = send(&app, as_account("bob")).await;
+    assert_eq!(
+        (alice.status, bob.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_ne!(alice.body, bob.body, "each client's request ran");
+    assert_replay_of(&alice, &send(&app, as_account("alice")).await);
+    assert_replay_of(&bob, &send(&app, as_account("bob")).await);
+    assert_eq!(orders.created.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// What is stored
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_large_answer_is_replayed_byte_for_byte_and_one_over_the_limit_is_not_run_again() {
+    for store in [Store::memory(), Store::redis()] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut rng = Rng::seeded(7);
+        let large: Bytes = (0..700 * 1024).map(|_| rng.below(256) as u8).collect();
+        let answer = {
+            let (runs, large) = (runs.clone(), large.clone());
+            move || {
+                let (runs, large) = (runs.clone(), large.clone());
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    large
+                }
+            }
+        };
+        let [a, b] = &store.locks;
+        let app = Router::new().route("/export", post(answer.clone()).layer(a.idempotency()));
+        let other = Router::new().route("/export", post(answer.clone()).layer(b.idempotency()));
+        let export = |key: &str| {
+            Request::post("/export")
+                .header("idempotency-key", key)
+                .body(Body::empty())
+                .unwrap()
+        };
+        let first = send(&app, export("big")).await;
+        assert_eq!(
+            first.body, large,
+            "{}: the first answer is whole",
+            store.name
+        );
+        let retry = send(&other, export("big")).await;
+        assert_eq!(retry.status, StatusCode::OK);
+        assert_eq!(
+            retry.body, large,
+            "{}: the replay is byte for byte",
+            store.name
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+        // Over the limit: the first request gets all of it, its retries a 409 that says
+        // why, and the handler does not run again.
+        let small_limit = Router::new().route(
+            "/export",
+            post(answer).layer(a.idempotency().max_answer(100 * 1024)),
+        );
+        let first = send(&small_limit, export("too-big")).await;
+        assert_eq!(first.body, large);
+        let retry = send(&small_limit, export("too-big")).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT);
+        let problem = retry.problem();
+        assert_eq!(problem["limit"], "idempotency_answer_size", "{problem}");
+        assert!(
+            problem["detail"].as_str().unwrap().contains("status 200"),
+            "{problem}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        store.assert_no_run_left();
+    }
+}
+
+#[tokio::test]
+async fn a_failed_request_is_replayed_unless_it_says_to_try_again() {
+    let store = Store::redis();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // Each run answers with the status in `x-answer`, and says which run it was.
+    let handler = {
+        let runs = runs.clone();
+        move |request: Request<Body>| {
+            let runs = runs.clone();
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let status: u16 = request.headers()["x-answer"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (StatusCode::from_u16(status).unwrap(), format!("run {run}")).into_response()
+            }
+        }
+    };
+    let with = |idempotency: Idempotency| {
+        Router::new().route("/pay", post(handler.clone()).layer(idempotency))
+    };
+    let default = with(store.locks[0].idempotency());
+    let successes_only = with(
+        store.locks[0]
+            .idempotency()
+            .store_if(|r| r.status.is_success()),
+    );
+    let pay = |key: &str, status: u16| {
+        Request::post("/pay")
+            .header("idempotency-key", key)
+            .header("x-answer", status.to_string())
+            .body(Body::empty())
+            .unwrap()
+    };
+    let twice = |app: Router, key: &'static str, status: u16| async move {
+        let first = send(&app, pay(key, status)).await;
+        let retry = send(&app, pay(key, status)).await;
+        assert_eq!(first.status.as_u16(), status);
+        (first.text(), retry)
+    };
+
+    // A 500 may have done half its work: it is replayed, not run again.
+    let (first, retry) = twice(default.clone(), "e500", 500).await;
+    assert_eq!((first.as_str(), retry.text().as_str()), ("run 1", "run 1"));
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    // A 422 of the handler is an answer like any other.
+    let (_, retry) = twice(default.clone(), "e422", 422).await;
+    assert_eq!(
+        (retry.status, retry.text().as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "run 2")
+    );
+    // 503 and 429 say "try again": the retry runs.
+    for (key, status) in [("e503", 503), ("e429", 429)] {
+        let (first, retry) = twice(default.clone(), key, status).await;
+        assert_ne!(first, retry.text(), "{status}: the retry ran again");
+        assert!(retry.headers.get("idempotent-replayed").is_none());
+    }
+    // With `store_if`, what it refuses runs again.
+    let (first, retry) = twice(successes_only, "e500-not-kept", 500).await;
+    assert_ne!(first, retry.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 8);
+    store.assert_no_run_left();
+}
+
+#[tokio::test]
+async fn a_body_that_fails_half_way_is_not_stored() {
+    let store = Store::memory();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let chunks: [Result<Bytes, std::io::Error>; 2] = [
+                    Ok(Bytes::from_static(b"part")),
+                    Err(std::io::Error::other("broken")),
+                ];
+                Response::new(Body::from_stream(futures_util::stream::iter(chunks)))
+            }
+        }
+    };
+    let app = Router::new().route("/", post(handler).layer(store.locks[0].idempotency()));
+    for _ in 0..2 {
+        let request = Request::post("/")
+            .header("idempotency-key", "k")
+            .body(Body::empty());
+        let response = tower::ServiceExt::oneshot(app.clone(), request.unwrap())
+            .await
+            .unwrap();
+        let read = http_body_util::BodyExt::collect(response.into_body()).await;
+        assert!(
+            read.is_err(),
+            "the client sees the body fail, as without the layer"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "nothing was stored: the retry ran"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Next to the resources' locks
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_refusal_by_the_resource_locks_inside_is_not_stored() {
+    let store = Store::redis();
+    let [a, b] = &store.locks;
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    // The sku locks inside, the idempotency layer outside (added last).
+    let app = |locks: &Locks, gate: Option<&Arc<Gate>>| {
+        let create = create_order(&orders, gate)
+            .layer::<_, Infallible>(locks.layer(header_keys))
+            .layer(locks.idempotency());
+        Router::new().route("/orders", create)
+    };
+    let busy = app(a, Some(&gate));
+    let retail = app(b, None);
+    let holder = tokio::spawn({
+        let busy = busy.clone();
+        let mut request = order(Some("holder"), "{}");
+        request
+            .headers_mut()
+            .insert("x-keys", "sku-1".parse().unwrap());
+        async move { send(&busy, request).await }
+    });
+    gate.wait_entered().await;
+    let mut request = order(Some("po-7"), "{}");
+    request
+        .headers_mut()
+        .insert("x-keys", "sku-1,sku-2".parse().unwrap());
+    let refused = send(&retail, request).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert!(
+        refused.problem()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("resource"),
+        "the sku lock's own 409, not the idempotency layer's"
+    );
+    gate.open();
+    assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    // The retry runs, now that the sku is free.
+    let mut request = order(Some("po-7"), "{}");
+    request
+        .headers_mut()
+        .insert("x-keys", "sku-1,sku-2".parse().unwrap());
+    let retried = send(&retail, request).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(retried.headers.get("idempotent-replayed").is_none());
+    assert_eq!(orders.created.load(Ordering::SeqCst), 2);
+    store.assert_no_run_left();
+    // `lock:` alone is the fencing counter.
+    let left = store.servers[0].keys("lock:?*");
+    assert!(left.is_empty(), "sku locks left: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter() {
+    for store in [Store::memory(), Store::redis()] {
+        let [a, b] = &store.locks;
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        // A request holds `a`.
+        let holder_app = Router::new().route(
+            "/hold",
+            post(gated_handler(&gate)).layer(a.layer(header_keys)),
+        );
+        let holder = tokio::spawn(async move { send(&holder_app, post_keys("/hold", "a")).await });
+        gate.wait_entered().await;
+        // A waiter in line for `a` and `b` reserves both; `b` is free.
+        let waiting = b.clone().wait(Wait::up_to(Duration::from_secs(5)));
+        let waiter_app = Router::new().route(
+            "/wait",
+            post(|| async { "waited" }).layer(waiting.layer(header_keys)),
+        );
+        let waiter =
+            tokio::spawn(async move { send(&waiter_app, post_keys("/wait", "a,b")).await });
+        within(Duration::from_secs(5), "the waiter reserves `b`", async {
+            while a.inspect(["b"]).await.unwrap()[0].waiters() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+
+        // An order for `b` with an Idempotency-Key, which does not wait: the waiter came
+        // first, and its reservation keeps the order out as it keeps out any request.
+        let create = create_order(&orders, None)
+            .layer::<_, Infallible>(a.layer(header_keys))
+            .layer(a.idempotency());
+        let app = Router::new().route("/orders", create);
+        let mut request = order(Some("late"), "{}");
+        request.headers_mut().insert("x-keys", "b".parse().unwrap());
+        let late = send(&app, request).await;
+        assert_eq!(
+            late.status,
+            StatusCode::CONFLICT,
+            "{}: {late:?}",
+            store.name
+        );
+        assert_eq!(orders.created.load(Ordering::SeqCst), 0);
+
+        gate.open();
+        assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+        assert_eq!(waiter.await.unwrap().text(), "waited");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A process that dies mid-request
+// ---------------------------------------------------------------------------------------
+
+/// The environment variable that turns [`dying_process`] into a client process.
+const DYING_URL: &str = "TOWER_BATCH_LOCK_TEST_IDEMPOTENCY_URL";
+
+/// Not a test: the process that [`a_killed_processs_key_is_free_again_after_its_ttl`]
+/// starts and kills. It runs a request with key `k` whose handler never finishes.
+#[tokio::test]
+#[ignore = "a child process of another test"]
+async fn dying_process() {
+    let Ok(url) = std::env::var(DYING_URL) else {
+        return;
+    };
+    let locks = Locks::redis_url(&url)
+        .unwrap()
+        .ttl(Duration::from_millis(600));
+    let app = Router::new().route(
+        "/orders",
+        post(std::future::pending::<()>).layer(locks.idempotency()),
+    );
+    let _ = tower::ServiceExt::oneshot(app, order(Some("k"), "{}")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_processs_key_is_free_again_after_its_ttl() {
+    let store = Store::redis();
+    let server = &store.servers[0];
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "dying_process", "--ignored", "--nocapture"])
+        .env(DYING_URL, server.url())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the dying process");
+    let running = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
+        !server.keys("idempotency:run:*").is_empty()
+    })
+    .await;
+    assert!(running.is_some(), "the child process never took the key");
+    // Past a renewal, so that the lock outlives its first TTL while the process lives.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let orders = Arc::new(Orders::default());
+    let app = orders_router(store.locks[0].idempotency(), &orders, None);
+    let busy = send(&app, order(Some("k"), "{}")).await;
+    assert_eq!(
+        busy.status,
+        StatusCode::CONFLICT,
+        "the living process holds the key"
+    );
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    let ran = within(Duration::from_secs(5), "a retry runs", async {
+        loop {
+            let reply = send(&app, order(Some("k"), "{}")).await;
+            if reply.status == StatusCode::CREATED {
+                return reply;
+            }
+            assert_eq!(reply.status, StatusCode::CONFLICT);
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await;
+    let took = killed.elapsed();
+    eprintln!("a killed process's key ran again {took:?} after the kill");
+    assert!(took <= Duration::from_millis(600 + 300), "{took:?}");
+    assert!(ran.headers.get("idempotent-replayed").is_none());
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    store.assert_no_run_left();
+}
