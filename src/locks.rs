@@ -460,6 +460,13 @@ impl Locks {
         self.tune(|p| p.trusted_owner_header = Some(header))
     }
 
+    /// These locks without [`trust_owner_header`](Self::trust_owner_header): for locks
+    /// that no caller may enter again, whatever owner it brings.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn trusting_no_owner(self) -> Self {
+        self.tune(|p| p.trusted_owner_header = None)
+    }
+
     /// Whether the lock store can serve locks now: it answers within the
     /// [backend timeout](Self::backend_timeout), and has what the locks need (for Redis:
     /// version 7.0 or later, and every script loads; for Redlock: a majority of the masters

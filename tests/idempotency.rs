@@ -687,6 +687,46 @@ async fn a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_that_share_a_trusted_owner_still_run_once() {
+    const OWNER: &str = "0123456789abcdef0123456789abcdef";
+    let trusting = Locks::isolated_memory().trust_owner_header(
+        http::HeaderName::from_static("x-lock-owner"),
+        |_: &http::request::Parts| true,
+    );
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    // The owner header reaches the in-flight lock directly, and through an outer lock
+    // layer that takes the owner (and so re-enters its own key `x`) for both requests.
+    let direct = orders_router(trusting.idempotency(), &orders, Some(&gate));
+    let nested = direct.clone().route_layer(
+        trusting.layer(|_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["x"])),
+    );
+    for (app, key) in [(direct, "direct"), (nested, "nested")] {
+        let with_owner = || {
+            let mut request = order(Some(key), "{}");
+            request
+                .headers_mut()
+                .insert("x-lock-owner", OWNER.parse().unwrap());
+            request
+        };
+        let first = tokio::spawn({
+            let (app, request) = (app.clone(), with_owner());
+            async move { send(&app, request).await }
+        });
+        gate.wait_entered().await;
+        let duplicate = send(&app, with_owner()).await;
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CONFLICT,
+            "{key}: {duplicate:?}"
+        );
+        gate.open();
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
+    assert_eq!(orders.created.load(Ordering::SeqCst), 2);
+}
+
 // ---------------------------------------------------------------------------------------
 // A process that dies mid-request
 // ---------------------------------------------------------------------------------------

@@ -141,7 +141,10 @@ impl Locks {
             .max_keys(1)
             // The lock key is the client's key (`max_key_len`) with the scope around it.
             .max_key_len(4096)
-            .hold_until_body_end(false);
+            .hold_until_body_end(false)
+            // Two requests with one key are duplicates, whoever sent them: a trusted
+            // caller's owner must not enter another's in-flight lock again.
+            .trusting_no_owner();
         Idempotency {
             locks,
             config: Config {

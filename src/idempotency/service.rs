@@ -141,7 +141,10 @@ where
                 Err(rejection) => return Ok(rejection.into_response()),
             };
             let mut run = shared.run(&parts, &body, &key);
-            run.outer_owner = parts.extensions.get::<OwnerExtension>().cloned();
+            // The in-flight lock gets an owner of its own, never one that may enter it
+            // again (an outer lock layer's, shared by nested layers): two requests with
+            // one key are duplicates, whoever owns them.
+            run.outer_owner = parts.extensions.remove::<OwnerExtension>();
             run.outer_lease = parts.extensions.get::<Lease>().cloned();
             // A retry of a finished request is answered without taking any lock.
             if let Some(answer) = shared.stored(&run).await {
