@@ -38,6 +38,8 @@
 //! - [`Locks::redlock`] and [`Redlock`] (feature `redis`): every process that shares a
 //!   majority of several independent Redis masters, so that the locks outlive any minority
 //!   of them.
+//! - [`Locks::redis_cluster`] and [`RedisCluster`] (feature `cluster`): every process that
+//!   shares a Redis Cluster, each batch spread over the masters that serve its keys.
 //!
 //! # Responses
 //!
@@ -111,6 +113,8 @@ mod retry_after;
 mod service;
 mod wait;
 
+#[cfg(feature = "cluster")]
+pub use backend::cluster::RedisCluster;
 #[cfg(feature = "redis")]
 pub use backend::redlock::Redlock;
 pub use body::ResponseBody;

@@ -278,6 +278,37 @@ impl Locks {
         crate::Redlock::new(urls).build()
     }
 
+    /// Locks on a Redis Cluster, shared by every process that uses it with the same
+    /// prefix: each batch is grouped by the master that serves its keys, one script call
+    /// per master, all at once, granted when every master granted its group.
+    /// [`RedisCluster`](crate::RedisCluster) explains what that guarantees, and sets the
+    /// timeouts.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_batch_lock::Locks;
+    ///
+    /// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
+    /// // Any subset of the nodes: the rest comes from the cluster's slot map.
+    /// let locks = Locks::redis_cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"])?
+    ///     .ttl(Duration::from_secs(10));
+    /// # drop(locks);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When there is no URL, or one is not a valid Redis URL. Nothing connects yet.
+    #[cfg(feature = "cluster")]
+    pub fn redis_cluster<I>(urls: I) -> Result<Self, redis::RedisError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        crate::RedisCluster::new(urls).build()
+    }
+
     pub(crate) fn with_backend(backend: Arc<dyn Backend>) -> Self {
         Self {
             backend,

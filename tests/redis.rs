@@ -358,9 +358,17 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     );
 }
 
-/// A script of the crate's Redis store, as the store builds it.
+/// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
+/// the value format, the body.
 fn crate_script(body: &str) -> redis::Script {
-    redis::Script::new(&[include_str!("../src/backend/scripts/value.lua"), body].concat())
+    redis::Script::new(
+        &[
+            include_str!("../src/backend/scripts/single.lua"),
+            include_str!("../src/backend/scripts/value.lua"),
+            body,
+        ]
+        .concat(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

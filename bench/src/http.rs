@@ -534,11 +534,18 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
     hand.locked(&headers, 100).await
 }
 
-/// A script of the crate's Redis store, as the store builds it: the lock value's functions,
-/// then the script's own file. Read from the crate's source, so that the hand-written
-/// handler always does the same Redis work as the layer.
+/// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
+/// the lock value's functions, then the script's own file. Read from the crate's source, so
+/// that the hand-written handler always does the same Redis work as the layer.
 fn crate_script(body: &str) -> Script {
-    Script::new(&[include_str!("../../src/backend/scripts/value.lua"), body].concat())
+    Script::new(
+        &[
+            include_str!("../../src/backend/scripts/single.lua"),
+            include_str!("../../src/backend/scripts/value.lua"),
+            body,
+        ]
+        .concat(),
+    )
 }
 
 /// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in

@@ -16,6 +16,8 @@ use std::{
 use bytes::Bytes;
 use uuid::Uuid;
 
+#[cfg(feature = "cluster")]
+pub(crate) mod cluster;
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;

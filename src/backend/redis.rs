@@ -37,35 +37,62 @@ pub(crate) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 /// A release of more slots than this wakes every waiter instead of naming them.
 const MAX_NAMED_SLOTS: usize = 64;
 
-/// A script that reads or writes lock values: the value format's functions (`value.lua`),
-/// then its own body.
-fn value_script(body: &str) -> Script {
-    Script::new(&[include_str!("scripts/value.lua"), body].concat())
+/// The scripts that read or write lock values, each its prelude (`single.lua` or
+/// `cluster.lua`: where the keys come from, and what a node may do with them), the value
+/// format's functions (`value.lua`), then its own body.
+pub(crate) struct Scripts {
+    /// Locks a batch, all or nothing, or reserves it for a waiter in line.
+    acquire: Script,
+    /// Extends a batch if every key still has the hold.
+    extend: Script,
+    /// Ends a hold on the keys that still have it, and announces the release.
+    release: Script,
+    /// Takes a waiter's reservations off its keys, and announces it.
+    withdraw: Script,
+    /// Reads what an operator may see of keys: state, ttl, holds, waiters; never owners.
+    inspect: Script,
+    /// Ends every hold on keys, whoever has it, and announces it.
+    force_release: Script,
+    /// Whether the keys go as arguments (a group of a batch on a cluster node) rather than
+    /// as declared keys.
+    keys_as_args: bool,
 }
 
-/// Locks a batch, all or nothing, or reserves it for a waiter in line.
-static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/acquire.lua")));
+impl Scripts {
+    fn with_prelude(prelude: &str, keys_as_args: bool) -> Self {
+        let script =
+            |body: &str| Script::new(&[prelude, include_str!("scripts/value.lua"), body].concat());
+        Self {
+            acquire: script(include_str!("scripts/acquire.lua")),
+            extend: script(include_str!("scripts/extend.lua")),
+            release: script(include_str!("scripts/release.lua")),
+            withdraw: script(include_str!("scripts/withdraw.lua")),
+            inspect: script(include_str!("scripts/inspect.lua")),
+            force_release: script(include_str!("scripts/force_release.lua")),
+            keys_as_args,
+        }
+    }
 
-/// Extends a batch if every key still has the hold.
-static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/extend.lua")));
+    /// An invocation of `script` (one of these) on `keys`.
+    fn prepare<'a>(&self, script: &'a Script, keys: &[String]) -> ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        if self.keys_as_args {
+            invocation.arg(keys.len()).arg(keys);
+        } else {
+            invocation.key(keys);
+        }
+        invocation
+    }
+}
 
-/// Ends a hold on the keys that still have it, and announces the release.
-static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/release.lua")));
+/// The scripts on one Redis, and on each Redlock master.
+pub(crate) static SINGLE: LazyLock<Scripts> =
+    LazyLock::new(|| Scripts::with_prelude(include_str!("scripts/single.lua"), false));
 
-/// Takes a waiter's reservations off its keys, and announces it.
-static WITHDRAW: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/withdraw.lua")));
-
-/// Reads what an operator may see of keys: state, ttl, holds, waiters; never owners.
-static INSPECT: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/inspect.lua")));
-
-/// Ends every hold on keys, whoever has it, and announces it.
-static FORCE_RELEASE: LazyLock<Script> =
-    LazyLock::new(|| value_script(include_str!("scripts/force_release.lua")));
+/// The scripts on a Redis Cluster node, for the keys of a batch that the node serves.
+#[cfg(feature = "cluster")]
+pub(crate) static CLUSTER: LazyLock<Scripts> =
+    LazyLock::new(|| Scripts::with_prelude(include_str!("scripts/cluster.lua"), true));
 
 /// Raises a namespace's fencing counter to a floor (for Redlock).
 static RAISE_FENCE: LazyLock<Script> =
@@ -79,6 +106,8 @@ pub(crate) struct RedisBackend {
     /// with a `PING`). One whose call failed or stalled is not used again.
     shared: Mutex<Shared>,
     wakeups: Arc<Wakeups>,
+    /// The scripts' form: for one Redis, or for a cluster node.
+    scripts: &'static Scripts,
     /// Where to open the subscription to other processes' releases, if anywhere.
     subscriber: Option<redis::Client>,
     subscribed: OnceLock<()>,
@@ -97,10 +126,27 @@ impl RedisBackend {
     /// `subscriber`: the Redis to listen on for other processes' releases; without it,
     /// waiters wake on this process's releases and otherwise poll.
     pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
+        Self::with_scripts(pool, subscriber, &SINGLE)
+    }
+
+    /// A master of a Redis Cluster, which gets the keys of a batch that it serves, of many
+    /// slots ([`CLUSTER`]). Its acquisitions count no grant (the cluster store takes the
+    /// token from one counter) and its releases announce nothing (the cluster store does).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn cluster_node(pool: Pool) -> Self {
+        Self::with_scripts(pool, None, &CLUSTER)
+    }
+
+    fn with_scripts(
+        pool: Pool,
+        subscriber: Option<redis::Client>,
+        scripts: &'static Scripts,
+    ) -> Self {
         let backend = Self {
             pool,
             shared: Mutex::default(),
             wakeups: Arc::new(Wakeups::new()),
+            scripts,
             subscriber,
             subscribed: OnceLock::new(),
         };
@@ -238,8 +284,13 @@ impl Backend for RedisBackend {
         line: Line,
     ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
         Box::pin(async move {
-            let mut script = ACQUIRE.prepare_invoke();
-            script.key(namespace).key(keys);
+            let mut script = self.scripts.acquire.prepare_invoke();
+            if self.scripts.keys_as_args {
+                // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
+                script.arg(keys.len() + 1).arg("").arg(keys);
+            } else {
+                script.key(namespace).key(keys);
+            }
             script
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex())
@@ -278,9 +329,8 @@ impl Backend for RedisBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
-            let mut script = EXTEND.prepare_invoke();
+            let mut script = self.scripts.prepare(&self.scripts.extend, keys);
             script
-                .key(keys)
                 .arg(holder.owner.as_hex())
                 .arg(holder.hold_hex())
                 .arg(millis(ttl));
@@ -294,11 +344,8 @@ impl Backend for RedisBackend {
         holder: Holder,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let mut script = RELEASE.prepare_invoke();
-            script
-                .key(keys)
-                .arg(holder.owner.as_hex())
-                .arg(holder.hold_hex());
+            let mut script = self.scripts.prepare(&self.scripts.release, keys);
+            script.arg(holder.owner.as_hex()).arg(holder.hold_hex());
             self.invoke_announcing(script, keys).await
         })
     }
@@ -309,8 +356,8 @@ impl Backend for RedisBackend {
         ticket: Ticket,
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let mut script = WITHDRAW.prepare_invoke();
-            script.key(keys).arg(ticket.get());
+            let mut script = self.scripts.prepare(&self.scripts.withdraw, keys);
+            script.arg(ticket.get());
             self.invoke_announcing(script, keys).await
         })
     }
@@ -320,8 +367,7 @@ impl Backend for RedisBackend {
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
         Box::pin(async move {
-            let mut script = INSPECT.prepare_invoke();
-            script.key(keys);
+            let script = self.scripts.prepare(&self.scripts.inspect, keys);
             let reply: Vec<i64> = self.invoke(&script).await?;
             if reply.len() != keys.len() * 4 {
                 return Err(BackendError::unknown(format!(
@@ -339,8 +385,7 @@ impl Backend for RedisBackend {
         keys: &'a [String],
     ) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(async move {
-            let mut script = FORCE_RELEASE.prepare_invoke();
-            script.key(keys);
+            let script = self.scripts.prepare(&self.scripts.force_release, keys);
             self.invoke_announcing(script, keys).await
         })
     }
@@ -363,8 +408,13 @@ impl Backend for RedisBackend {
                     "the lock store needs Redis 7.0 or later; this server is {major}.{minor}"
                 )));
             }
-            let scripts = [&*ACQUIRE, &*EXTEND, &*RELEASE, &*WITHDRAW, &*RAISE_FENCE];
-            // INSPECT and FORCE_RELEASE are an operator's: they load when first used.
+            let own = &self.scripts;
+            let mut scripts = vec![&own.acquire, &own.extend, &own.release, &own.withdraw];
+            // Redlock raises fences; a cluster node keeps no counter.
+            if !own.keys_as_args {
+                scripts.push(&*RAISE_FENCE);
+            }
+            // Inspect and force_release are an operator's: they load when first used.
             for script in scripts {
                 let loaded = script.load_async(&mut call.connection).await;
                 if loaded.is_err() {
@@ -495,7 +545,7 @@ fn key_view(numbers: &[i64]) -> KeyView {
     }
 }
 
-fn millis(duration: Duration) -> u64 {
+pub(crate) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
@@ -511,7 +561,7 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
 }
 
 /// The slots as the release message carries them: `3,17,512`, or `*` for all.
-fn slot_list(slots: &[usize]) -> String {
+pub(crate) fn slot_list(slots: &[usize]) -> String {
     if slots.len() > MAX_NAMED_SLOTS {
         return "*".to_owned();
     }
@@ -566,7 +616,7 @@ async fn subscribe(client: &redis::Client) -> redis::RedisResult<redis::aio::Pub
     Ok(pubsub)
 }
 
-fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
+pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     if payload == b"*" {
         return wakeups.wake_all();
     }

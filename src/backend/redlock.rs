@@ -309,7 +309,7 @@ impl fmt::Debug for RedlockBackend {
 
 /// Why one master gave no answer to one call.
 #[derive(Debug)]
-enum NodeFailure {
+pub(crate) enum NodeFailure {
     /// No answer within the node timeout: the command may still run there.
     TimedOut,
     Failed(BackendError),
@@ -325,7 +325,7 @@ impl fmt::Display for NodeFailure {
 }
 
 impl NodeFailure {
-    fn may_have_applied(&self) -> bool {
+    pub(crate) fn may_have_applied(&self) -> bool {
         match self {
             Self::TimedOut => true,
             Self::Failed(error) => error.may_have_applied,
@@ -333,13 +333,13 @@ impl NodeFailure {
     }
 }
 
-type NodeReply<T> = Result<T, NodeFailure>;
+pub(crate) type NodeReply<T> = Result<T, NodeFailure>;
 
 /// The masters' replies to one call, as they come.
 type Replies<T> = FuturesUnordered<BoxFuture<'static, (usize, NodeReply<T>)>>;
 
 /// `call`, bounded by `timeout`.
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     timeout: Duration,
     call: impl Future<Output = Result<T, BackendError>>,
 ) -> NodeReply<T> {
@@ -352,7 +352,7 @@ async fn bounded<T>(
 /// Releases on one master, and when the outcome is unknown (the master may still run an
 /// earlier command of ours, such as the acquisition), keeps trying in the background
 /// until it answers or until `give_up_at`, when no key of ours can be left there.
-async fn release_on(
+pub(crate) async fn release_on(
     node: usize,
     master: Arc<RedisBackend>,
     keys: Arc<[String]>,
@@ -580,6 +580,12 @@ impl RedlockBackend {
     fn late_acquisitions(&self) -> std::sync::MutexGuard<'_, HashMap<Holder, Arc<AtomicBool>>> {
         self.late.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// The allowance for masters' clocks running at different rates over `ttl`: a lease on
+/// several masters ends this much before `ttl` after it was asked for.
+pub(crate) fn clock_drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
 }
 
 /// One contention out of the masters' refusals: the conflicting keys any master named,
@@ -1016,7 +1022,7 @@ impl Backend for RedlockBackend {
     }
 
     fn drift(&self, ttl: Duration) -> Duration {
-        ttl / 100 + Duration::from_millis(2)
+        clock_drift(ttl)
     }
 
     fn wakeups(&self) -> &Wakeups {

@@ -4,6 +4,8 @@
 //! outside the crate ([`RedisServer`], [`Observer`]).
 #![allow(dead_code)] // each test binary uses a different part of it
 
+#[cfg(feature = "cluster")]
+pub(crate) mod cluster;
 pub(crate) mod handlers;
 pub(crate) mod http;
 pub(crate) mod logs;

@@ -1,4 +1,5 @@
--- KEYS[1]: the namespace's fencing counter; KEYS[2..]: the batch.
+-- KEYS[1]: the namespace's fencing counter (on a cluster, a placeholder: see cluster.lua);
+-- KEYS[2..]: the batch.
 -- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
 -- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
 -- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing).
@@ -74,11 +75,9 @@ if conflicts > 0 then
       end
     end
   else
-    for from = 1, #taken, 1000 do
-      local keys = {}
-      for j = from, math.min(from + 999, #taken) do keys[#keys + 1] = KEYS[taken[j]] end
-      redis.call('DEL', unpack(keys))
-    end
+    local keys = {}
+    for _, j in ipairs(taken) do keys[#keys + 1] = KEYS[j] end
+    delete(keys)
   end
   return {0, conflicts, earliest, named}
 end
@@ -96,4 +95,4 @@ for i, parts in pairs(found) do
     redis.call('SET', KEYS[i], mine .. queue, 'PX', ttl)
   end
 end
-return {1, redis.call('INCR', KEYS[1]), -1, {}}
+return {1, count_grant(), -1, {}}

@@ -17,5 +17,5 @@ each_value(1, function(i, value)
     store(KEYS[i], '', left, latest)
   end
 end)
-if released > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+if released > 0 then announce(ARGV[1], ARGV[2]) end
 return released

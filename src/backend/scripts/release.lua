@@ -20,11 +20,7 @@ each_value(1, function(i, value)
     local left, latest = requeue(queue)
     store(KEYS[i], '', left, latest)
   end
-  if #gone == 1000 then
-    redis.call('DEL', unpack(gone))
-    gone = {}
-  end
 end)
-if #gone > 0 then redis.call('DEL', unpack(gone)) end
-if released > 0 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+delete(gone)
+if released > 0 then announce(ARGV[3], ARGV[4]) end
 return released

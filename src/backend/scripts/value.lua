@@ -89,12 +89,28 @@ local function reserved_before(queue, ticket)
   return false
 end
 
--- The values of KEYS[first..], a thousand at a time (`unpack` fails near 8,000 values):
--- calls `each(index, value)` for every key.
+-- The values of KEYS[first..], a thousand at a time (`unpack` fails near 8,000 values), or
+-- one at a time where one command may only name keys of one slot (`per_key`, set by the
+-- prelude): calls `each(index, value)` for every key.
 local function each_value(first, each)
+  if per_key then
+    for i = first, #KEYS do each(i, redis.call('GET', KEYS[i])) end
+    return
+  end
   for from = first, #KEYS, 1000 do
     local to = math.min(from + 999, #KEYS)
     local values = redis.call('MGET', unpack(KEYS, from, to))
     for j = 1, #values do each(from + j - 1, values[j]) end
+  end
+end
+
+-- Deletes the keys of the list `keys`: a thousand at a time, or one at a time (`per_key`).
+local function delete(keys)
+  if per_key then
+    for _, key in ipairs(keys) do redis.call('DEL', key) end
+    return
+  end
+  for from = 1, #keys, 1000 do
+    redis.call('DEL', unpack(keys, from, math.min(from + 999, #keys)))
   end
 end

@@ -12,5 +12,5 @@ each_value(1, function(i, value)
   local left, latest = requeue(queue, ARGV[1])
   store(KEYS[i], holds, left, latest)
 end)
-if withdrawn > 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+if withdrawn > 0 then announce(ARGV[2], ARGV[3]) end
 return withdrawn

@@ -1,0 +1,53 @@
+//! Wake-ups across processes on a cluster, with sharded pub/sub.
+//!
+//! `PUBLISH` on a Redis Cluster goes to every node (the cluster bus broadcasts it), which
+//! floods a big cluster; `SPUBLISH` (Redis 7.0) reaches only the shard that serves the
+//! channel's slot, and that shard's subscribers. A release is announced once, by the
+//! process that released (never by the nodes' scripts), on [`RELEASED_CHANNEL`]; every
+//! process subscribes to it with `SSUBSCRIBE` through a cluster connection of its own,
+//! which redis-rs moves to the channel's new shard when the slot map changes.
+
+use std::sync::Weak;
+
+use redis::{cluster_async::ClusterConnection, PushInfo, PushKind, Value};
+
+use crate::backend::{
+    redis::{slot_list, wake_from_message, RELEASED_CHANNEL},
+    wake::{slots_of, Wakeups},
+};
+
+/// Announces that `keys` were freed, in the background: a lost announcement costs other
+/// processes' waiters only their poll interval.
+pub(super) fn announce(control: ClusterConnection, keys: &[String]) {
+    let payload = slot_list(&slots_of(keys));
+    tokio::spawn(async move {
+        let mut control = control;
+        let sent: redis::RedisResult<i64> = redis::cmd("SPUBLISH")
+            .arg(RELEASED_CHANNEL)
+            .arg(payload)
+            .query_async(&mut control)
+            .await;
+        if let Err(error) = sent {
+            tracing::debug!(%error, "could not announce a release on the cluster");
+        }
+    });
+}
+
+/// Relays every announcement that reaches this process to its waiters, until the store is
+/// dropped: the push sender of the subscribing connection.
+pub(super) fn relay(wakeups: Weak<Wakeups>) -> impl Fn(PushInfo) -> Result<(), ()> + Send + Sync {
+    move |push: PushInfo| {
+        let wakeups = wakeups.upgrade().ok_or(())?;
+        match push.kind {
+            PushKind::SMessage => {
+                if let Some(Value::BulkString(payload)) = push.data.get(1) {
+                    wake_from_message(&wakeups, payload);
+                }
+            }
+            // Releases in the gap went unheard.
+            PushKind::Disconnection => wakeups.wake_all(),
+            _ => {}
+        }
+        Ok(())
+    }
+}

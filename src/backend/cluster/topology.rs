@@ -1,0 +1,141 @@
+//! Which master serves which keys: the cluster's slot map, as `CLUSTER SLOTS` gives it,
+//! and a pool for each master.
+//!
+//! redis-rs's cluster client keeps a slot map of its own, but routes a command by the slot
+//! of one key; it exposes neither the map nor a key's slot number. A group of a batch is
+//! one script call with keys of many slots on one master, so the store keeps this map, and
+//! looks keys up by redis-rs's own slot computation ([`Slot::for_key`]).
+
+use std::{collections::HashMap, sync::Arc};
+
+use redis::{cluster_routing::Slot, Value};
+
+use crate::backend::{redis::RedisBackend, BackendError};
+
+/// The number of hash slots of a Redis Cluster.
+const SLOTS: u16 = 16384;
+
+/// One master, as the map knows it.
+#[derive(Debug)]
+pub(super) struct Master {
+    /// `host:port`, for pools and logs (never a URL: it may carry a password).
+    pub(super) address: String,
+    pub(super) node: Arc<RedisBackend>,
+}
+
+/// The slot map at one moment.
+#[derive(Debug, Default)]
+pub(super) struct Topology {
+    /// The master of each served slot, as an index into `masters`.
+    owners: HashMap<Slot, usize>,
+    pub(super) masters: Vec<Master>,
+    /// Counts the maps this store has read: a caller that saw a stale one asks for the
+    /// next, and concurrent callers share one refresh.
+    pub(super) generation: u64,
+}
+
+/// The keys of a batch that one master serves, by their index in the batch.
+#[derive(Debug)]
+pub(super) struct Group {
+    pub(super) master: usize,
+    pub(super) indices: Vec<usize>,
+}
+
+impl Topology {
+    /// The map that `CLUSTER SLOTS` answered, with a pool for each master from `pool_for`.
+    pub(super) fn from_slots(
+        reply: &Value,
+        generation: u64,
+        mut pool_for: impl FnMut(&str, u16) -> Result<Arc<RedisBackend>, BackendError>,
+    ) -> Result<Self, BackendError> {
+        let invalid = || BackendError::not_sent("the cluster answered CLUSTER SLOTS oddly");
+        let Value::Array(ranges) = reply else {
+            return Err(invalid());
+        };
+        let mut topology = Self {
+            generation,
+            ..Self::default()
+        };
+        let mut by_address = HashMap::new();
+        for range in ranges {
+            let Value::Array(fields) = range else {
+                return Err(invalid());
+            };
+            let (Some(first), Some(last), Some(Value::Array(master))) =
+                (int(fields.first()), int(fields.get(1)), fields.get(2))
+            else {
+                return Err(invalid());
+            };
+            let (Some(host), Some(port)) = (text(master.first()), int(master.get(1))) else {
+                return Err(invalid());
+            };
+            let port = u16::try_from(port).map_err(|_| invalid())?;
+            let address = format!("{host}:{port}");
+            let index = match by_address.get(&address) {
+                Some(&index) => index,
+                None => {
+                    let node = pool_for(&host, port)?;
+                    topology.masters.push(Master {
+                        address: address.clone(),
+                        node,
+                    });
+                    by_address.insert(address, topology.masters.len() - 1);
+                    topology.masters.len() - 1
+                }
+            };
+            for slot in first..=last.min(i64::from(SLOTS) - 1) {
+                let slot = u16::try_from(slot).ok().and_then(Slot::new);
+                topology.owners.insert(slot.ok_or_else(invalid)?, index);
+            }
+        }
+        Ok(topology)
+    }
+
+    /// Whether every hash slot has a master.
+    pub(super) fn serves_every_slot(&self) -> bool {
+        self.owners.len() == usize::from(SLOTS)
+    }
+
+    /// The keys at `indices` of `keys`, grouped by their master, in the order given. Fails
+    /// when a key's slot has no master (the cluster is missing slots, or the map is empty).
+    pub(super) fn group(
+        &self,
+        keys: &[String],
+        indices: impl IntoIterator<Item = usize>,
+    ) -> Result<Vec<Group>, BackendError> {
+        let mut groups: Vec<Group> = Vec::new();
+        let mut group_of = vec![usize::MAX; self.masters.len()];
+        for index in indices {
+            let master = *self
+                .owners
+                .get(&Slot::for_key(&keys[index]))
+                .ok_or_else(|| {
+                    BackendError::not_sent("a key's slot has no master in the cluster")
+                })?;
+            if group_of[master] == usize::MAX {
+                group_of[master] = groups.len();
+                groups.push(Group {
+                    master,
+                    indices: Vec::new(),
+                });
+            }
+            groups[group_of[master]].indices.push(index);
+        }
+        Ok(groups)
+    }
+}
+
+fn int(value: Option<&Value>) -> Option<i64> {
+    match value? {
+        Value::Int(n) => Some(*n),
+        _ => None,
+    }
+}
+
+fn text(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) => Some(text.clone()),
+        _ => None,
+    }
+}

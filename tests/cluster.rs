@@ -1,0 +1,328 @@
+//! The Redis Cluster store, driven through the layer, on a real cluster of three masters
+//! with a replica each that every test starts itself (`support::cluster`): batches spread
+//! over every master, refusals that leave nothing behind, two "processes" that never
+//! overlap, a resharding and a failover under bounded load.
+
+#![cfg(feature = "cluster")]
+
+mod support;
+
+use std::{
+    collections::BTreeSet,
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, Instant},
+};
+
+use http::StatusCode;
+use support::{
+    cluster::Cluster,
+    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    http::{batch, batch_router, poll_every, send, within},
+    Rng,
+};
+use tower_batch_lock::{Locks, RedisCluster};
+
+/// A `Locks` of its own on the cluster: one "process".
+fn locks(cluster: &Cluster) -> Locks {
+    RedisCluster::new(cluster.urls())
+        .node_timeout(Duration::from_secs(1))
+        .retry_for(Duration::from_secs(2))
+        .build()
+        .expect("valid cluster URLs")
+        .ttl(Duration::from_secs(10))
+        .backend_timeout(Duration::from_secs(3))
+}
+
+fn keys(prefix: &str, count: usize) -> Vec<String> {
+    (0..count).map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// Waits until no master holds a lock key, or fails naming what is left.
+async fn assert_emptied(cluster: &Cluster) {
+    let emptied = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+        cluster.empty()
+    })
+    .await;
+    assert!(
+        emptied.is_some(),
+        "left behind: {:?}",
+        cluster.locks_on_masters()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all() {
+    let cluster = Cluster::start();
+    let locks = locks(&cluster);
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let batch_keys = keys("sku:", 3000);
+    let evalsha_before = cluster.calls_of("evalsha");
+
+    let request = tokio::spawn({
+        let app = app.clone();
+        let batch_keys = batch_keys.clone();
+        async move { send(&app, batch(&batch_keys)).await }
+    });
+    within(
+        Duration::from_secs(10),
+        "the batch to be granted",
+        gate.wait_entered(),
+    )
+    .await;
+    let on_masters = cluster.locks_on_masters();
+    assert_eq!(on_masters.len(), 3);
+    assert!(
+        on_masters.iter().all(|keys| keys.len() > 500),
+        "every master serves part of the batch: {:?}",
+        on_masters.iter().map(BTreeSet::len).collect::<Vec<_>>()
+    );
+    let held: BTreeSet<String> = on_masters.into_iter().flatten().collect();
+    let wanted: BTreeSet<String> = batch_keys.iter().map(|k| format!("lock:{k}")).collect();
+    assert_eq!(held, wanted);
+    // One script call per master (a loaded script may have been retried after NOSCRIPT).
+    let calls = cluster.calls_of("evalsha") - evalsha_before;
+    assert!(
+        (3..=6).contains(&calls),
+        "{calls} script calls for one batch"
+    );
+
+    gate.open();
+    let reply = within(Duration::from_secs(10), "the response", request)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_batch_leaves_nothing_on_any_master() {
+    let cluster = Cluster::start();
+    let (first, second) = (locks(&cluster), locks(&cluster));
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let contender = batch_router(&second, gated_handler(&Gate::new()));
+
+    let held = tokio::spawn(async move { send(&holder, batch(&["sku:1500"])).await });
+    within(
+        Duration::from_secs(10),
+        "the first grant",
+        gate.wait_entered(),
+    )
+    .await;
+    // 3,000 keys over every master, one of them held by the other process: refused, and
+    // the groups the other masters granted are released.
+    for _ in 0..3 {
+        let reply = send(&contender, batch(&keys("sku:", 3000))).await;
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
+        let left: BTreeSet<String> = cluster.locks_on_masters().into_iter().flatten().collect();
+        assert_eq!(left, BTreeSet::from(["lock:sku:1500".to_owned()]));
+    }
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}
+
+/// Two "processes" send `requests` random, overlapping batches of up to `size` keys out of
+/// `space`, at once, retrying on 409, while `meanwhile` runs; no two critical sections that
+/// share a key overlap, and the later one carries the larger fencing token. Returns how
+/// many were granted and how many got 503.
+async fn load<F: std::future::Future + Send + 'static>(
+    cluster: &Cluster,
+    requests: usize,
+    size: u64,
+    space: u64,
+    meanwhile: F,
+) -> (usize, usize)
+where
+    F::Output: Send,
+{
+    let ledger = Arc::new(Ledger::default());
+    let apps = [
+        batch_router(&locks(cluster), ledger_handler(&ledger)),
+        batch_router(&locks(cluster), ledger_handler(&ledger)),
+    ];
+    let background = tokio::spawn(meanwhile);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..requests)
+        .map(|i| {
+            let app = apps[i % 2].clone();
+            tokio::spawn(async move {
+                let mut rng = Rng::seeded(i as u64);
+                let count = 1 + rng.below(size);
+                let keys: Vec<String> = (0..count)
+                    .map(|_| format!("k{}", rng.below(space)))
+                    .collect();
+                // Bounded: a request that keeps meeting contention gives up.
+                for _ in 0..200 {
+                    let reply = send(&app, batch(&keys)).await;
+                    match reply.status {
+                        StatusCode::CONFLICT => {
+                            tokio::time::sleep(Duration::from_millis(2)).await;
+                        }
+                        status => return status,
+                    }
+                }
+                StatusCode::CONFLICT
+            })
+        })
+        .collect();
+    let (mut granted, mut unavailable) = (0, 0);
+    for task in tasks {
+        let status = within(Duration::from_secs(60), "a request", task)
+            .await
+            .unwrap();
+        match status {
+            StatusCode::OK => granted += 1,
+            StatusCode::SERVICE_UNAVAILABLE => unavailable += 1,
+            StatusCode::CONFLICT => {}
+            other => panic!("a request got {other}"),
+        }
+    }
+    within(Duration::from_secs(60), "the background work", background)
+        .await
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(90));
+    assert_eq!(
+        ledger.overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders were inside the same key at once"
+    );
+    let visits = std::mem::take(&mut *ledger.visits.lock().unwrap());
+    for (i, a) in visits.iter().enumerate() {
+        for b in &visits[i + 1..] {
+            if a.keys.iter().any(|k| b.keys.contains(k)) {
+                let (first, second) = if a.exit <= b.enter { (a, b) } else { (b, a) };
+                assert!(
+                    first.fence < second.fence,
+                    "fencing tokens out of order: {first:?} then {second:?}"
+                );
+            }
+        }
+    }
+    (granted, unavailable)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_batches_never_run_together_across_two_processes() {
+    let cluster = Cluster::start();
+    let (granted, unavailable) = load(&cluster, 120, 6, 60, async {}).await;
+    assert_eq!(unavailable, 0);
+    assert!(granted >= 110, "only {granted} granted");
+    assert_emptied(&cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resharding_under_load_loses_no_update_and_leaves_nothing_behind() {
+    let cluster = Cluster::start();
+    let masters = cluster.masters();
+    let (from, to) = (masters[0], masters[1]);
+    let slots_before = cluster.slots_of(from);
+    // redis-cli moves 1,500 slots while the two processes lock batches of up to 40 keys out
+    // of 600 (so that most batches have keys in slots on the move).
+    let reshard = async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::task::spawn_blocking(move || Cluster::reshard(from, to, 1500))
+            .await
+            .unwrap();
+    };
+    let (granted, unavailable) = load(&cluster, 300, 40, 600, reshard).await;
+    assert_eq!(cluster.slots_of(from), slots_before - 1500);
+    assert!(
+        granted >= 100,
+        "only {granted} granted ({unavailable} got 503)"
+    );
+    assert_emptied(&cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_master_gives_503_for_its_keys_and_grants_resume_after_the_failover() {
+    let mut cluster = Cluster::start();
+    let locks = RedisCluster::new(cluster.urls())
+        .node_timeout(Duration::from_millis(300))
+        .retry_for(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    let masters = cluster.masters();
+    // Not the master of the fencing counter (`lock:`): while that one is down, no batch
+    // can be granted anywhere (see `RedisCluster`).
+    let counter_slot: u16 = cluster.cmd(
+        masters[0],
+        redis::cmd("CLUSTER").arg("KEYSLOT").arg("lock:"),
+    );
+    let (victim, other) = match owns(&cluster, masters[0], counter_slot) {
+        true => (masters[1], masters[0]),
+        false => (masters[0], masters[1]),
+    };
+    // A key the victim serves, and one another master serves.
+    let served_by = |port: u16| {
+        (0..)
+            .map(|i| format!("key{i}"))
+            .find(|key| {
+                let keyslot = redis::cmd("CLUSTER")
+                    .arg("KEYSLOT")
+                    .arg(format!("lock:{key}"))
+                    .to_owned();
+                owns(&cluster, port, cluster.cmd(port, &mut keyslot.clone()))
+            })
+            .unwrap()
+    };
+    let (doomed, safe) = (served_by(victim), served_by(other));
+    assert_eq!(send(&app, batch(&[&doomed])).await.status, StatusCode::OK);
+
+    cluster.kill(victim);
+    let reply = send(&app, batch(&[&doomed])).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    let reply = send(&app, batch(&[&safe])).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    // Both at once: all or nothing, so 503, and the other master keeps nothing.
+    let reply = send(&app, batch(&[&doomed, &safe])).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(cluster.empty(), "{:?}", cluster.locks_on_masters());
+
+    cluster.wait_for_failover(victim, Duration::from_secs(20));
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..50 {
+        status = send(&app, batch(&[&doomed, &safe])).await.status;
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "grants did not resume after the failover"
+    );
+    assert_emptied(&cluster).await;
+}
+
+/// Whether the master at `port` serves `slot`, by its own `CLUSTER SLOTS`.
+fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
+    let ranges: Vec<(u16, u16, (String, u16))> = cluster
+        .cmd::<Vec<redis::Value>>(port, redis::cmd("CLUSTER").arg("SLOTS"))
+        .into_iter()
+        .filter_map(|range| {
+            let redis::Value::Array(fields) = range else {
+                return None;
+            };
+            let first: u16 = redis::from_redis_value(fields[0].clone()).ok()?;
+            let last: u16 = redis::from_redis_value(fields[1].clone()).ok()?;
+            let redis::Value::Array(master) = &fields[2] else {
+                return None;
+            };
+            let host: String = redis::from_redis_value(master[0].clone()).ok()?;
+            let node: u16 = redis::from_redis_value(master[1].clone()).ok()?;
+            Some((first, last, (host, node)))
+        })
+        .collect();
+    ranges
+        .iter()
+        .any(|(first, last, (_, node))| *node == port && (*first..=*last).contains(&slot))
+}
