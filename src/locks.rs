@@ -779,6 +779,12 @@ impl Locks {
         &self.policy.keys
     }
 
+    /// How long a lease lasts unless renewed ([`Locks::ttl`]).
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn lease_ttl(&self) -> Duration {
+        self.policy.ttl
+    }
+
     /// How long one call to the store may take ([`Locks::backend_timeout`]).
     pub(crate) fn call_timeout(&self) -> Duration {
         self.policy.backend_timeout

@@ -77,11 +77,19 @@ impl Store {
         [Self::memory(), Self::redis(), Self::redlock()]
     }
 
-    /// Checks that no in-flight lock is left on any server: only answers and the fencing
-    /// counter stay.
+    /// Checks that no in-flight lock is left: none held by either handle, and none on
+    /// any server (only answers and the fencing counter stay).
     fn assert_no_run_left(&self) {
+        for locks in &self.locks {
+            let held = locks.held_batches();
+            assert!(
+                held.is_empty(),
+                "{}: batches still held: {held:?}",
+                self.name
+            );
+        }
         for server in &self.servers {
-            let left = server.keys("idempotency:run:*");
+            let left = server.keys("idempotency:lock:run:*");
             assert!(
                 left.is_empty(),
                 "{}: in-flight locks left: {left:?}",
@@ -461,7 +469,7 @@ async fn a_large_answer_is_replayed_byte_for_byte_and_one_over_the_limit_is_not_
         let first = send(&small_limit, export("too-big")).await;
         assert_eq!(first.body, large);
         let retry = send(&small_limit, export("too-big")).await;
-        assert_eq!(retry.status, StatusCode::CONFLICT);
+        assert_eq!(retry.status, StatusCode::UNPROCESSABLE_ENTITY);
         let problem = retry.problem();
         assert_eq!(problem["limit"], "idempotency_answer_size", "{problem}");
         assert!(
@@ -576,6 +584,84 @@ async fn a_body_that_fails_half_way_is_not_stored() {
         2,
         "nothing was stored: the retry ran"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_whose_client_went_away_still_stores_its_answer() {
+    for store in [Store::memory(), Store::redis()] {
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        let app = orders_router(store.locks[0].idempotency(), &orders, Some(&gate));
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, order(Some("gone"), "{}")).await }
+        });
+        gate.wait_entered().await;
+        // The client goes away while the handler runs: hyper drops the request's future.
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        gate.open();
+        // The handler finished, and its answer is the retry's.
+        let retry = within(Duration::from_secs(5), "the answer is stored", async {
+            loop {
+                let reply = send(&app, order(Some("gone"), "{}")).await;
+                if reply.status != StatusCode::CONFLICT {
+                    return reply;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{}", store.name);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
+        store.assert_no_run_left();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_the_store_could_not_take_at_once_is_stored_when_it_can() {
+    let mut store = Store::redis();
+    let locks = store.locks[0]
+        .clone()
+        .backend_timeout(Duration::from_millis(200))
+        .ttl(Duration::from_secs(5));
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    let app = orders_router(locks.idempotency(), &orders, Some(&gate));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(Some("later"), "{}")).await }
+    });
+    gate.wait_entered().await;
+    // The store goes down as the handler finishes (a failover, say), and is back a second
+    // later, empty: the answer must still get there.
+    store.servers[0].kill();
+    gate.open();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    store.servers[0].restart();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, order(Some("later"), "{}")).await;
+    assert_replay_of(&first, &retry);
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    store.assert_no_run_left();
+}
+
+#[tokio::test]
+async fn an_answer_this_version_cannot_read_is_503_and_runs_nothing() {
+    let store = Store::redis();
+    let orders = Arc::new(Orders::default());
+    let app = orders_router(store.locks[0].idempotency(), &orders, None);
+    let _: () = redis::cmd("SET")
+        .arg("idempotency:lock:done:0::odd")
+        .arg(b"TBI1\xff\xff not an answer".as_slice())
+        .query(&mut store.servers[0].connection())
+        .unwrap();
+    let reply = send(&app, order(Some("odd"), "{}")).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    reply.problem();
+    assert_eq!(orders.created.load(Ordering::SeqCst), 0);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -734,6 +820,9 @@ async fn duplicates_that_share_a_trusted_owner_still_run_once() {
 /// The environment variable that turns [`dying_process`] into a client process.
 const DYING_URL: &str = "TOWER_BATCH_LOCK_TEST_IDEMPOTENCY_URL";
 
+/// The TTL of the dying process's in-flight lock.
+const DYING_TTL: Duration = Duration::from_millis(1500);
+
 /// Not a test: the process that [`a_killed_processs_key_is_free_again_after_its_ttl`]
 /// starts and kills. It runs a request with key `k` whose handler never finishes.
 #[tokio::test]
@@ -742,9 +831,7 @@ async fn dying_process() {
     let Ok(url) = std::env::var(DYING_URL) else {
         return;
     };
-    let locks = Locks::redis_url(&url)
-        .unwrap()
-        .ttl(Duration::from_millis(600));
+    let locks = Locks::redis_url(&url).unwrap().ttl(DYING_TTL);
     let app = Router::new().route(
         "/orders",
         post(std::future::pending::<()>).layer(locks.idempotency()),
@@ -763,12 +850,12 @@ async fn a_killed_processs_key_is_free_again_after_its_ttl() {
         .spawn()
         .expect("start the dying process");
     let running = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
-        !server.keys("idempotency:run:*").is_empty()
+        !server.keys("idempotency:lock:run:*").is_empty()
     })
     .await;
     assert!(running.is_some(), "the child process never took the key");
-    // Past a renewal, so that the lock outlives its first TTL while the process lives.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Past its first TTL: renewed, the lock outlives it while the process lives.
+    tokio::time::sleep(DYING_TTL + Duration::from_millis(300)).await;
     let orders = Arc::new(Orders::default());
     let app = orders_router(store.locks[0].idempotency(), &orders, None);
     let busy = send(&app, order(Some("k"), "{}")).await;
@@ -781,7 +868,7 @@ async fn a_killed_processs_key_is_free_again_after_its_ttl() {
     child.kill().unwrap();
     child.wait().unwrap();
     let killed = Instant::now();
-    let ran = within(Duration::from_secs(5), "a retry runs", async {
+    let ran = within(Duration::from_secs(10), "a retry runs", async {
         loop {
             let reply = send(&app, order(Some("k"), "{}")).await;
             if reply.status == StatusCode::CREATED {
@@ -794,7 +881,7 @@ async fn a_killed_processs_key_is_free_again_after_its_ttl() {
     .await;
     let took = killed.elapsed();
     eprintln!("a killed process's key ran again {took:?} after the kill");
-    assert!(took <= Duration::from_millis(600 + 300), "{took:?}");
+    assert!(took <= DYING_TTL + Duration::from_millis(1500), "{took:?}");
     assert!(ran.headers.get("idempotent-replayed").is_none());
     assert_eq!(orders.created.load(Ordering::SeqCst), 1);
     store.assert_no_run_left();

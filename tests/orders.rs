@@ -257,8 +257,8 @@ async fn redis_basic_flows() {
     assert_eq!(
         data,
         [
-            "idempotency:", // the in-flight locks' fencing counter
-            "idempotency:done:0::k-10",
+            "idempotency:lock:", // the in-flight locks' fencing counter
+            "idempotency:lock:done:0::k-10",
             "lock:", // the fencing counter
             "orders:order:o-1",
             "orders:order:o-10",

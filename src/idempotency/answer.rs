@@ -31,11 +31,29 @@ pub(super) struct Answer {
 
 impl Answer {
     /// What a replay needs of a response: its status and the headers that describe the
-    /// answer rather than the connection or the moment it was sent.
-    pub(super) fn of(fingerprint: Fingerprint, parts: &Parts, body: Option<Bytes>) -> Self {
+    /// answer rather than the connection or the moment it was sent. `Set-Cookie` only
+    /// with `cookies`: where keys are not scoped to a client, another client may send the
+    /// same key and request, and must not get the first one's session.
+    pub(super) fn of(
+        fingerprint: Fingerprint,
+        parts: &Parts,
+        body: Option<Bytes>,
+        cookies: bool,
+    ) -> Self {
         let mut headers = parts.headers.clone();
-        for name in NOT_KEPT {
+        // Headers that `Connection` names are the connection's too (RFC 9110, 7.6.1).
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in NOT_KEPT.iter().chain(&named) {
             headers.remove(name);
+        }
+        if !cookies {
+            headers.remove(header::SET_COOKIE);
         }
         Self {
             fingerprint,
@@ -75,16 +93,16 @@ impl Answer {
         let status = StatusCode::from_u16(bytes.get_u16()).ok()?;
         let kept = bytes.get_u8() == 1;
         let count = bytes.get_u16();
-        let mut headers = HeaderMap::with_capacity(count.into());
+        // Grown as the bytes prove out, not sized by a count they claim.
+        let mut headers = HeaderMap::new();
         for _ in 0..count {
             let length = bytes.try_get_u16().ok()?.into();
             let name = take(&mut bytes, length)?;
             let length = bytes.try_get_u32().ok()?.try_into().ok()?;
             let value = take(&mut bytes, length)?;
-            headers.append(
-                HeaderName::from_bytes(&name).ok()?,
-                HeaderValue::from_maybe_shared(value).ok()?,
-            );
+            let name = HeaderName::from_bytes(&name).ok()?;
+            let value = HeaderValue::from_maybe_shared(value).ok()?;
+            headers.try_append(name, value).ok()?;
         }
         Some(Self {
             fingerprint,
@@ -168,6 +186,53 @@ mod tests {
             let answer = answer(body);
             assert_eq!(Answer::decode(answer.encode()), Some(answer));
         }
+    }
+
+    #[test]
+    fn a_replay_keeps_no_header_of_the_connection_and_no_cookie_unless_scoped() {
+        let response = http::Response::builder()
+            .status(StatusCode::CREATED)
+            .header(header::CONNECTION, "x-hop, keep-alive")
+            .header("x-hop", "1")
+            .header("keep-alive", "timeout=5")
+            .header(header::DATE, "Sun, 22 Nov 2026 18:00:00 GMT")
+            .header(header::CONTENT_LENGTH, "2")
+            .header(header::SET_COOKIE, "session=1")
+            .header(header::LOCATION, "/orders/1")
+            .body(())
+            .unwrap();
+        let (parts, ()) = response.into_parts();
+        let kept = |cookies| {
+            let answer = Answer::of([0; 32], &parts, None, cookies);
+            let mut names: Vec<&str> = answer.headers.keys().map(|n| n.as_str()).collect();
+            names.sort_unstable();
+            names.iter().map(|n| n.to_string()).collect::<Vec<_>>()
+        };
+        assert_eq!(kept(false), ["location"]);
+        assert_eq!(kept(true), ["location", "set-cookie"]);
+    }
+
+    proptest::proptest! {
+        /// Whatever the store holds under an answer's key, reading it never panics.
+        #[test]
+        fn decoding_any_bytes_never_panics(
+            rest in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            tagged in proptest::prelude::any::<bool>(),
+        ) {
+            let mut bytes = if tagged { TAG.to_vec() } else { Vec::new() };
+            bytes.extend(rest);
+            let _ = Answer::decode(Bytes::from(bytes));
+        }
+    }
+
+    #[test]
+    fn a_header_count_past_what_a_map_holds_decodes_to_none() {
+        let mut bytes = BytesMut::from(&TAG[..]);
+        bytes.put_slice(&[0; 32]);
+        bytes.put_u16(200);
+        bytes.put_u8(1);
+        bytes.put_u16(u16::MAX);
+        assert_eq!(Answer::decode(bytes.freeze()), None);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use http::{request, response, StatusCode};
 use tower_layer::Layer;
 
-use crate::{keys::DEFAULT_BODY_LIMIT, LockLayer, Locks, Rejection, Wait};
+use crate::{keys::DEFAULT_BODY_LIMIT, Locks, Rejection, Wait};
 
 mod answer;
 mod key;
@@ -31,9 +31,9 @@ const DEFAULT_MAX_KEY_LEN: usize = 255;
 /// otherwise: 1 MiB.
 const DEFAULT_MAX_ANSWER: usize = 1024 * 1024;
 
-/// The namespace of the in-flight locks and the stored answers, unless
-/// [`Idempotency::namespace`] says otherwise.
-const DEFAULT_NAMESPACE: &str = "idempotency:";
+/// The namespace of the in-flight locks and the stored answers, in front of the locks'
+/// prefix, unless [`Idempotency::namespace`] says otherwise.
+const NAMESPACE: &str = "idempotency:";
 
 /// A layer that makes requests with an `Idempotency-Key` header run once: a retry gets the
 /// first request's answer again instead of running the handler a second time, on every
@@ -46,17 +46,19 @@ const DEFAULT_NAMESPACE: &str = "idempotency:";
 /// | --- | --- |
 /// | the first request with a key | the handler's, which is stored for [`retention`](Self::retention) |
 /// | a retry after it finished, same method, path and body | the stored answer, byte for byte, with `Idempotent-Replayed: true` |
-/// | a request while the first still runs, on any process | 409, `Retry-After` (or it waits: [`wait`](Self::wait)) |
+/// | a request while the first still runs, on any process (whatever its body: the first's fingerprint is known once it is stored) | 409, `Retry-After` (or it waits: [`wait`](Self::wait)) |
 /// | the same key with another method, path or body | 422 |
 /// | no key, on a layer that [requires](Self::required) one | 400 |
 /// | a malformed key, or one longer than [`max_key_len`](Self::max_key_len) | 400 |
 /// | a retry whose first answer was not stored (see [`store_if`](Self::store_if)) | the handler runs again |
-/// | a retry whose first answer's body passed [`max_answer`](Self::max_answer) | 409, naming the first status |
+/// | a retry whose first answer's body passed [`max_answer`](Self::max_answer) | 422, naming the first status |
 /// | the store cannot be reached in time | 503, `Retry-After` |
 ///
 /// Every refusal is `application/problem+json`. While a request runs, its key is locked
 /// with the [`Locks`]' lease: renewed while the handler runs, released when the answer is
-/// stored, and free again one TTL after its process died, so that a retry then runs.
+/// stored, and free again one TTL after its process died, so that a retry then runs. A
+/// request with a key runs to its end even when its client goes away or a timeout around
+/// the layer gives up on it, so that its answer is there for the retry.
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -126,14 +128,20 @@ struct Config {
 impl Locks {
     /// An [`Idempotency`] layer on this store: its in-flight locks and its stored answers
     /// live where these locks do (memory, one Redis, Redlock), under a namespace of their
-    /// own (`idempotency:`), with these locks' TTL, renewal and backend timeout.
+    /// own, `idempotency:` and these locks' prefix (`idempotency:lock:` by default: two
+    /// deployments that keep their locks apart keep their answers apart too), with these
+    /// locks' TTL, `max_hold` and backend timeout, and always renewed while a request runs.
     ///
     /// A concurrent duplicate gets 409 at once, as the draft says, whatever these locks'
     /// waiting: [`Idempotency::wait`] lets it wait instead.
     pub fn idempotency(&self) -> Idempotency {
+        let namespace = format!("{NAMESPACE}{}", self.key_policy().prefix);
         let locks = self
             .clone()
-            .prefix(DEFAULT_NAMESPACE)
+            .prefix(namespace)
+            // Without renewal, a handler slower than the TTL would let its retry run
+            // beside it.
+            .renew_lease(true)
             .name("idempotency")
             .wait(Wait::none())
             .contention_status(StatusCode::CONFLICT)
@@ -183,7 +191,7 @@ impl Idempotency {
     }
 
     /// How much of a request body is read to fingerprint it:
-    /// [`DEFAULT_BODY_LIMIT`](crate::keys::DEFAULT_BODY_LIMIT) unless set; a larger body
+    /// [`DEFAULT_BODY_LIMIT`] unless set; a larger body
     /// is 413. The handler gets the same bytes.
     pub fn body_limit(mut self, limit: usize) -> Self {
         self.config.body_limit = limit;
@@ -198,9 +206,13 @@ impl Idempotency {
         self
     }
 
-    /// The namespace of the in-flight locks and the stored answers: `idempotency:` unless
-    /// set. Layers that share a namespace share keys: give a route its own when its keys
-    /// may repeat another route's.
+    /// The namespace of the in-flight locks and the stored answers: `idempotency:` and the
+    /// locks' prefix unless set. Layers that share a namespace share keys: give a route its
+    /// own when its keys may repeat another route's.
+    ///
+    /// # Panics
+    ///
+    /// If `namespace` is empty, as [`Locks::prefix`] does.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
         self.locks = self.locks.prefix(namespace);
         self
@@ -216,6 +228,10 @@ impl Idempotency {
     /// The TTL of the in-flight lock: how long after its process died a key is free again
     /// for a retry. The [`Locks`]' TTL unless set; the lock is renewed while the handler
     /// runs ([`Locks::renew_lease`]).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is shorter than a millisecond, as [`Locks::ttl`] does.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.locks = self.locks.ttl(ttl);
         self
@@ -279,8 +295,10 @@ impl Idempotency {
     /// Which answers are stored and replayed; a request whose answer was not stored runs
     /// again when it is retried. By default every answer of the handler is, errors
     /// included (a retry must not repeat work that may have been half done), except
-    /// those that say the request did not run and a retry should: 408, 425, 429, 502,
-    /// 503 and 504. A refusal by a [`LockLayer`] inside this layer is never stored,
+    /// those that say the request did not run and that a retry, perhaps with other
+    /// headers, may: 401, 403, 407 (credentials), 408, 413, 415 (the body's size or
+    /// type), 425, 429, 502, 503 and 504. A refusal by a [`LockLayer`](crate::LockLayer) inside this layer is never
+    /// stored,
     /// whatever this says.
     ///
     /// ```
@@ -303,7 +321,10 @@ impl Idempotency {
 
 /// Statuses that say "not done, try again", which a retry must not be answered with.
 fn stored_by_default(status: StatusCode) -> bool {
-    !matches!(status.as_u16(), 408 | 425 | 429 | 502 | 503 | 504)
+    !matches!(
+        status.as_u16(),
+        401 | 403 | 407 | 408 | 413 | 415 | 425 | 429 | 502 | 503 | 504
+    )
 }
 
 impl<S> Layer<S> for Idempotency {
@@ -352,8 +373,9 @@ fn reused_key() -> Response {
 
 /// The answer to a retry of a request whose answer was too large to keep.
 fn too_large_to_replay(first: StatusCode) -> Response {
+    // Not 409: clients that follow the draft take that for "still running" and retry.
     Rejection::limit(
-        StatusCode::CONFLICT,
+        StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency_answer_size",
         format!(
             "the request with this Idempotency-Key was answered with status {}, and its \
@@ -378,9 +400,4 @@ fn in_progress(retry_after: Option<http::HeaderValue>) -> Response {
             .insert(http::header::RETRY_AFTER, after);
     }
     response
-}
-
-/// The lock layer of the in-flight keys, around the recorder.
-fn in_flight_layer(locks: Locks) -> LockLayer<service::InFlightKeys> {
-    locks.layer(service::in_flight_keys as service::InFlightKeys)
 }

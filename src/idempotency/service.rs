@@ -4,6 +4,7 @@ use std::{
     fmt,
     sync::Arc,
     task::{Context, Poll},
+    time::{Duration, Instant},
 };
 
 use axum::{
@@ -30,9 +31,9 @@ use crate::{
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The keys of the in-flight lock: the one in the request's [`Run`], none without one.
-pub(super) type InFlightKeys = fn(&request::Parts) -> Result<Vec<String>, Rejection>;
+type InFlightKeys = fn(&request::Parts) -> Result<Vec<String>, Rejection>;
 
-pub(super) fn in_flight_keys(parts: &request::Parts) -> Result<Vec<String>, Rejection> {
+fn in_flight_keys(parts: &request::Parts) -> Result<Vec<String>, Rejection> {
     Ok(parts
         .extensions
         .get::<Run>()
@@ -76,8 +77,9 @@ impl<S> IdempotencyService<S> {
             inner,
             shared: shared.clone(),
         };
+        let in_flight = shared.locks.layer(in_flight_keys as InFlightKeys);
         Self {
-            inner: super::in_flight_layer(shared.locks.clone()).layer(recorder),
+            inner: in_flight.layer(recorder),
             shared,
         }
     }
@@ -104,7 +106,7 @@ impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
 where
     S: Service<Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
+    S::Error: Send + 'static,
     B: HttpBody<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
@@ -151,9 +153,17 @@ where
                 return Ok(answer);
             }
             parts.extensions.insert(run);
-            let response = inner
-                .call(Request::from_parts(parts, Body::from(body)))
-                .await?;
+            let request = Request::from_parts(parts, Body::from(body));
+            // The run goes on in a task of its own, so that it reaches its end and stores
+            // its answer even when this future is dropped: a client that went away (hyper
+            // then drops it) or a timeout around this layer must not leave a request that
+            // did its work but stored nothing, which its retry would run again.
+            let response = match tokio::spawn(inner.call(request)).await {
+                Ok(response) => response?,
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                // The runtime is shutting down.
+                Err(_) => return Ok(Rejection::unavailable().into_response()),
+            };
             // The recorder takes the marks off its inner service's refusals: a refusal
             // here is the in-flight lock's.
             let refused = response.extensions().get::<Refused>().copied();
@@ -223,27 +233,51 @@ impl Shared {
         Some(answer.replay())
     }
 
-    /// Stores `answer` for `run`; a failure is logged, and the response goes out anyway.
+    /// Stores `answer` for `run`. A store that fails is tried again while the in-flight
+    /// lock's lease may last (its TTL): meanwhile the lock keeps the key's retries out
+    /// (409), where releasing it with no answer stored would let them run the request
+    /// again. After that, the failure is logged and the response goes out anyway.
     async fn store(&self, run: &Run, answer: &Answer) {
-        let store = self.locks.backend.store_answer(
-            &run.answer_key,
-            answer.encode(),
-            self.config.retention,
-        );
-        match tokio::time::timeout(self.locks.call_timeout(), store).await {
-            Ok(Ok(true)) => {}
-            // Another run of the key stored first: its lease lapsed while this one ran.
-            Ok(Ok(false)) => tracing::warn!(
+        let encoded = answer.encode();
+        let give_up_at = Instant::now() + self.locks.lease_ttl();
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let store = self.locks.backend.store_answer(
+                &run.answer_key,
+                encoded.clone(),
+                self.config.retention,
+            );
+            let failure = match tokio::time::timeout(self.locks.call_timeout(), store).await {
+                Ok(Ok(true)) => return,
+                Ok(Ok(false)) => return self.stored_first(run, &encoded).await,
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "the store did not answer in time".to_owned(),
+            };
+            if Instant::now() + pause >= give_up_at {
+                tracing::error!(
+                    failure,
+                    "could not store an idempotent answer: a retry will run the request again"
+                );
+                return;
+            }
+            tracing::warn!(
+                failure,
+                "could not store an idempotent answer yet; trying again"
+            );
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// An answer was there when this run stored its own: its own, from an attempt whose
+    /// reply was lost, or another run's, whose in-flight lock lapsed while this one ran.
+    async fn stored_first(&self, run: &Run, encoded: &Bytes) {
+        let load = self.locks.backend.load_answer(&run.answer_key);
+        let stored = tokio::time::timeout(self.locks.call_timeout(), load).await;
+        if !matches!(stored, Ok(Ok(Some(ref stored))) if stored == encoded) {
+            tracing::warn!(
                 "another answer was stored for this Idempotency-Key first; it is the one replayed"
-            ),
-            Ok(Err(error)) => tracing::error!(
-                %error,
-                "could not store an idempotent answer: a retry will run the request again"
-            ),
-            Err(_) => tracing::error!(
-                "the store did not take an idempotent answer in time: a retry may run the \
-                 request again"
-            ),
+            );
         }
     }
 }
@@ -320,10 +354,17 @@ where
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             let captured = Captured::read(Body::new(body), shared.config.max_answer).await;
-            if let Some(kept) = captured.kept() {
-                shared
-                    .store(&run, &Answer::of(run.fingerprint, &parts, kept))
-                    .await;
+            let kept = match &captured {
+                Captured::Whole { data, .. } => Some(Some(data.clone())),
+                // Stored without its body: a retry gets neither a replay nor another run.
+                Captured::TooLarge { .. } => Some(None),
+                // A body that failed is not an answer: a retry runs again.
+                Captured::Failed { .. } => None,
+            };
+            if let Some(body) = kept {
+                let cookies = shared.config.scope.is_some();
+                let answer = Answer::of(run.fingerprint, &parts, body, cookies);
+                shared.store(&run, &answer).await;
             }
             Ok(Response::from_parts(parts, captured.into_body()))
         })
@@ -382,16 +423,6 @@ impl Captured {
         Self::Whole {
             data,
             trailers: None,
-        }
-    }
-
-    /// What to store of the body: all of it, or `Some(None)` when it was too large to keep;
-    /// `None` for a body that failed, which is not stored: a retry runs again.
-    fn kept(&self) -> Option<Option<Bytes>> {
-        match self {
-            Self::Whole { data, .. } => Some(Some(data.clone())),
-            Self::TooLarge { .. } => Some(None),
-            Self::Failed { .. } => None,
         }
     }
 
