@@ -28,7 +28,11 @@
 //!   uses it (`redis://127.0.0.1/`). Without it, both live in this process's memory.
 //! - `REDIS_URLS`: instead, lock with Redlock over these independent Redis masters,
 //!   comma-separated (`redis://10.0.0.1/,redis://10.0.0.2/,redis://10.0.0.3/`), and keep
-//!   the data in the first of them. Set one of `REDIS_URL` and `REDIS_URLS`, not both.
+//!   the data in the first of them.
+//! - `REDIS_CLUSTER_URLS`: instead, keep the locks and the data on a Redis Cluster, given
+//!   by any of its nodes, comma-separated (`redis://10.0.0.1:7000/,redis://10.0.0.2:7000/`);
+//!   needs the `cluster` feature. Set one of `REDIS_URL`, `REDIS_URLS` and
+//!   `REDIS_CLUSTER_URLS`.
 //! - `WORK_DELAY_MS`: how long an order's slow work takes inside the lock, default 0.
 //! - `LOCK_TTL_MS`: the lease on the locks, default 30000; renewed every third of it while
 //!   an order works, so slow work never outlives its locks.
@@ -47,6 +51,8 @@
 //! REDIS_URL=redis://127.0.0.1/ WORK_DELAY_MS=50 cargo run --example orders
 //! REDIS_URLS=redis://127.0.0.1:7001/,redis://127.0.0.1:7002/,redis://127.0.0.1:7003/ \
 //!     cargo run --example orders
+//! REDIS_CLUSTER_URLS=redis://127.0.0.1:7000/,redis://127.0.0.1:7001/ \
+//!     cargo run --example orders --features cluster
 //! curl -X PUT localhost:3000/stock/apple -H 'content-type: application/json' -d '{"qty": 10}'
 //! curl -X POST localhost:3000/orders -H 'content-type: application/json' \
 //!      -d '{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}'
@@ -324,10 +330,44 @@ type StoreError = Box<dyn Error + Send + Sync>;
 pub enum Store {
     /// In this process's memory.
     Memory(Arc<Mutex<Tables>>),
-    /// In Redis, under `orders:stock:{sku}` and `orders:order:{order_id}`: never under the
-    /// locks' `lock:` prefix.
+    /// In Redis or a Redis Cluster, under `orders:stock:{sku}` and
+    /// `orders:order:{order_id}`: never under the locks' `lock:` prefix.
     #[cfg(feature = "redis")]
-    Redis(deadpool_redis::Pool),
+    Redis(Remote),
+}
+
+/// Where a Redis store sends its commands.
+#[cfg(feature = "redis")]
+#[derive(Clone)]
+pub enum Remote {
+    /// One Redis.
+    Pool(deadpool_redis::Pool),
+    /// A Redis Cluster: redis-rs splits an `MGET` or `MSET` by slot, and sends each part
+    /// to its master.
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+#[cfg(feature = "redis")]
+impl Remote {
+    async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
+        match self {
+            Self::Pool(pool) => Ok(command.query_async(&mut pool.get().await?).await?),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(cluster) => Ok(command.query_async(&mut cluster.clone()).await?),
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Pool(pool) => f.debug_tuple("Pool").field(&pool.status()).finish(),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(_) => f.write_str("Cluster"),
+        }
+    }
 }
 
 /// The in-memory store's data.
@@ -346,7 +386,13 @@ impl Store {
     /// A store in the Redis behind `pool`.
     #[cfg(feature = "redis")]
     pub fn redis(pool: deadpool_redis::Pool) -> Self {
-        Self::Redis(pool)
+        Self::Redis(Remote::Pool(pool))
+    }
+
+    /// A store in the Redis Cluster behind `cluster`.
+    #[cfg(feature = "cluster")]
+    pub fn redis_cluster(cluster: redis::cluster_async::ClusterConnection) -> Self {
+        Self::Redis(Remote::Cluster(cluster))
     }
 
     /// The stock levels of `skus`, in one read.
@@ -360,10 +406,9 @@ impl Store {
                     .collect())
             }
             #[cfg(feature = "redis")]
-            Self::Redis(pool) => {
+            Self::Redis(remote) => {
                 let keys: Vec<String> = skus.iter().map(|sku| stock_key(sku)).collect();
-                let mut redis = pool.get().await?;
-                Ok(redis::cmd("MGET").arg(keys).query_async(&mut redis).await?)
+                remote.query(redis::cmd("MGET").arg(keys)).await
             }
         }
     }
@@ -375,13 +420,10 @@ impl Store {
                 Ok(())
             }
             #[cfg(feature = "redis")]
-            Self::Redis(pool) => {
-                let mut redis = pool.get().await?;
-                Ok(redis::cmd("SET")
-                    .arg(stock_key(sku))
-                    .arg(qty)
-                    .query_async(&mut redis)
-                    .await?)
+            Self::Redis(remote) => {
+                remote
+                    .query(redis::cmd("SET").arg(stock_key(sku)).arg(qty))
+                    .await
             }
         }
     }
@@ -390,11 +432,9 @@ impl Store {
         match self {
             Self::Memory(tables) => Ok(tables.lock().unwrap().orders.get(order_id).cloned()),
             #[cfg(feature = "redis")]
-            Self::Redis(pool) => {
-                let mut redis = pool.get().await?;
-                let json: Option<String> = redis::cmd("GET")
-                    .arg(order_key(order_id))
-                    .query_async(&mut redis)
+            Self::Redis(remote) => {
+                let json: Option<String> = remote
+                    .query(redis::cmd("GET").arg(order_key(order_id)))
                     .await?;
                 Ok(json.map(|json| serde_json::from_str(&json)).transpose()?)
             }
@@ -413,15 +453,14 @@ impl Store {
                 Ok(())
             }
             #[cfg(feature = "redis")]
-            Self::Redis(pool) => {
+            Self::Redis(remote) => {
                 let mut mset = redis::cmd("MSET");
                 for &(sku, qty) in stock {
                     mset.arg(stock_key(sku)).arg(qty);
                 }
                 mset.arg(order_key(&order.order_id))
                     .arg(serde_json::to_string(order)?);
-                let mut redis = pool.get().await?;
-                Ok(mset.query_async(&mut redis).await?)
+                remote.query(&mset).await
             }
         }
     }
@@ -435,6 +474,21 @@ fn stock_key(sku: &str) -> String {
 #[cfg(feature = "redis")]
 fn order_key(order_id: &str) -> String {
     format!("orders:order:{order_id}")
+}
+
+/// The comma-separated URLs in the environment variable `name`: at least one.
+#[cfg(feature = "redis")]
+fn url_list(name: &str) -> Result<Vec<String>, StoreError> {
+    let urls: Vec<String> = env::var(name)?
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if urls.is_empty() {
+        return Err(format!("{name} names no Redis").into());
+    }
+    Ok(urls)
 }
 
 /// A pool on the Redis at `url`, checked: fail at start-up, not at the first request, when
@@ -484,12 +538,25 @@ async fn main() -> Result<(), StoreError> {
     let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
     let lock_wait = Duration::from_millis(env_ms("LOCK_WAIT_MS", 0)?);
     let fair = env::var("LOCK_FAIR").map_or(true, |v| v.trim() != "0");
-    let (store, locks, backend) = match (env::var("REDIS_URL"), env::var("REDIS_URLS")) {
-        (Ok(_), Ok(_)) => {
-            return Err("set REDIS_URL (one Redis) or REDIS_URLS (Redlock), not both".into())
-        }
+    let stores = ["REDIS_URL", "REDIS_URLS", "REDIS_CLUSTER_URLS"];
+    let chosen: Vec<&str> = stores.into_iter().filter(|v| env::var(v).is_ok()).collect();
+    if chosen.len() > 1 {
+        return Err(format!(
+            "set one of {}, not {}",
+            stores.join(", "),
+            chosen.join(" and ")
+        )
+        .into());
+    }
+    let (store, locks, backend) = match chosen.first().copied() {
+        None => (
+            Store::memory(),
+            Locks::memory(),
+            "locks and data in memory".to_owned(),
+        ),
         #[cfg(feature = "redis")]
-        (Ok(url), Err(_)) => {
+        Some("REDIS_URL") => {
+            let url = env::var("REDIS_URL")?;
             let pool = redis_pool(&url).await?;
             // The locks get a pool of their own, and a subscription that wakes waiting
             // requests when any instance releases their keys.
@@ -500,33 +567,32 @@ async fn main() -> Result<(), StoreError> {
             )
         }
         #[cfg(feature = "redis")]
-        (Err(_), Ok(urls)) => {
-            let urls: Vec<&str> = urls
-                .split(',')
-                .map(str::trim)
-                .filter(|u| !u.is_empty())
-                .collect();
-            let data = urls.first().ok_or("REDIS_URLS names no Redis")?;
-            let pool = redis_pool(data).await?;
+        Some("REDIS_URLS") => {
+            let urls = url_list("REDIS_URLS")?;
+            let pool = redis_pool(&urls[0]).await?;
             // Each master gets a pool of its own; the locks hold while a majority answers.
             let locks = Locks::redlock(&urls)?;
             // (No URL in the log: it may carry a password.)
             let backend = format!("locks on {} Redlock masters, data in the first", urls.len());
             (Store::redis(pool), locks, backend)
         }
-        #[cfg(not(feature = "redis"))]
-        (Ok(_), _) | (_, Ok(_)) => {
-            return Err(
-                "REDIS_URL or REDIS_URLS is set, but this build has no Redis: add \
-                 `--features redis`"
-                    .into(),
-            )
+        #[cfg(feature = "cluster")]
+        Some("REDIS_CLUSTER_URLS") => {
+            // Any of the nodes: the rest comes from the cluster's slot map.
+            let urls = url_list("REDIS_CLUSTER_URLS")?;
+            let client = redis::cluster::ClusterClient::new(urls.clone())?;
+            let data = client.get_async_connection().await?;
+            let locks = Locks::redis_cluster(&urls)?;
+            let backend = "locks and data on a Redis Cluster".to_owned();
+            (Store::redis_cluster(data), locks, backend)
         }
-        (Err(_), Err(_)) => (
-            Store::memory(),
-            Locks::memory(),
-            "locks and data in memory".to_owned(),
-        ),
+        Some(other) => {
+            return Err(format!(
+                "{other} is set, but this build has no store for it: add `--features redis` \
+                 (`--features cluster` for REDIS_CLUSTER_URLS)"
+            )
+            .into())
+        }
     };
     let locks = locks
         .ttl(lock_ttl)

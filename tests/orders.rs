@@ -270,6 +270,43 @@ async fn redis_basic_flows() {
     );
 }
 
+/// `REDIS_CLUSTER_URLS`: the locks and the data on a Redis Cluster (three masters with a
+/// replica each), given by one of its nodes.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_basic_flows() {
+    let cluster = support::cluster::Cluster::start();
+    let urls = &cluster.urls()[..1];
+    let client = redis::cluster::ClusterClient::new(urls.to_vec()).unwrap();
+    let data = client.get_async_connection().await.unwrap();
+    let locks = Locks::redis_cluster(urls).unwrap();
+    let app = orders::app(Store::redis_cluster(data), Some(locks), Duration::ZERO);
+    basic_flows(&app).await;
+    idempotent_orders(&app).await;
+
+    assert!(
+        cluster.empty(),
+        "locks left: {:?}",
+        cluster.locks_on_masters()
+    );
+    // The data is spread over the masters, under `orders:`, apart from the locks.
+    let mut data = Vec::new();
+    for port in cluster.masters() {
+        data.extend(cluster.cmd::<Vec<String>>(port, redis::cmd("KEYS").arg("orders:*")));
+    }
+    data.sort();
+    assert_eq!(
+        data,
+        [
+            "orders:order:o-1",
+            "orders:order:o-10",
+            "orders:stock:apple",
+            "orders:stock:pear",
+            "orders:stock:plum",
+        ]
+    );
+}
+
 /// A stock update waits for (here: is refused during) an order of the same SKU, also for
 /// SKUs with `/` or `%`, which arrive percent-encoded in the path: both routes must lock
 /// the same key.
