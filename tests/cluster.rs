@@ -20,7 +20,7 @@ use support::{
     http::{batch, batch_router, poll_every, send, within},
     Rng,
 };
-use tower_batch_lock::{Locks, RedisCluster};
+use tower_batch_lock::{Locks, RedisCluster, Wait};
 
 /// A `Locks` of its own on the cluster: one "process".
 fn locks(cluster: &Cluster) -> Locks {
@@ -325,4 +325,176 @@ fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
     ranges
         .iter()
         .any(|(first, last, (_, node))| *node == port && (*first..=*last).contains(&slot))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it() {
+    let cluster = Cluster::start();
+    // Renewed every 200 ms: the batch outlives several TTLs while its handler runs.
+    let locks = locks(&cluster).ttl(Duration::from_millis(600));
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let batch_keys = keys("sku:", 300);
+    let request = tokio::spawn({
+        let (app, batch_keys) = (app.clone(), batch_keys.clone());
+        async move { send(&app, batch(&batch_keys)).await }
+    });
+    gate.wait_entered().await;
+    assert!(cluster
+        .locks_on_masters()
+        .iter()
+        .all(|keys| !keys.is_empty()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !gate.lease().is_lost(),
+        "the lease was renewed on every master"
+    );
+    let states = locks.inspect(batch_keys.clone()).await.unwrap();
+    assert!(
+        states.iter().all(|s| s.is_held() && s.holds() == 1),
+        "every key held, seen from the operator's side"
+    );
+    assert!(states
+        .iter()
+        .all(|s| s.ttl().is_some_and(|t| t <= Duration::from_millis(600))));
+
+    // An operator frees the batch from under its holder, on every master.
+    let freed = locks
+        .force_release(batch_keys.clone(), "test")
+        .await
+        .unwrap();
+    assert_eq!(freed, 300);
+    assert!(cluster.empty(), "{:?}", cluster.locks_on_masters());
+    let lease = gate.lease();
+    within(Duration::from_secs(3), "the holder learns", lease.lost()).await;
+    gate.open();
+    assert_eq!(request.await.unwrap().status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_in_another_process_wakes_on_a_sharded_release() {
+    let cluster = Cluster::start();
+    let (first, second) = (
+        locks(&cluster),
+        locks(&cluster).wait(Wait::up_to(Duration::from_secs(5))),
+    );
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let waiter = batch_router(&second, counting_handler(&Arc::default()));
+    let spublish_before = cluster.calls_of("spublish");
+    let held = tokio::spawn(async move { send(&holder, batch(&["a", "b"])).await });
+    gate.wait_entered().await;
+    let waiting = tokio::spawn(async move {
+        let reply = send(&waiter, batch(&["b", "c"])).await;
+        (reply, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the waiter waits for `b`");
+    let released = Instant::now();
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let (reply, granted) = waiting.await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    eprintln!("granted {:?} after the release", granted - released);
+    assert!(
+        cluster.calls_of("spublish") > spublish_before,
+        "the release was announced with SPUBLISH"
+    );
+    assert_emptied(&cluster).await;
+}
+
+/// The process id of the node at `port`, by its own `INFO`.
+fn pid_of(cluster: &Cluster, port: u16) -> String {
+    let info: String = cluster.cmd(port, redis::cmd("INFO").arg("server"));
+    info.lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .expect("INFO names the process")
+        .trim()
+        .to_owned()
+}
+
+/// Freezes (`STOP`) or thaws (`CONT`) the process `pid`.
+fn signal(pid: &str, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
+    let cluster = Cluster::start();
+    let locks = RedisCluster::new(cluster.urls())
+        .node_timeout(Duration::from_millis(300))
+        .retry_for(Duration::from_millis(500))
+        .build()
+        .unwrap()
+        .backend_timeout(Duration::from_secs(2));
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    let masters = cluster.masters();
+    let counter_slot: u16 = cluster.cmd(
+        masters[0],
+        redis::cmd("CLUSTER").arg("KEYSLOT").arg("lock:"),
+    );
+    let victim = *masters
+        .iter()
+        .find(|&&port| !owns(&cluster, port, counter_slot))
+        .unwrap();
+    let served_by = |port: u16, not: bool| {
+        (0..)
+            .map(|i| format!("key{i}"))
+            .find(|key| {
+                let slot: u16 = cluster.cmd(
+                    port,
+                    redis::cmd("CLUSTER")
+                        .arg("KEYSLOT")
+                        .arg(format!("lock:{key}")),
+                );
+                owns(&cluster, port, slot) != not
+            })
+            .unwrap()
+    };
+    let (frozen_key, free_key) = (served_by(victim, false), served_by(victim, true));
+    // Connections to every master, before the freeze.
+    assert_eq!(
+        send(&app, batch(&[&frozen_key, &free_key])).await.status,
+        StatusCode::OK
+    );
+
+    let pid = pid_of(&cluster, victim);
+    signal(&pid, "STOP");
+    let started = Instant::now();
+    let reply = send(&app, batch(&[&frozen_key])).await;
+    let took = started.elapsed();
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert!(
+        took < Duration::from_secs(2) + Duration::from_millis(500),
+        "{took:?}"
+    );
+    let reply = send(&app, batch(&[&free_key])).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    signal(&pid, "CONT");
+
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..50 {
+        status = send(&app, batch(&[&frozen_key, &free_key])).await.status;
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "grants did not resume after the thaw"
+    );
+    assert_emptied(&cluster).await;
 }
