@@ -513,11 +513,11 @@ fn token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
-fn redis_error(error: redis::RedisError) -> String {
+pub(crate) fn redis_error(error: redis::RedisError) -> String {
     error.to_string()
 }
 
-async fn reset_stats(conn: &mut deadpool_redis::Connection) -> Result<(), String> {
+pub(crate) async fn reset_stats(conn: &mut impl redis::aio::ConnectionLike) -> Result<(), String> {
     redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query_async::<()>(conn)
@@ -525,10 +525,12 @@ async fn reset_stats(conn: &mut deadpool_redis::Connection) -> Result<(), String
         .map_err(redis_error)
 }
 
-type CommandStats = BTreeMap<String, BTreeMap<String, f64>>;
+pub(crate) type CommandStats = BTreeMap<String, BTreeMap<String, f64>>;
 
 /// `INFO commandstats` by command: `cmdstat_evalsha:calls=4,usec=120,...`.
-async fn command_stats(conn: &mut deadpool_redis::Connection) -> Result<CommandStats, String> {
+pub(crate) async fn command_stats(
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> Result<CommandStats, String> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -550,7 +552,7 @@ async fn command_stats(conn: &mut deadpool_redis::Connection) -> Result<CommandS
 }
 
 /// The `usec` and `calls` of `commands`, summed.
-fn sum(stats: &CommandStats, commands: &[&str]) -> (u64, u64) {
+pub(crate) fn sum(stats: &CommandStats, commands: &[&str]) -> (u64, u64) {
     let (mut usec, mut calls) = (0, 0);
     for command in commands {
         if let Some(stat) = stats.get(*command) {

@@ -36,9 +36,9 @@ use crate::{
 };
 
 /// Concurrent keep-alive connections of the load generator.
-const CONNECTIONS: usize = 16;
+pub(crate) const CONNECTIONS: usize = 16;
 /// A run stops at whichever comes first: its duration or this many requests.
-const MAX_REQUESTS: u64 = 1_000_000;
+pub(crate) const MAX_REQUESTS: u64 = 1_000_000;
 const TTL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy)]
@@ -373,7 +373,7 @@ fn in_process_json(plain: &InProcess, recorded: &InProcess) -> Value {
 }
 
 /// The generator on a thread and a runtime of its own, as a separate client would be.
-async fn drive(addr: SocketAddr, load: Load) -> Result<Outcome, String> {
+pub(crate) async fn drive(addr: SocketAddr, load: Load) -> Result<Outcome, String> {
     tokio::task::spawn_blocking(move || {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -429,7 +429,7 @@ fn summarize(route: &Route, contended: bool, recorder: bool, outcomes: Vec<Outco
     })
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
@@ -448,7 +448,7 @@ fn runs(case: &Value, field: &str) -> Option<Vec<f64>> {
 
 /// The median, over the runs, of each run's ratio: two routes that ran back to back saw
 /// the same machine, so a slow moment weighs on both sides of a ratio alike.
-fn paired_ratio(ours: Option<Vec<f64>>, theirs: Option<Vec<f64>>) -> Option<f64> {
+pub(crate) fn paired_ratio(ours: Option<Vec<f64>>, theirs: Option<Vec<f64>>) -> Option<f64> {
     let (ours, theirs) = (ours?, theirs?);
     let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(o, t)| o / t).collect();
     (!ratios.is_empty()).then(|| median(ratios))
@@ -503,11 +503,11 @@ fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
         .with_state(Hand { conn })
 }
 
-async fn ok() -> &'static str {
+pub(crate) async fn ok() -> &'static str {
     "ok"
 }
 
-type BadRequest = (StatusCode, &'static str);
+pub(crate) type BadRequest = (StatusCode, &'static str);
 
 fn key_header(headers: &HeaderMap) -> Result<String, BadRequest> {
     headers
@@ -517,11 +517,11 @@ fn key_header(headers: &HeaderMap) -> Result<String, BadRequest> {
         .ok_or((StatusCode::BAD_REQUEST, "x-key header missing"))
 }
 
-fn one_key(parts: &Parts) -> Result<[String; 1], BadRequest> {
+pub(crate) fn one_key(parts: &Parts) -> Result<[String; 1], BadRequest> {
     Ok([format!("k:{}", key_header(&parts.headers)?)])
 }
 
-fn hundred_keys(parts: &Parts) -> Result<Vec<String>, BadRequest> {
+pub(crate) fn hundred_keys(parts: &Parts) -> Result<Vec<String>, BadRequest> {
     let key = key_header(&parts.headers)?;
     Ok((0..100).map(|i| format!("k:{key}:{i}")).collect())
 }

@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
-//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed
+//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
 //! ```
 //!
@@ -21,7 +21,14 @@
 #[rustfmt::skip]
 mod support;
 
+// The tests' Redis Cluster (three masters, here without replicas), shared the same way.
+#[allow(dead_code)]
+#[path = "../../tests/support/cluster.rs"]
+#[rustfmt::skip]
+mod cluster_support;
+
 mod batch;
+mod cluster;
 mod field;
 mod http;
 mod load;
@@ -43,7 +50,7 @@ use serde_json::{json, Map, Value};
 
 /// The sections, in the order of the results. They run in this order, except http, which
 /// runs last (see [`run_sections`]).
-const SECTIONS: [&str; 5] = ["batch", "field", "http", "wake", "mixed"];
+const SECTIONS: [&str; 6] = ["batch", "field", "http", "wake", "mixed", "cluster"];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
 
@@ -184,6 +191,7 @@ async fn run_sections(
             "http" => http::run(&pool, options.quick).await,
             "wake" => wake::run(server, options.quick).await,
             "mixed" => mixed::run(server, options.quick).await,
+            "cluster" => cluster::run(server, &pool, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {

@@ -31,12 +31,19 @@ impl Cluster {
     /// When `redis-server` or `redis-cli` is missing, with a message that says how to
     /// install them, or when the cluster does not form within 20 s.
     pub(crate) fn start() -> Self {
+        Self::start_with(1)
+    }
+
+    /// Three masters with `replicas` replicas each (0: masters only, as the bench runs it,
+    /// so that replicas do not take the CPU of a small machine); otherwise as
+    /// [`start`](Self::start).
+    pub(crate) fn start_with(replicas: usize) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "tower-batch-lock-cluster-{}-{}",
             std::process::id(),
             fastrand::u64(..)
         ));
-        let ports = free_ports(6);
+        let ports = free_ports(3 * (1 + replicas));
         let mut cluster = Self {
             nodes: Vec::new(),
             dir,
@@ -62,7 +69,7 @@ impl Cluster {
         let created = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addresses)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
