@@ -178,8 +178,10 @@ impl RedisCluster {
     }
 
     /// How long a call keeps trying again while the cluster moves under it (a slot
-    /// migrating, a failover, `CLUSTERDOWN`), before it fails (503). Default 1 s. Keep it
-    /// below [`Locks::backend_timeout`] (2 s by default), which bounds every call anyway.
+    /// migrating, a failover, `CLUSTERDOWN`), before it fails (503). Default 1 s. An
+    /// acquisition may take up to about twice this, plus a few node timeouts, since each
+    /// refused attempt is rolled back (bounded by this too) before the next; keep it below
+    /// half of [`Locks::backend_timeout`] (2 s by default), which bounds every call anyway.
     pub fn retry_for(mut self, duration: Duration) -> Self {
         self.retry_for = duration;
         self
@@ -410,11 +412,14 @@ impl Inner {
     /// Runs `call` on every group of `keys`, each on its master at once, bounded by the
     /// node timeout; the keys of a group that failed are regrouped on a fresh map and sent
     /// again after a pause, until `until`. Only for calls that may run twice (everything
-    /// but acquire). Returns each group's keys, by index, with its answer.
+    /// but acquire). Returns each group's keys, by index, with its answer. `unsure` is
+    /// raised when a call failed in a way that may still let it run later (no answer in
+    /// time, a broken connection): it was sent again, and the first may land after that.
     async fn on_groups<T, F, Fut>(
         &self,
         keys: &Arc<[String]>,
         until: Instant,
+        unsure: Option<&AtomicBool>,
         call: F,
     ) -> Result<Vec<(Vec<usize>, T)>, BackendError>
     where
@@ -449,6 +454,9 @@ impl Inner {
                         match joined {
                             Ok(Ok(answer)) => answered.push((indices, answer)),
                             Ok(Err(error)) => {
+                                if error.may_have_applied() {
+                                    unsure.inspect(|flag| flag.store(true, Ordering::SeqCst));
+                                }
                                 failure = Some(error.to_string());
                                 retry.extend(indices);
                             }
@@ -487,6 +495,7 @@ impl Inner {
         self: &Arc<Self>,
         keys: Arc<[String]>,
         holder: Holder,
+        unsure: Option<Arc<AtomicBool>>,
     ) -> tokio::task::JoinHandle<Result<usize, BackendError>> {
         let inner = self.clone();
         tokio::spawn(async move {
@@ -494,7 +503,7 @@ impl Inner {
                 + Duration::from_millis(inner.longest_ttl_ms.load(Ordering::Relaxed))
                     .max(inner.retry_for);
             let released = inner
-                .on_groups(&keys, until, |node, keys| async move {
+                .on_groups(&keys, until, unsure.as_deref(), |node, keys| async move {
                     node.release(&keys, holder).await
                 })
                 .await?;
@@ -596,6 +605,13 @@ impl Inner {
         // Refused: release every group that granted or may have, on wherever its keys are
         // now, before answering, so that nothing is left behind and a next attempt with
         // the same holder cannot meet a late release of this one.
+        if !unsure.is_empty() {
+            let late: Arc<[String]> = unsure
+                .iter()
+                .flat_map(|&g| groups[g].indices.iter().map(|&i| keys[i].clone()))
+                .collect();
+            self.release_late_landings(late, holder, give_up_at);
+        }
         granted.extend(unsure);
         let rolled_back = if granted.is_empty() {
             true
@@ -622,8 +638,10 @@ impl Inner {
         }
     }
 
-    /// Releases `keys` of a refused attempt everywhere; whether that finished in time
-    /// (otherwise it goes on in the background).
+    /// Releases `keys` of a refused attempt everywhere. Whether that is certain: it finished
+    /// in time (otherwise it goes on in the background), and no release command of it may
+    /// still land later (one that got no answer in time was sent again; the first could
+    /// then end a next attempt's grant of the same hold).
     async fn roll_back(
         self: &Arc<Self>,
         keys: &Arc<[String]>,
@@ -631,11 +649,40 @@ impl Inner {
         released: &AtomicBool,
     ) -> bool {
         released.store(true, Ordering::SeqCst);
-        let release = self.start_release(keys.clone(), holder);
-        matches!(
+        let unsure = Arc::new(AtomicBool::new(false));
+        let release = self.start_release(keys.clone(), holder, Some(unsure.clone()));
+        let finished = matches!(
             tokio::time::timeout(self.retry_for, release).await,
             Ok(Ok(Ok(_)))
-        )
+        );
+        finished && !unsure.load(Ordering::SeqCst)
+    }
+
+    /// Releases `keys` again and again, a while after a refused attempt, until `until`: an
+    /// acquisition that got no answer in time (a frozen master) may still run when the
+    /// master thaws, after the attempt's release. The hold is never used again (the caller
+    /// gets an error, and its next attempt has a hold of its own), so these releases can
+    /// end nothing but such a late grant.
+    fn release_late_landings(
+        self: &Arc<Self>,
+        keys: Arc<[String]>,
+        holder: Holder,
+        until: Instant,
+    ) {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let mut pause = Duration::from_secs(1);
+            while Instant::now() + pause < until {
+                tokio::time::sleep(pause).await;
+                let deadline = Instant::now() + inner.retry_for;
+                let _ = inner
+                    .on_groups(&keys, deadline, None, |node, keys| async move {
+                        node.release(&keys, holder).await
+                    })
+                    .await;
+                pause *= 2;
+            }
+        });
     }
 
     /// The token of a grant: the next number of the namespace's counter, counted after every
@@ -795,7 +842,7 @@ impl Backend for ClusterBackend {
             let keys: Arc<[String]> = keys.into();
             let answers = self
                 .inner
-                .on_groups(&keys, self.deadline(), |node, keys| async move {
+                .on_groups(&keys, self.deadline(), None, |node, keys| async move {
                     node.extend(&keys, holder, ttl).await
                 })
                 .await?;
@@ -814,7 +861,7 @@ impl Backend for ClusterBackend {
             }
             // In a task of its own: it finishes even if the caller stops waiting.
             self.inner
-                .start_release(keys.into(), holder)
+                .start_release(keys.into(), holder, None)
                 .await
                 .unwrap_or_else(|error| Err(BackendError::unknown(error)))
         })
@@ -829,12 +876,16 @@ impl Backend for ClusterBackend {
             let keys: Arc<[String]> = keys.into();
             let answers = self
                 .inner
-                .on_groups(&keys, self.deadline(), |node, keys| async move {
+                .on_groups(&keys, self.deadline(), None, |node, keys| async move {
                     node.withdraw(&keys, ticket).await
                 })
                 .await?;
-            self.inner.freed(&keys).await;
-            Ok(answers.iter().map(|(_, count)| count).sum())
+            let withdrawn = answers.iter().map(|(_, count)| count).sum();
+            // Nothing freed wakes nobody, here or elsewhere.
+            if withdrawn > 0 {
+                self.inner.freed(&keys).await;
+            }
+            Ok(withdrawn)
         })
     }
 
@@ -846,7 +897,7 @@ impl Backend for ClusterBackend {
             let keys: Arc<[String]> = keys.into();
             let answers = self
                 .inner
-                .on_groups(&keys, self.deadline(), |node, keys| async move {
+                .on_groups(&keys, self.deadline(), None, |node, keys| async move {
                     node.inspect(&keys).await
                 })
                 .await?;
@@ -868,12 +919,15 @@ impl Backend for ClusterBackend {
             let keys: Arc<[String]> = keys.into();
             let answers = self
                 .inner
-                .on_groups(&keys, self.deadline(), |node, keys| async move {
+                .on_groups(&keys, self.deadline(), None, |node, keys| async move {
                     node.force_release(&keys).await
                 })
                 .await?;
-            self.inner.freed(&keys).await;
-            Ok(answers.iter().map(|(_, count)| count).sum())
+            let released = answers.iter().map(|(_, count)| count).sum();
+            if released > 0 {
+                self.inner.freed(&keys).await;
+            }
+            Ok(released)
         })
     }
 

@@ -94,7 +94,16 @@ end
 -- prelude): calls `each(index, value)` for every key.
 local function each_value(first, each)
   if per_key then
-    for i = first, #KEYS do each(i, redis.call('GET', KEYS[i])) end
+    for i = first, #KEYS do
+      -- As MGET, a key of another type reads as nil (GET refuses it); any other error
+      -- (a key this node does not serve) still fails the script.
+      local value = redis.pcall('GET', KEYS[i])
+      if type(value) == 'table' and value.err then
+        if string.sub(value.err, 1, 9) ~= 'WRONGTYPE' then error(value) end
+        value = false
+      end
+      each(i, value)
+    end
     return
   end
   for from = first, #KEYS, 1000 do
