@@ -509,3 +509,61 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
     );
     assert_emptied(&cluster).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch() {
+    let (_serial, cluster) = start().await;
+    let masters = cluster.masters();
+    // `held` on one master, `wanted` on another.
+    let on = |port: u16| {
+        (0..)
+            .map(|i| format!("key{i}"))
+            .find(|key| {
+                let slot: u16 = cluster.cmd(
+                    port,
+                    redis::cmd("CLUSTER")
+                        .arg("KEYSLOT")
+                        .arg(format!("lock:{key}")),
+                );
+                owns(&cluster, port, slot)
+            })
+            .unwrap()
+    };
+    let (held, wanted) = (on(masters[0]), on(masters[1]));
+    let (first, second) = (locks(&cluster), locks(&cluster));
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let holding = {
+        let held = held.clone();
+        tokio::spawn(async move { send(&holder, batch(&[&held])).await })
+    };
+    gate.wait_entered().await;
+
+    // A waiter for both: the master of `wanted` grants its group, the other refuses, and
+    // the grant is rolled back; the waiter's reservation stays on `wanted` all the same.
+    let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
+    let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
+    let waiting = {
+        let (held, wanted) = (held.clone(), wanted.clone());
+        tokio::spawn(async move { send(&waiter, batch(&[&held, &wanted])).await })
+    };
+    within(
+        Duration::from_secs(5),
+        "the waiter reserves `wanted`",
+        async {
+            while first.inspect([wanted.clone()]).await.unwrap()[0].waiters() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        },
+    )
+    .await;
+    // A later request that does not wait is kept out of `wanted`, free as it is.
+    let later = batch_router(&first, counting_handler(&Arc::default()));
+    let reply = send(&later, batch(&[&wanted])).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
+
+    gate.open();
+    assert_eq!(holding.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}

@@ -53,6 +53,9 @@ pub(crate) struct Scripts {
     inspect: Script,
     /// Ends every hold on keys, whoever has it, and announces it.
     force_release: Script,
+    /// Puts a waiter's reservation on keys (the cluster store's refused batches).
+    #[cfg(feature = "cluster")]
+    reserve: Script,
     /// Whether the keys go as arguments (a group of a batch on a cluster node) rather than
     /// as declared keys.
     keys_as_args: bool,
@@ -69,6 +72,8 @@ impl Scripts {
             withdraw: script(include_str!("scripts/withdraw.lua")),
             inspect: script(include_str!("scripts/inspect.lua")),
             force_release: script(include_str!("scripts/force_release.lua")),
+            #[cfg(feature = "cluster")]
+            reserve: script(include_str!("scripts/reserve.lua")),
             keys_as_args,
         }
     }
@@ -255,6 +260,21 @@ impl RedisBackend {
         let count = self.invoke(&script).await?;
         self.wakeups.wake_slots(slots);
         Ok(count)
+    }
+
+    /// Puts the reservation of the waiter with `ticket` on `keys`, for
+    /// [`Wait::RESERVATION_TTL`]: the part of a batch that the cluster store granted and
+    /// rolled back, when another part kept the waiter out.
+    #[cfg(feature = "cluster")]
+    pub(crate) async fn reserve(
+        &self,
+        keys: &[String],
+        ticket: Ticket,
+    ) -> Result<(), BackendError> {
+        let mut script = self.scripts.prepare(&self.scripts.reserve, keys);
+        script.arg(ticket.get()).arg(millis(Wait::RESERVATION_TTL));
+        self.invoke::<i64>(&script).await?;
+        Ok(())
     }
 
     /// Raises the fencing counter of `namespace` to at least `floor`.

@@ -623,6 +623,24 @@ impl Inner {
             self.roll_back(&subset, holder, &released).await
         };
         self.late_acquisitions().remove(&holder);
+        // A waiter in line kept out by some groups was granted the others, which were just
+        // rolled back: it keeps its place in line on those keys too, as on one Redis
+        // (the refused groups' scripts reserved theirs).
+        if let (Line::At(ticket), false, false) = (line, held.is_empty(), granted.is_empty()) {
+            let indices = granted
+                .iter()
+                .flat_map(|&g| groups[g].indices.iter().copied());
+            let subset: Arc<[String]> = indices.map(|i| keys[i].clone()).collect();
+            let deadline = Instant::now() + self.retry_for;
+            let reserved = self
+                .on_groups(&subset, deadline, None, |node, keys| async move {
+                    node.reserve(&keys, ticket).await
+                })
+                .await;
+            if let Err(error) = reserved {
+                tracing::debug!(%error, "a waiter's reservations on a rolled-back group failed");
+            }
+        }
         if let Some(why) = why_unsure {
             return Attempt::Done(Err(BackendError::not_sent(format!(
                 "a cluster master did not answer in time: {why}"

@@ -1,0 +1,18 @@
+-- KEYS: keys of a batch. ARGV: the waiter's ticket, reservation ttl (ms).
+-- Puts (or renews) the waiter's reservation on every key, held or free, as a refused
+-- acquisition of a waiter in line does; foreign values are left alone. For a batch that
+-- one store (the cluster's) refused after part of it was granted: the granted part was
+-- rolled back, and must keep the waiter's place in line as the refused part does.
+local ticket, reserve_ms = ARGV[1], tonumber(ARGV[2])
+local till = now() + reserve_ms
+each_value(1, function(i, value)
+  if not value then
+    redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
+    return
+  end
+  local holds, queue = split(value)
+  if holds == nil then return end
+  local left, latest = requeue(queue, ticket, till)
+  store(KEYS[i], holds, left, latest)
+end)
+return 1
