@@ -297,20 +297,20 @@ async fn a_killed_master_gives_503_for_its_keys_and_grants_resume_after_the_fail
     assert!(cluster.empty(), "{:?}", cluster.locks_on_masters());
 
     cluster.wait_for_failover(victim, Duration::from_secs(20));
-    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    grants_resume(&app, &[&doomed, &safe], "failover").await;
+    assert_emptied(&cluster).await;
+}
+
+/// Asks for `keys` every 100 ms, for up to 5 s, until they are granted, or fails naming
+/// `after` (the event the grants should resume after).
+async fn grants_resume(app: &axum::Router, keys: &[&String], after: &str) {
     for _ in 0..50 {
-        status = send(&app, batch(&[&doomed, &safe])).await.status;
-        if status == StatusCode::OK {
-            break;
+        if send(app, batch(keys)).await.status == StatusCode::OK {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(
-        status,
-        StatusCode::OK,
-        "grants did not resume after the failover"
-    );
-    assert_emptied(&cluster).await;
+    panic!("grants did not resume after the {after}");
 }
 
 /// Whether the master at `port` serves `slot`, by its own `CLUSTER SLOTS`.
@@ -494,19 +494,7 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     signal(&pid, "CONT");
 
-    let mut status = StatusCode::SERVICE_UNAVAILABLE;
-    for _ in 0..50 {
-        status = send(&app, batch(&[&frozen_key, &free_key])).await.status;
-        if status == StatusCode::OK {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        status,
-        StatusCode::OK,
-        "grants did not resume after the thaw"
-    );
+    grants_resume(&app, &[&frozen_key, &free_key], "thaw").await;
     assert_emptied(&cluster).await;
 }
 
