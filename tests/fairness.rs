@@ -26,68 +26,17 @@ use http::{HeaderMap, Request, StatusCode};
 use support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
-    Observer, RedisServer, Rng,
+    stores::Store,
+    Rng,
 };
-use tower_batch_lock::{Lease, Locks, Redlock, Wait};
+use tower_batch_lock::{Lease, Locks, Wait};
 
-/// One store, seen by two processes, and a way to look inside it.
-struct Store {
-    name: &'static str,
-    /// Two handles on the store: two processes (the memory store is one process's only).
-    locks: [Locks; 2],
-    /// The Redis servers behind it, looked at from outside the crate.
-    observers: Vec<Observer>,
-    _servers: Vec<RedisServer>,
-}
-
+/// A way to look inside a store.
 impl Store {
-    fn memory() -> Self {
-        let locks = Locks::isolated_memory();
-        Self {
-            name: "memory",
-            locks: [locks.clone(), locks],
-            observers: Vec::new(),
-            _servers: Vec::new(),
-        }
-    }
-
-    fn redis() -> Self {
-        let server = RedisServer::start();
-        let handle = || Locks::redis_url(&server.url()).expect("a valid URL");
-        Self {
-            name: "redis",
-            locks: [handle(), handle()],
-            observers: vec![Observer::of(&server)],
-            _servers: vec![server],
-        }
-    }
-
-    fn redlock() -> Self {
-        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-        // A generous node timeout: the masters share two cores with the test.
-        let handle = || {
-            Redlock::new(&urls)
-                .node_timeout(Duration::from_millis(500))
-                .build()
-                .expect("valid URLs")
-        };
-        Self {
-            name: "redlock",
-            locks: [handle(), handle()],
-            observers: servers.iter().map(Observer::of).collect(),
-            _servers: servers,
-        }
-    }
-
-    fn all() -> [Self; 3] {
-        [Self::memory(), Self::redis(), Self::redlock()]
-    }
-
     /// The tickets of the waiters that reserved `key`, in line order, on the first master
     /// (`None` for the memory store, which cannot be looked into).
     fn line(&self, key: &str) -> Option<Vec<u64>> {
-        let observer = self.observers.first()?;
+        let observer = self.observers().into_iter().next()?;
         Some(
             observer
                 .lock(key)
@@ -98,7 +47,7 @@ impl Store {
 
     /// Fails the test if any master still has a lock key, held or reserved.
     fn assert_nothing_left(&self) {
-        for (master, observer) in self.observers.iter().enumerate() {
+        for (master, observer) in self.observers().iter().enumerate() {
             let left = observer.all_keys();
             assert!(
                 left.is_empty(),
@@ -111,8 +60,9 @@ impl Store {
     /// Waits until no master has a lock key: releases and withdrawals of requests that
     /// already answered may still be on their way (a Redlock minority's, say).
     async fn settle(&self) {
+        let observers = self.observers();
         let settled = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
-            self.observers.iter().all(|o| o.all_keys().is_empty())
+            observers.iter().all(|o| o.all_keys().is_empty())
         })
         .await;
         if settled.is_none() {
@@ -449,7 +399,7 @@ async fn a_killed_waiters_reservations_expire_within_the_bound() {
 
     let mut waiter = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "waiter_process", "--ignored", "--nocapture"])
-        .env(WAITER_URL, store._servers[0].url())
+        .env(WAITER_URL, store.servers[0].url())
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("start the waiter process");

@@ -25,58 +25,12 @@ use bytes::Bytes;
 use support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
-    RedisServer, Rng,
+    stores::Store,
+    Rng,
 };
-use tower_batch_lock::{idempotency::Idempotency, Locks, Redlock, Wait};
-
-struct Store {
-    name: &'static str,
-    /// Two handles on the store: two processes (the memory store is one process's only).
-    locks: [Locks; 2],
-    servers: Vec<RedisServer>,
-}
+use tower_batch_lock::{idempotency::Idempotency, Locks, Wait};
 
 impl Store {
-    fn memory() -> Self {
-        let locks = Locks::isolated_memory();
-        Self {
-            name: "memory",
-            locks: [locks.clone(), locks],
-            servers: Vec::new(),
-        }
-    }
-
-    fn redis() -> Self {
-        let server = RedisServer::start();
-        let handle = || Locks::redis_url(&server.url()).expect("a valid URL");
-        Self {
-            name: "redis",
-            locks: [handle(), handle()],
-            servers: vec![server],
-        }
-    }
-
-    fn redlock() -> Self {
-        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-        // A generous node timeout: the masters share two cores with the test.
-        let handle = || {
-            Redlock::new(&urls)
-                .node_timeout(Duration::from_millis(500))
-                .build()
-                .expect("valid URLs")
-        };
-        Self {
-            name: "redlock",
-            locks: [handle(), handle()],
-            servers,
-        }
-    }
-
-    fn all() -> [Self; 3] {
-        [Self::memory(), Self::redis(), Self::redlock()]
-    }
-
     /// Checks that no in-flight lock is left: none held by either handle, and none on
     /// any server (only answers and the fencing counter stay).
     fn assert_no_run_left(&self) {

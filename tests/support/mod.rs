@@ -11,6 +11,8 @@ pub(crate) mod http;
 pub(crate) mod logs;
 #[cfg(feature = "redis")]
 mod server;
+#[cfg(feature = "redis")]
+pub(crate) mod stores;
 
 #[cfg(feature = "redis")]
 #[allow(unused_imports)] // as with dead code: not every test binary looks at a server
