@@ -466,12 +466,7 @@ impl Backend for RedisBackend {
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
-            let mut set = redis::cmd("SET");
-            set.arg(key)
-                .arg(&answer[..])
-                .arg("PX")
-                .arg(millis(retention))
-                .arg("NX");
+            let set = store_answer_command(key, &answer, retention);
             let stored: Option<String> = self.send(Command::Plain(&set)).await?;
             Ok(stored.is_some())
         })
@@ -563,6 +558,18 @@ fn key_view(numbers: &[i64]) -> KeyView {
         holds: count(numbers[2]),
         waiters: count(numbers[3]),
     }
+}
+
+/// `SET key answer PX retention NX`: keeps an idempotent answer unless one is there.
+#[cfg(feature = "idempotency")]
+pub(crate) fn store_answer_command(key: &str, answer: &[u8], retention: Duration) -> redis::Cmd {
+    let mut set = redis::cmd("SET");
+    set.arg(key)
+        .arg(answer)
+        .arg("PX")
+        .arg(millis(retention))
+        .arg("NX");
+    set
 }
 
 pub(crate) fn millis(duration: Duration) -> u64 {

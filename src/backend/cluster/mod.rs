@@ -37,7 +37,7 @@ use redis::{
     cluster::ClusterClient,
     cluster_async::ClusterConnection,
     cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
-    ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion,
+    ConnectionAddr, ConnectionInfo, FromRedisValue, IntoConnectionInfo, ProtocolVersion,
 };
 use tokio::sync::OnceCell;
 
@@ -706,17 +706,27 @@ impl Inner {
     /// The token of a grant: the next number of the namespace's counter, counted after every
     /// group was granted (see [`RedisCluster`]'s docs).
     async fn count_grant(&self, namespace: &str) -> Result<FencingToken, BackendError> {
+        let counted = self
+            .query(redis::cmd("INCR").arg(namespace).to_owned())
+            .await?;
+        Ok(FencingToken::new(counted))
+    }
+
+    /// Runs `command` on the cluster connection, which redis-rs routes to the master of
+    /// its one key, bounded by the node timeout.
+    async fn query<T: FromRedisValue + Send>(
+        &self,
+        command: redis::Cmd,
+    ) -> Result<T, BackendError> {
         let mut control = self.control().await?;
-        let counted = bounded(self.node_timeout, async {
-            redis::cmd("INCR")
-                .arg(namespace)
-                .query_async::<u64>(&mut control)
+        bounded(self.node_timeout, async move {
+            command
+                .query_async::<T>(&mut control)
                 .await
                 .map_err(BackendError::unknown)
         })
         .await
-        .map_err(|failure| BackendError::unknown(failure.to_string()))?;
-        Ok(FencingToken::new(counted))
+        .map_err(|failure| BackendError::unknown(failure.to_string()))
     }
 }
 
@@ -956,15 +966,8 @@ impl Backend for ClusterBackend {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, BackendError>> {
         Box::pin(async move {
-            let mut control = self.inner.control().await?;
             let get = redis::cmd("GET").arg(key).to_owned();
-            let answer = bounded(self.inner.node_timeout, async move {
-                get.query_async::<Option<Vec<u8>>>(&mut control)
-                    .await
-                    .map_err(BackendError::unknown)
-            })
-            .await
-            .map_err(|failure| BackendError::unknown(failure.to_string()))?;
+            let answer: Option<Vec<u8>> = self.inner.query(get).await?;
             Ok(answer.map(bytes::Bytes::from))
         })
     }
@@ -978,20 +981,8 @@ impl Backend for ClusterBackend {
         retention: Duration,
     ) -> BoxFuture<'a, Result<bool, BackendError>> {
         Box::pin(async move {
-            let mut control = self.inner.control().await?;
-            let mut set = redis::cmd("SET");
-            set.arg(key)
-                .arg(&answer[..])
-                .arg("PX")
-                .arg(super::redis::millis(retention))
-                .arg("NX");
-            let stored = bounded(self.inner.node_timeout, async move {
-                set.query_async::<Option<String>>(&mut control)
-                    .await
-                    .map_err(BackendError::unknown)
-            })
-            .await
-            .map_err(|failure| BackendError::unknown(failure.to_string()))?;
+            let set = super::redis::store_answer_command(key, &answer, retention);
+            let stored: Option<String> = self.inner.query(set).await?;
             Ok(stored.is_some())
         })
     }
