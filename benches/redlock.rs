@@ -15,7 +15,8 @@
 //! Run with `cargo bench --bench redlock` (ROUNDS=300 by default; the 3,000-key batch gets
 //! a third as many).
 
-#[path = "../tests/support/mod.rs"]
+#[allow(dead_code, unused_imports)] // the tests' support: a bench uses a small part of it
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::time::{Duration, Instant};

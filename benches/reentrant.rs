@@ -11,7 +11,8 @@
 //! Run with `cargo bench --bench reentrant` (ROUNDS=200 by default; 3,000 keys get a
 //! fifth as many).
 
-#[path = "../tests/support/mod.rs"]
+#[allow(dead_code, unused_imports)] // the tests' support: a bench uses a small part of it
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! Redis, in the same run, and Redis's own time on every node (issue 11, item 7).
 //!
 //! - **The cluster**: three masters without replicas (the tests' harness,
-//!   `tests/support/cluster.rs`, with `start_with(0)`), on free loopback ports: on a small
+//!   `tests/it/support/cluster.rs`, with `start_with(0)`), on free loopback ports: on a small
 //!   machine, replicas would take CPU from the masters and the client while they apply the
 //!   stream. The one Redis is the bench's own server, as in the other sections.
 //! - **The cycle**: as the `batch` section's crate case, a tower service behind
@@ -90,7 +90,7 @@ pub(crate) async fn run(server: &RedisServer, pool: &Pool, quick: bool) -> Resul
     let targets = targets(&cycle);
     Ok(json!({
         "method": {
-            "cluster": "three masters without replicas (tests/support/cluster.rs, Cluster::start_with(0)) on free loopback ports, Redis's defaults but --save \"\" --appendonly no --cluster-node-timeout 1000; the one Redis is the bench's own server",
+            "cluster": "three masters without replicas (tests/it/support/cluster.rs, Cluster::start_with(0)) on free loopback ports, Redis's defaults but --save \"\" --appendonly no --cluster-node-timeout 1000; the one Redis is the bench's own server",
             "cycle": format!("a tower service behind locks.layer(closure naming {KEYS} keys), called with oneshot, the response waiting for the release (as the batch section's crate case); Locks::redis(pool) and RedisCluster::new(urls).node_timeout(5 s).build(), both with ttl 30 s and backend_timeout 30 s; the two take turns round by round, the first of each round swapping; ratio = cluster / one Redis"),
             "server_ms": "CONFIG RESETSTAT on every node before the measured rounds, INFO commandstats after, divided by the rounds: on one Redis evalsha + eval (its scripts run INCR and PUBLISH inside, counted in the script's time); on a master evalsha + eval + incr + spublish (the cluster store sends the fencing counter's INCR and the release's SPUBLISH on their own); busiest master = the master with the largest such time",
             "batch_keys": "how many of the batch's keys each master serves (CLUSTER KEYSLOT of each stored key, against each master's slot ranges in CLUSTER NODES)",

@@ -17,13 +17,13 @@
 // The test harness's real redis-server processes on free loopback ports. `rustfmt::skip`:
 // the crate's own `cargo fmt` formats that file, not this package's.
 #[allow(dead_code)] // the tests use more of it than the bench
-#[path = "../../tests/support/server.rs"]
+#[path = "../../tests/it/support/server.rs"]
 #[rustfmt::skip]
 mod support;
 
 // The tests' Redis Cluster (three masters, here without replicas), shared the same way.
 #[allow(dead_code)]
-#[path = "../../tests/support/cluster.rs"]
+#[path = "../../tests/it/support/cluster.rs"]
 #[rustfmt::skip]
 mod cluster_support;
 

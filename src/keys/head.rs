@@ -388,3 +388,75 @@ mod tests {
         let _ = header("not a header", "x");
     }
 }
+
+/// The property over query strings and their decoding, with random queries and values; the
+/// other properties, which drive the public API, are in `tests/it/fuzz.rs`, whose
+/// documentation says how to run them for longer (`FUZZ_SECS`).
+#[cfg(test)]
+mod fuzz {
+    use proptest::{collection::vec, prelude::*};
+
+    use super::*;
+    use crate::keys::{
+        self,
+        normalize::fuzz::{check, key},
+    };
+
+    /// Percent-encodes `text` the way a client might: some characters as they are, some
+    /// escaped, spaces as `+` or `%20`.
+    fn encode(text: &str, choices: &[bool]) -> String {
+        let mut encoded = String::new();
+        let mut choice = choices.iter().cycle();
+        for (i, ch) in text.char_indices() {
+            let escape = *choice.next().unwrap_or(&true);
+            match ch {
+                ' ' if escape => encoded.push('+'),
+                'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '.' | '_' | '~' if !escape => {
+                    encoded.push(ch)
+                }
+                _ => {
+                    for byte in text[i..i + ch.len_utf8()].bytes() {
+                        encoded.push_str(&format!("%{byte:02X}"));
+                    }
+                }
+            }
+        }
+        encoded
+    }
+
+    #[test]
+    fn query_keys_decode_any_query_and_round_trip_any_value() {
+        // Any query string at all: no panic, and every key is the kind and a decoded value.
+        check("query: any", 512, any::<String>(), |query| {
+            let extractor = keys::query("id", "order");
+            match extractor.keys(Some(&query)) {
+                Ok(found) => {
+                    for key in found {
+                        prop_assert!(key.len() > "order:".len() && key.starts_with("order:"));
+                    }
+                }
+                Err(rejection) => prop_assert_eq!(rejection.status(), StatusCode::BAD_REQUEST),
+            }
+            Ok(())
+        });
+        // Any value, however encoded, comes back as itself.
+        let strategy = (vec(key(), 1..4), vec(any::<bool>(), 1..8));
+        check("query: round trip", 512, strategy, |(values, choices)| {
+            let query: Vec<String> = values
+                .iter()
+                .map(|v| format!("x=1&id={}", encode(v, &choices)))
+                .collect();
+            let found = keys::query("id", "order").keys(Some(&query.join("&")));
+            if values.iter().any(String::is_empty) {
+                prop_assert!(found.is_err());
+            } else {
+                let expected: Vec<String> = values.iter().map(|v| format!("order:{v}")).collect();
+                prop_assert_eq!(found.ok(), Some(expected));
+            }
+            for value in &values {
+                prop_assert_eq!(form_decode(&encode(value, &choices)), value.as_bytes());
+            }
+            Ok(())
+        });
+    }
+}

@@ -282,8 +282,6 @@ use http::{request::Parts, Request};
 mod adapter;
 mod all;
 pub(crate) mod body;
-#[cfg(test)]
-mod fuzz;
 mod head;
 mod json;
 mod normalize;

@@ -133,3 +133,150 @@ mod tests {
         );
     }
 }
+
+/// The property over [`normalize`], with random keys and policies; the other properties, which
+/// drive the public API, are in `tests/it/fuzz.rs`, whose documentation says how to run them
+/// for longer (`FUZZ_SECS`).
+#[cfg(test)]
+pub(super) mod fuzz {
+    use std::time::{Duration, Instant};
+
+    use proptest::{
+        collection::vec,
+        prelude::*,
+        test_runner::{Config, TestCaseError, TestRunner},
+    };
+
+    use super::*;
+
+    /// Runs `test` over `strategy`: `cases` cases, or batches of them until `FUZZ_SECS` have
+    /// passed.
+    pub(in crate::keys) fn check<S>(
+        name: &str,
+        cases: u32,
+        strategy: S,
+        test: impl Fn(S::Value) -> Result<(), TestCaseError>,
+    ) where
+        S: Strategy,
+        S::Value: std::fmt::Debug,
+    {
+        let budget = std::env::var("FUZZ_SECS").ok().map(|secs| {
+            Duration::from_secs(secs.parse().expect("FUZZ_SECS is a number of seconds"))
+        });
+        let started = Instant::now();
+        let mut ran = 0u64;
+        loop {
+            let mut runner = TestRunner::new(Config {
+                cases,
+                failure_persistence: None,
+                ..Config::default()
+            });
+            if let Err(failure) = runner.run(&strategy, &test) {
+                panic!("{name}: {failure}");
+            }
+            ran += u64::from(cases);
+            if budget.is_none_or(|budget| started.elapsed() >= budget) {
+                break;
+            }
+        }
+        eprintln!(
+            "{name}: {ran} cases in {:.1?}, no failure",
+            started.elapsed()
+        );
+    }
+
+    /// Keys as clients send them: any Unicode at all, or a few characters that collide,
+    /// repeat and stress the store (braces, spaces, newlines, globs, non-ASCII).
+    pub(in crate::keys) fn key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<String>(),
+            "[ab{}: \n\t*?\"\\\\é€\u{0}]{0,6}",
+            "[a-z]{0,12}",
+        ]
+    }
+
+    fn policy() -> impl Strategy<Value = KeyPolicy> {
+        ("[a-z:{}]{0,5}", 0usize..40, 0usize..16).prop_map(|(prefix, max_keys, max_key_len)| {
+            KeyPolicy {
+                prefix,
+                max_keys,
+                max_key_len,
+            }
+        })
+    }
+
+    #[test]
+    fn normalization_is_total_idempotent_and_independent_of_order() {
+        let strategy = (vec(key(), 0..40), policy()).prop_flat_map(|(keys, policy)| {
+            let shuffled = Just(keys.clone()).prop_shuffle();
+            (Just(keys), shuffled, Just(policy))
+        });
+        check(
+            "normalize",
+            512,
+            strategy,
+            |(keys, mut shuffled, policy)| {
+                // The same resources in another order, some of them twice.
+                shuffled.extend(keys.iter().step_by(3).cloned());
+                let normalized = normalize(keys.clone(), &policy);
+                let reordered = normalize(shuffled, &policy);
+                match (&normalized, &reordered) {
+                    (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                    (Err(a), Err(b)) => {
+                        prop_assert_eq!(a.status(), b.status());
+                        prop_assert_eq!(a.body_text(), b.body_text());
+                    }
+                    _ => prop_assert!(false, "{normalized:?} but reordered {reordered:?}"),
+                }
+
+                let mut distinct = keys.clone();
+                distinct.sort();
+                distinct.dedup();
+                let empty = distinct.iter().any(String::is_empty);
+                let too_long = distinct.iter().any(|k| k.len() > policy.max_key_len);
+                let too_many = distinct.len() > policy.max_keys;
+                match normalized {
+                    Ok(stored) => {
+                        prop_assert!(!empty && !too_long && !too_many);
+                        // Exactly the distinct keys, each under the prefix, strictly sorted.
+                        let expected: Vec<String> = distinct
+                            .iter()
+                            .map(|k| format!("{}{k}", policy.prefix))
+                            .collect();
+                        let mut sorted = expected.clone();
+                        sorted.sort();
+                        prop_assert_eq!(&stored, &sorted);
+                        prop_assert!(stored.windows(2).all(|w| w[0] < w[1]));
+                        prop_assert!(stored.iter().all(|k| k.starts_with(&policy.prefix)));
+                        // Idempotent: normalizing the stored keys again (less the prefix the store
+                        // adds) gives them back.
+                        let unprefixed: Vec<String> = stored
+                            .iter()
+                            .map(|k| k[policy.prefix.len()..].to_owned())
+                            .collect();
+                        prop_assert_eq!(normalize(unprefixed, &policy).ok(), Some(stored.clone()));
+                        let bare = KeyPolicy {
+                            prefix: String::new(),
+                            ..policy.clone()
+                        };
+                        let again = normalize(stored.clone(), &bare);
+                        if stored.iter().all(|k| k.len() <= bare.max_key_len) {
+                            prop_assert_eq!(again.ok(), Some(stored));
+                        }
+                    }
+                    Err(rejection) => {
+                        prop_assert!(empty || too_long || too_many);
+                        let expected = if empty || too_long {
+                            StatusCode::BAD_REQUEST
+                        } else {
+                            StatusCode::PAYLOAD_TOO_LARGE
+                        };
+                        prop_assert_eq!(rejection.status(), expected);
+                        prop_assert!(!rejection.body_text().is_empty());
+                    }
+                }
+                Ok(())
+            },
+        );
+    }
+}

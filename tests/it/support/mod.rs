@@ -1,8 +1,9 @@
-//! What the test binaries share: driving a router and reading its answers ([`http`]),
-//! handlers that report what they saw ([`handlers`]), reproducible randomness ([`Rng`]),
-//! and, with the `redis` feature, real `redis-server` processes and a view of them from
-//! outside the crate ([`RedisServer`], [`Observer`]).
-#![allow(dead_code)] // each test binary uses a different part of it
+//! What the test modules share: driving a router and reading its answers ([`http`]),
+//! handlers that report what they saw ([`handlers`]), the crate's logs ([`logs`]),
+//! reproducible randomness ([`Rng`]), and, with the `redis` feature, real `redis-server`
+//! processes and a view of them from outside the crate ([`RedisServer`], [`Observer`]).
+//!
+//! The benches include this module too, and use a small part of it.
 
 #[cfg(feature = "cluster")]
 pub(crate) mod cluster;
@@ -15,12 +16,13 @@ mod server;
 pub(crate) mod stores;
 
 #[cfg(feature = "redis")]
-#[allow(unused_imports)] // as with dead code: not every test binary looks at a server
 pub(crate) use server::{lock_value, LockValue, Observer, RedisServer};
 
 /// xorshift64: reproducible key sets without a dependency.
+#[cfg(feature = "redis")]
 pub(crate) struct Rng(u64);
 
+#[cfg(feature = "redis")]
 impl Rng {
     pub(crate) fn seeded(seed: u64) -> Self {
         Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)

@@ -1,11 +1,16 @@
-//! Property tests over everything a client controls on the way to a key: normalization,
-//! query and header decoding, the body extractors, and the whole layer.
+//! Property tests over everything a client controls on the way to a key, through the
+//! public API: the header extractor, the body extractors, and the whole layer. (The
+//! properties of normalization and of query decoding test crate internals: they are unit
+//! tests in `src/keys/normalize.rs` and `src/keys/head.rs`, each in a `fuzz` module.)
 //!
 //! Each property runs a bounded number of random cases in `cargo test` (a few seconds in
-//! all). For a long run, give each property a time budget in seconds:
+//! all). For a long run, give each property a time budget in seconds: the first command
+//! runs these, the second the two unit tests (without `--test` or `--lib`, one command
+//! runs all five).
 //!
 //! ```text
-//! FUZZ_SECS=300 cargo test --release --lib keys::fuzz -- --test-threads 2 --nocapture
+//! FUZZ_SECS=300 cargo test --release --all-features --test it fuzz -- --test-threads 2 --nocapture
+//! FUZZ_SECS=300 cargo test --release --all-features --lib fuzz -- --test-threads 2 --nocapture
 //! ```
 //!
 //! A failure prints the smallest input proptest could shrink it to; `PROPTEST_RNG_SEED`
@@ -22,6 +27,7 @@ use std::{
 
 use axum::{body::Body, routing::post, Extension, Router};
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{header, HeaderValue, Request, StatusCode};
 use proptest::{
     collection::vec,
@@ -29,9 +35,10 @@ use proptest::{
     test_runner::{Config, TestCaseError, TestRunner},
 };
 use tower::ServiceExt;
-
-use super::{head::form_decode, normalize, KeyExtractor, KeyPolicy};
-use crate::{keys, Lease, Locks};
+use tower_batch_lock::{
+    keys::{self, KeyExtractor},
+    Lease, Locks,
+};
 
 /// Runs `test` over `strategy`: `cases` cases, or batches of them until `FUZZ_SECS` have
 /// passed.
@@ -86,149 +93,6 @@ fn key() -> impl Strategy<Value = String> {
     ]
 }
 
-fn policy() -> impl Strategy<Value = KeyPolicy> {
-    ("[a-z:{}]{0,5}", 0usize..40, 0usize..16).prop_map(|(prefix, max_keys, max_key_len)| {
-        KeyPolicy {
-            prefix,
-            max_keys,
-            max_key_len,
-        }
-    })
-}
-
-#[test]
-fn normalization_is_total_idempotent_and_independent_of_order() {
-    let strategy = (vec(key(), 0..40), policy()).prop_flat_map(|(keys, policy)| {
-        let shuffled = Just(keys.clone()).prop_shuffle();
-        (Just(keys), shuffled, Just(policy))
-    });
-    check(
-        "normalize",
-        512,
-        strategy,
-        |(keys, mut shuffled, policy)| {
-            // The same resources in another order, some of them twice.
-            shuffled.extend(keys.iter().step_by(3).cloned());
-            let normalized = normalize(keys.clone(), &policy);
-            let reordered = normalize(shuffled, &policy);
-            match (&normalized, &reordered) {
-                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
-                (Err(a), Err(b)) => {
-                    prop_assert_eq!(a.status(), b.status());
-                    prop_assert_eq!(a.body_text(), b.body_text());
-                }
-                _ => prop_assert!(false, "{normalized:?} but reordered {reordered:?}"),
-            }
-
-            let mut distinct = keys.clone();
-            distinct.sort();
-            distinct.dedup();
-            let empty = distinct.iter().any(String::is_empty);
-            let too_long = distinct.iter().any(|k| k.len() > policy.max_key_len);
-            let too_many = distinct.len() > policy.max_keys;
-            match normalized {
-                Ok(stored) => {
-                    prop_assert!(!empty && !too_long && !too_many);
-                    // Exactly the distinct keys, each under the prefix, strictly sorted.
-                    let expected: Vec<String> = distinct
-                        .iter()
-                        .map(|k| format!("{}{k}", policy.prefix))
-                        .collect();
-                    let mut sorted = expected.clone();
-                    sorted.sort();
-                    prop_assert_eq!(&stored, &sorted);
-                    prop_assert!(stored.windows(2).all(|w| w[0] < w[1]));
-                    prop_assert!(stored.iter().all(|k| k.starts_with(&policy.prefix)));
-                    // Idempotent: normalizing the stored keys again (less the prefix the store
-                    // adds) gives them back.
-                    let unprefixed: Vec<String> = stored
-                        .iter()
-                        .map(|k| k[policy.prefix.len()..].to_owned())
-                        .collect();
-                    prop_assert_eq!(normalize(unprefixed, &policy).ok(), Some(stored.clone()));
-                    let bare = KeyPolicy {
-                        prefix: String::new(),
-                        ..policy.clone()
-                    };
-                    let again = normalize(stored.clone(), &bare);
-                    if stored.iter().all(|k| k.len() <= bare.max_key_len) {
-                        prop_assert_eq!(again.ok(), Some(stored));
-                    }
-                }
-                Err(rejection) => {
-                    prop_assert!(empty || too_long || too_many);
-                    let expected = if empty || too_long {
-                        StatusCode::BAD_REQUEST
-                    } else {
-                        StatusCode::PAYLOAD_TOO_LARGE
-                    };
-                    prop_assert_eq!(rejection.status(), expected);
-                    prop_assert!(!rejection.body_text().is_empty());
-                }
-            }
-            Ok(())
-        },
-    );
-}
-
-/// Percent-encodes `text` the way a client might: some characters as they are, some
-/// escaped, spaces as `+` or `%20`.
-fn encode(text: &str, choices: &[bool]) -> String {
-    let mut encoded = String::new();
-    let mut choice = choices.iter().cycle();
-    for (i, ch) in text.char_indices() {
-        let escape = *choice.next().unwrap_or(&true);
-        match ch {
-            ' ' if escape => encoded.push('+'),
-            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '.' | '_' | '~' if !escape => {
-                encoded.push(ch)
-            }
-            _ => {
-                for byte in text[i..i + ch.len_utf8()].bytes() {
-                    encoded.push_str(&format!("%{byte:02X}"));
-                }
-            }
-        }
-    }
-    encoded
-}
-
-#[test]
-fn query_keys_decode_any_query_and_round_trip_any_value() {
-    // Any query string at all: no panic, and every key is the kind and a decoded value.
-    check("query: any", 512, any::<String>(), |query| {
-        let extractor = keys::query("id", "order");
-        match extractor.keys(Some(&query)) {
-            Ok(found) => {
-                for key in found {
-                    prop_assert!(key.len() > "order:".len() && key.starts_with("order:"));
-                }
-            }
-            Err(rejection) => prop_assert_eq!(rejection.status(), StatusCode::BAD_REQUEST),
-        }
-        Ok(())
-    });
-    // Any value, however encoded, comes back as itself.
-    let strategy = (vec(key(), 1..4), vec(any::<bool>(), 1..8));
-    check("query: round trip", 512, strategy, |(values, choices)| {
-        let query: Vec<String> = values
-            .iter()
-            .map(|v| format!("x=1&id={}", encode(v, &choices)))
-            .collect();
-        let found = keys::query("id", "order").keys(Some(&query.join("&")));
-        if values.iter().any(String::is_empty) {
-            prop_assert!(found.is_err());
-        } else {
-            let expected: Vec<String> = values.iter().map(|v| format!("order:{v}")).collect();
-            prop_assert_eq!(found.ok(), Some(expected));
-        }
-        for value in &values {
-            prop_assert_eq!(form_decode(&encode(value, &choices)), value.as_bytes());
-        }
-        Ok(())
-    });
-}
-
 #[test]
 fn header_keys_take_any_header_value_as_sent_or_refuse_it() {
     // Mostly bytes a header value may hold (visible ASCII, spaces, tabs, `obs-text`), some
@@ -243,12 +107,15 @@ fn header_keys_take_any_header_value_as_sent_or_refuse_it() {
         let Ok(value) = HeaderValue::from_bytes(&bytes) else {
             return Ok(()); // not a header value: hyper would never hand it over
         };
-        let (parts, ()) = Request::builder()
+        let request = Request::builder()
             .header("idempotency-key", value)
             .body(())
-            .unwrap()
-            .into_parts();
-        let found = keys::header("idempotency-key", "idem").keys(&parts);
+            .unwrap();
+        let found = keys::header("idempotency-key", "idem")
+            .extract(request)
+            .now_or_never()
+            .expect("the header extractor answers at once")
+            .map(|(_, keys)| keys);
         let text = std::str::from_utf8(&bytes).map(|t| t.trim_matches([' ', '\t']));
         match (text, found) {
             (Ok(text), Ok(found)) if !text.is_empty() => {

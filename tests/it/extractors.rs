@@ -1,8 +1,6 @@
 //! The key extractors, through the layer and an axum `Router`, on the in-memory store: which
 //! keys each one locks, what it hands the handler, and how it refuses bad input.
 
-mod support;
-
 use std::{
     convert::Infallible,
     sync::{
@@ -20,12 +18,14 @@ use axum::{
 };
 use http::{header, request::Parts, HeaderValue, Request, StatusCode};
 use serde::Deserialize;
-use support::{
+use tokio::sync::Notify;
+use tower_batch_lock::{keys, Lease, Locks, Rejection};
+
+use crate::support::{
+    self,
     http::{send_text, TextReply},
     logs::errors_logged,
 };
-use tokio::sync::Notify;
-use tower_batch_lock::{keys, Lease, Locks, Rejection};
 
 /// The keys the handler holds, one per line; `-` when it runs unlocked.
 async fn held(lease: Option<Extension<Lease>>) -> String {

@@ -1,8 +1,6 @@
 //! The lease as a handler sees it: taken as an extractor (`Lease`, `Option<Lease>`,
 //! `Extension<Lease>`), refused in problem+json where it is missing, and shown by `Debug`.
 
-mod support;
-
 use std::{
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -13,12 +11,13 @@ use std::{
 
 use axum::{routing::post, Extension, Router};
 use http::{Request, StatusCode};
-use support::{
+use tower_batch_lock::{Lease, Locks};
+
+use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, post_keys, send, send_text},
     logs::errors_logged,
 };
-use tower_batch_lock::{Lease, Locks};
 
 /// A route `POST /` that locks the keys of the `x-keys` header and runs `handler`.
 fn locked<H, T>(locks: &Locks, handler: H) -> Router

@@ -1,17 +1,20 @@
 //! Driving a router the way users do: requests whose keys travel in an `x-keys` header or
 //! a JSON body, answers read to the end, and waits that are always bounded.
 
-use std::{
-    future::Future,
-    time::{Duration, Instant},
-};
+#[cfg(feature = "redis")]
+use std::time::Instant;
+use std::{future::Future, time::Duration};
 
-use axum::{body::Body, routing::post, Router};
+#[cfg(feature = "redis")]
+use axum::routing::post;
+use axum::{body::Body, Router};
 use bytes::Bytes;
 use http::{header, request::Parts, HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_batch_lock::{keys, Locks, Rejection};
+use tower_batch_lock::Rejection;
+#[cfg(feature = "redis")]
+use tower_batch_lock::{keys, Locks};
 
 /// How long [`send`] waits for a response before it fails the test.
 pub(crate) const RESPONSE_LIMIT: Duration = Duration::from_secs(10);
@@ -32,6 +35,7 @@ pub(crate) fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
 
 /// Keys from the comma-separated `x-keys` header, which must be there: a closure extractor
 /// over the head that refuses with 400 without it.
+#[cfg(feature = "redis")]
 pub(crate) fn required_header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
     let value = parts
         .headers
@@ -50,6 +54,7 @@ pub(crate) fn post_keys(uri: &str, keys: &str) -> Request<Body> {
 }
 
 /// A route `POST /batch` that locks the JSON array of strings in the body.
+#[cfg(feature = "redis")]
 pub(crate) fn batch_router<H, T>(locks: &Locks, handler: H) -> Router
 where
     H: axum::handler::Handler<T, ()>,
@@ -62,6 +67,7 @@ where
 }
 
 /// `POST /batch` with `keys` as a JSON array.
+#[cfg(feature = "redis")]
 pub(crate) fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
     let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
     Request::post("/batch")
@@ -92,6 +98,7 @@ impl Reply {
         problem
     }
 
+    #[cfg(feature = "redis")]
     pub(crate) fn retry_after(&self) -> u64 {
         self.headers
             .get(header::RETRY_AFTER)
@@ -132,6 +139,7 @@ pub(crate) async fn within<F: Future>(limit: Duration, what: &str, future: F) ->
 ///
 /// Each suite picks its own interval: fine enough for the latencies it measures, coarse
 /// enough that checks which open connections do not load the servers they look at.
+#[cfg(feature = "redis")]
 pub(crate) async fn poll_every(
     every: Duration,
     limit: Duration,

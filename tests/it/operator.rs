@@ -1,8 +1,6 @@
 //! The operator's view: `Locks::inspect`, `Locks::held_batches`, `Locks::force_release` and
 //! the admin router, on memory, on Redis, and (inspect) on Redlock over three masters.
 
-mod support;
-
 use std::{
     sync::{atomic::AtomicUsize, Arc},
     time::Duration,
@@ -10,12 +8,13 @@ use std::{
 
 use axum::{body::Body, routing::post, Router};
 use http::{Request, StatusCode};
-use support::{
+use tokio::task::JoinHandle;
+use tower_batch_lock::{KeyState, KeyStatus, Locks, Wait};
+
+use crate::support::{
     handlers::{counting_handler, gated_handler, Gate},
     http::{header_keys, send, Reply},
 };
-use tokio::task::JoinHandle;
-use tower_batch_lock::{KeyState, KeyStatus, Locks, Wait};
 
 const TTL: Duration = Duration::from_secs(10);
 
@@ -208,7 +207,7 @@ async fn inspect_and_force_release_refuse_keys_a_request_could_not_lock() {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use support::RedisServer;
+    use crate::support::RedisServer;
     use tower_batch_lock::Redlock;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,20 +1,18 @@
 //! Safe defaults and the first hour (issue 12): a slow handler keeps its keys without any
 //! setting, `Retry-After` fits how long holds last, `Locks::check` tells whether the store
 //! can serve, and a layer can override the TTL and the contention status.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use axum::{routing::post, Router};
 use http::StatusCode;
-use support::{
+use tower_batch_lock::{Locks, Redlock, RetryAfter};
+
+use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, post_keys, send},
     Observer, RedisServer,
 };
-use tower_batch_lock::{Locks, Redlock, RetryAfter};
 
 /// A route `POST /` that locks the `x-keys` header's keys and works for `work`.
 fn slow_router(locks: &Locks, work: Duration) -> Router {

@@ -5,9 +5,6 @@
 //!
 //! Every case runs on the memory store, on one real Redis and on Redlock over three real
 //! masters, each with two `Locks` handles standing for two processes.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::{
     sync::{
@@ -23,13 +20,14 @@ use axum::{
     Extension, Router,
 };
 use http::{HeaderMap, Request, StatusCode};
-use support::{
+use tower_batch_lock::{Lease, Locks, Wait};
+
+use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
     stores::Store,
     Rng,
 };
-use tower_batch_lock::{Lease, Locks, Wait};
 
 /// A way to look inside a store.
 impl Store {
@@ -398,7 +396,12 @@ async fn a_killed_waiters_reservations_expire_within_the_bound() {
     let (gate, held) = hold(locks, "a").await;
 
     let mut waiter = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "waiter_process", "--ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "fairness::waiter_process",
+            "--ignored",
+            "--nocapture",
+        ])
         .env(WAITER_URL, store.servers[0].url())
         .stdout(std::process::Stdio::null())
         .spawn()

@@ -3,10 +3,6 @@
 //! over every master, refusals that leave nothing behind, two "processes" that never
 //! overlap, a resharding and a failover under bounded load.
 
-#![cfg(feature = "cluster")]
-
-mod support;
-
 use std::{
     collections::BTreeSet,
     sync::{atomic::Ordering, Arc},
@@ -14,23 +10,14 @@ use std::{
 };
 
 use http::StatusCode;
-use support::{
+use tower_batch_lock::{Locks, RedisCluster, Wait};
+
+use crate::support::{
     cluster::Cluster,
     handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, poll_every, send, within},
     Rng,
 };
-use tower_batch_lock::{Locks, RedisCluster, Wait};
-
-/// One cluster at a time: six servers per test, several tests at once on two cores, and
-/// the nodes' one-second failure detection would fail over masters nobody stopped.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// This test's turn, and its cluster (three masters with a replica each).
-async fn start() -> (tokio::sync::MutexGuard<'static, ()>, Cluster) {
-    let turn = SERIAL.lock().await;
-    (turn, tokio::task::block_in_place(Cluster::start))
-}
 
 /// A `Locks` of its own on the cluster: one "process".
 fn locks(cluster: &Cluster) -> Locks {
@@ -62,7 +49,7 @@ async fn assert_emptied(cluster: &Cluster) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let locks = locks(&cluster);
     let gate = Gate::new();
     let app = batch_router(&locks, gated_handler(&gate));
@@ -107,7 +94,7 @@ async fn a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_refused_batch_leaves_nothing_on_any_master() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let (first, second) = (locks(&cluster), locks(&cluster));
     let gate = Gate::new();
     let holder = batch_router(&first, gated_handler(&gate));
@@ -215,7 +202,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn overlapping_batches_never_run_together_across_two_processes() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let (granted, unavailable) = load(&cluster, 120, 6, 60, async {}).await;
     assert_eq!(unavailable, 0);
     assert!(granted >= 110, "only {granted} granted");
@@ -224,7 +211,7 @@ async fn overlapping_batches_never_run_together_across_two_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resharding_under_load_loses_no_update_and_leaves_nothing_behind() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let masters = cluster.masters();
     let (from, to) = (masters[0], masters[1]);
     let slots_before = cluster.slots_of(from);
@@ -247,7 +234,7 @@ async fn a_resharding_under_load_loses_no_update_and_leaves_nothing_behind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_master_gives_503_for_its_keys_and_grants_resume_after_the_failover() {
-    let (_serial, mut cluster) = start().await;
+    let (_serial, mut cluster) = Cluster::start_in_turn().await;
     let locks = RedisCluster::new(cluster.urls())
         .node_timeout(Duration::from_millis(300))
         .retry_for(Duration::from_millis(500))
@@ -339,7 +326,7 @@ fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     // Renewed every 200 ms: the batch outlives several TTLs while its handler runs.
     let locks = locks(&cluster).ttl(Duration::from_millis(600));
     let gate = Gate::new();
@@ -384,7 +371,7 @@ async fn a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_in_another_process_wakes_on_a_sharded_release() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let (first, second) = (
         locks(&cluster),
         locks(&cluster).wait(Wait::up_to(Duration::from_secs(5))),
@@ -436,7 +423,7 @@ fn signal(pid: &str, signal: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let locks = RedisCluster::new(cluster.urls())
         .node_timeout(Duration::from_millis(300))
         .retry_for(Duration::from_millis(500))
@@ -500,7 +487,7 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch() {
-    let (_serial, cluster) = start().await;
+    let (_serial, cluster) = Cluster::start_in_turn().await;
     let masters = cluster.masters();
     // `held` on one master, `wanted` on another.
     let on = |port: u16| {

@@ -7,12 +7,6 @@
 //! And one upload over TCP, to show that a chunked body over the cap is answered without
 //! the server reading the rest.
 
-#[allow(dead_code, unreachable_pub)]
-#[path = "../examples/orders.rs"]
-mod orders;
-
-mod support;
-
 use std::{
     convert::Infallible,
     sync::{
@@ -26,10 +20,10 @@ use axum::{body::Body, Router};
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, StatusCode};
 use serde_json::{json, Value};
-use support::http::send_text;
 use tower_batch_lock::{keys::DEFAULT_BODY_LIMIT, Locks};
 
-use orders::Store;
+use crate::orders_app::{self as orders, Store};
+use crate::support::http::send_text;
 
 /// Who must refuse a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -589,7 +583,7 @@ async fn memory_malformed_requests_get_the_right_4xx() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_malformed_requests_get_the_right_4xx_and_leave_nothing_behind() {
-    let server = support::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let pool = server.pool();
     let app = orders::app(
         Store::redis(pool.clone()),

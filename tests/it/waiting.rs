@@ -5,12 +5,9 @@
 //! is cheap.
 //!
 //! Two `Locks` handles on one Redis stand for two server processes: they share nothing but
-//! the Redis. Timing figures go to stderr (`cargo test --test waiting -- --nocapture`).
-//! Every wait is bounded in count and time.
-
-#![cfg(feature = "redis")]
-
-mod support;
+//! the Redis. Timing figures go to stderr
+//! (`cargo test --all-features --test it waiting:: -- --nocapture`). Every wait is bounded
+//! in count and time.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
@@ -25,11 +22,6 @@ use axum::{body::Body, routing::post, Extension, Router};
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use support::{
-    handlers::{counting_handler, gated_handler, Gate},
-    http::{poll_every, post_keys, required_header_keys, send, within},
-    Observer, RedisServer,
-};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::TcpStream,
@@ -37,6 +29,12 @@ use tokio::{
 };
 use tower::ServiceExt;
 use tower_batch_lock::{Lease, Locks, OnLostLease, Wait};
+
+use crate::support::{
+    handlers::{counting_handler, gated_handler, Gate},
+    http::{poll_every, post_keys, required_header_keys, send, within},
+    Observer, RedisServer,
+};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -389,7 +387,7 @@ async fn waiting_holds_nothing(locks: &Locks, store: Option<&Observer>) {
     let waiter = {
         let (owners, store) = (owners.clone(), store.cloned());
         // Without fairness: with it, the waiter reserves `b` against later requests
-        // (tests/fairness.rs), though it still holds nothing.
+        // (the `fairness` module), though it still holds nothing.
         router(
             &locks
                 .clone()

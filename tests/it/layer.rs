@@ -1,7 +1,5 @@
 //! The layer's behaviour on the in-memory store, driven the way users drive it.
 
-mod support;
-
 use std::{
     convert::Infallible,
     sync::{
@@ -20,10 +18,11 @@ use axum::{
 use http::{header, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use serde::Deserialize;
-use support::http::{header_keys, post_keys};
 use tokio::sync::Notify;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_batch_lock::{keys, Lease, LockLayer, Locks};
+
+use crate::support::http::{header_keys, post_keys};
 
 /// `POST /` locking `keys` (comma-separated).
 fn request(keys: &str) -> Request<Body> {

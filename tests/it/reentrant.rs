@@ -2,10 +2,6 @@
 //! layers on one request, locks taken by the handler, and an owner passed to a trusted
 //! downstream service.
 
-#![cfg(feature = "redis")]
-
-mod support;
-
 use std::time::Duration;
 
 use axum::{
@@ -15,13 +11,15 @@ use axum::{
     Extension, Router,
 };
 use http::{request::Parts, HeaderName, Request, StatusCode};
-use support::{
-    http::{header_keys, post_keys},
-    lock_value, RedisServer,
-};
 use tokio::sync::oneshot;
 use tower::ServiceExt;
 use tower_batch_lock::{keys, Lease, Locks, Rejection};
+
+use crate::support::{
+    self,
+    http::{header_keys, post_keys},
+    lock_value, RedisServer,
+};
 
 /// The status and the body of `request`'s response.
 async fn send(app: &Router, request: Request<Body>) -> (StatusCode, String) {

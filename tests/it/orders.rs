@@ -6,12 +6,6 @@
 //! The race tests have a control: the same race through the same routes without the lock
 //! layer must lose updates, which shows that the race tests can fail.
 
-#[allow(dead_code, unreachable_pub)]
-#[path = "../examples/orders.rs"]
-mod orders;
-
-mod support;
-
 use std::{
     sync::Arc,
     time::{Duration, Instant},
@@ -20,11 +14,11 @@ use std::{
 use axum::{body::Body, Router};
 use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
 use serde_json::{json, Value};
-use support::http::within;
 use tokio::sync::Barrier;
 use tower_batch_lock::Locks;
 
-use orders::Store;
+use crate::orders_app::{self as orders, Store};
+use crate::support::{self, http::within};
 
 /// How long a racing order works inside its locks.
 const WORK_DELAY: Duration = Duration::from_millis(30);
@@ -275,7 +269,7 @@ async fn redis_basic_flows() {
 #[cfg(feature = "cluster")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_basic_flows() {
-    let cluster = support::cluster::Cluster::start();
+    let (_serial, cluster) = support::cluster::Cluster::start_in_turn().await;
     let urls = &cluster.urls()[..1];
     let client = redis::cluster::ClusterClient::new(urls.to_vec()).unwrap();
     let data = client.get_async_connection().await.unwrap();
@@ -576,7 +570,7 @@ async fn redlock_racing_orders_on_two_instances_never_oversell() {
     let instance = || {
         // A generous per-master timeout: on a loaded two-core machine a debug build can
         // starve a task past the 100 ms default, and this test is about overselling, not
-        // about how fast a master must answer (tests/redlock.rs covers that).
+        // about how fast a master must answer (the `redlock` module covers that).
         let locks = tower_batch_lock::Redlock::new(&urls)
             .node_timeout(Duration::from_secs(1))
             .build()
@@ -754,7 +748,7 @@ async fn redis_order_of_3000_skus_with_one_held_sku_is_refused_whole() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 4. Bad bodies: see tests/malformed.rs, which sends a corpus of them through this router
+// 4. Bad bodies: see the `malformed` module, which sends a corpus of them through this router
 
 // ---------------------------------------------------------------------------------------
 // 5. The real binary
@@ -769,11 +763,12 @@ mod binary {
         process::{Child, Command},
     };
 
-    use super::{support::RedisServer, within};
+    use super::within;
+    use crate::support::RedisServer;
 
     /// Builds the example with the profile this test was built with, and returns its path.
     ///
-    /// `cargo test` builds examples, but `cargo test --test orders` does not, and a binary
+    /// `cargo test` builds examples, but `cargo test --test it` does not, and a binary
     /// left over from an older build would test old code: so build it (a no-op when it is
     /// fresh). Cargo does not hold the build lock while tests run.
     async fn build_example() -> PathBuf {

@@ -22,7 +22,20 @@ pub(crate) struct Cluster {
     dir: PathBuf,
 }
 
+/// One cluster at a time in the test binary: six servers per test, several tests at once
+/// on two cores, and the nodes' one-second failure detection would fail over masters
+/// nobody stopped.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 impl Cluster {
+    /// Waits for this test's turn, then starts a cluster as [`start`](Self::start) does (on
+    /// a multi-threaded runtime). The turn ends when the guard drops: keep it as long as
+    /// the cluster.
+    pub(crate) async fn start_in_turn() -> (tokio::sync::MutexGuard<'static, ()>, Self) {
+        let turn = TURN.lock().await;
+        (turn, tokio::task::block_in_place(Self::start))
+    }
+
     /// Starts six nodes, makes them a cluster of three masters with a replica each, and
     /// waits until every node says the cluster is ok and every replica is in sync.
     ///

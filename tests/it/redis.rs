@@ -4,10 +4,6 @@
 //!
 //! Every test starts its own server, uses short TTLs, and bounds every wait.
 
-#![cfg(feature = "redis")]
-
-mod support;
-
 use std::{
     collections::BTreeSet,
     sync::{
@@ -23,17 +19,18 @@ use axum::{
     Extension, Router,
 };
 use http::{Request, StatusCode};
-use support::{
-    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
-    http::{batch, batch_router, poll_every, post_keys, required_header_keys, send, within, Reply},
-    Observer, RedisServer, Rng,
-};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     sync::Barrier,
 };
 use tower::{Service, ServiceExt};
 use tower_batch_lock::{keys, Lease, Locks, Wait};
+
+use crate::support::{
+    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    http::{batch, batch_router, poll_every, post_keys, required_header_keys, send, within, Reply},
+    Observer, RedisServer, Rng,
+};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -363,8 +360,8 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
 fn crate_script(body: &str) -> redis::Script {
     redis::Script::new(
         &[
-            include_str!("../src/backend/scripts/single.lua"),
-            include_str!("../src/backend/scripts/value.lua"),
+            include_str!("../../src/backend/scripts/single.lua"),
+            include_str!("../../src/backend/scripts/value.lua"),
             body,
         ]
         .concat(),
@@ -377,8 +374,8 @@ async fn an_acquisition_run_twice_is_one_hold() {
     // hold twice must be one hold, which one release ends.
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let acquire = crate_script(include_str!("../src/backend/scripts/acquire.lua"));
-    let release = crate_script(include_str!("../src/backend/scripts/release.lua"));
+    let acquire = crate_script(include_str!("../../src/backend/scripts/acquire.lua"));
+    let release = crate_script(include_str!("../../src/backend/scripts/release.lua"));
     let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000aa");
     for _ in 0..2 {
         let (granted, ..): (i64, i64, i64, Vec<String>) = acquire
@@ -766,7 +763,7 @@ async fn a_leaked_holder_blocks_others_only_until_the_ttl() {
     let observer = Observer::of(&server);
     let ttl = Duration::from_millis(300);
     // Without renewal: a leaked holder's renewal would go on until `max_hold`
-    // (tests/defaults.rs), as a hung handler's does.
+    // (the `defaults` module), as a hung handler's does.
     let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(false);
     let gate = Gate::new();
     let holder = gated_router(&locks, &gate);

@@ -4,10 +4,6 @@
 //!
 //! Every test starts its own masters, uses short TTLs, and bounds every wait.
 
-#![cfg(feature = "redis")]
-
-mod support;
-
 use std::{
     collections::BTreeSet,
     sync::{
@@ -19,12 +15,13 @@ use std::{
 
 use axum::{body::Body, Extension, Router};
 use http::{Request, StatusCode};
-use support::{
+use tower_batch_lock::{Lease, Locks, Redlock, Wait};
+
+use crate::support::{
     handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, poll_every, send, within, Reply},
     LockValue, RedisServer, Rng,
 };
-use tower_batch_lock::{Lease, Locks, Redlock, Wait};
 
 // ---------------------------------------------------------------------------------------
 // Helpers

@@ -4,13 +4,14 @@
 //! The `*_handler` functions return closures for any route, so that each suite keeps its
 //! own routes and extractors.
 
+#[cfg(feature = "redis")]
+use std::{collections::HashMap, time::Instant};
 use std::{
-    collections::HashMap,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc, Mutex,
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use axum::Extension;
@@ -68,6 +69,7 @@ impl Gate {
         self.open.notify_one();
     }
 
+    #[cfg(feature = "redis")]
     pub(crate) fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
     }
@@ -103,6 +105,7 @@ pub(crate) fn counting_handler(
 }
 
 /// One critical section as a handler saw it.
+#[cfg(feature = "redis")]
 #[derive(Debug)]
 pub(crate) struct Visit {
     pub(crate) keys: Vec<String>,
@@ -112,6 +115,7 @@ pub(crate) struct Visit {
 }
 
 /// Who is inside which key right now, and every visit so far.
+#[cfg(feature = "redis")]
 #[derive(Default)]
 pub(crate) struct Ledger {
     holding: Mutex<HashMap<String, usize>>,
@@ -119,6 +123,7 @@ pub(crate) struct Ledger {
     pub(crate) visits: Mutex<Vec<Visit>>,
 }
 
+#[cfg(feature = "redis")]
 impl Ledger {
     /// Marks `keys` as held, counting an overlap for each that someone else holds.
     pub(crate) fn enter(&self, keys: &[String]) -> Instant {
@@ -151,6 +156,7 @@ impl Ledger {
 }
 
 /// A handler that records its critical section, 3 ms long, in `ledger`.
+#[cfg(feature = "redis")]
 pub(crate) fn ledger_handler(
     ledger: &Arc<Ledger>,
 ) -> impl Fn(Extension<Lease>) -> BoxFuture<'static, ()> + Clone + Send + Sync + 'static {

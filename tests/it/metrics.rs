@@ -1,9 +1,6 @@
 //! Metrics (issue 13): every answer a client saw is counted once, under its outcome; the
 //! gauges come back to zero when the layer is idle; waiting and holding are timed. Checked
 //! against what the clients were answered, on the memory store and a real Redis.
-#![cfg(all(feature = "redis", feature = "metrics"))]
-
-mod support;
 
 use std::{
     collections::BTreeMap,
@@ -14,18 +11,21 @@ use std::{
 use axum::{routing::post, Router};
 use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use support::{
+use tower_batch_lock::{Locks, Wait};
+
+use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, post_keys, send},
     RedisServer,
 };
-use tower_batch_lock::{Locks, Wait};
 
 /// A metric, by name and labels.
 type Id = (String, Vec<(String, String)>);
 
-/// Everything recorded in this test binary. The debugging recorder's snapshots reset what
-/// they read, so they are added up here, and every test reads the sum under its own labels.
+/// Everything recorded in this test binary, by every module's tests once the recorder is
+/// installed. The debugging recorder's snapshots reset what they read, so they are added up
+/// here, and every test reads the sum under its own labels: layer names and routes that no
+/// other test uses.
 struct Recorded {
     snapshotter: Snapshotter,
     counters: Mutex<BTreeMap<Id, u64>>,
@@ -234,12 +234,12 @@ async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unav
     let mut server = RedisServer::start();
     let locks = Locks::redis(server.pool()).backend_timeout(Duration::from_millis(300));
     let app = Router::new().route(
-        "/orders/{id}",
-        post(|| async {}).layer(locks.layer(tower_batch_lock::keys::path("order"))),
+        "/shipments/{id}",
+        post(|| async {}).layer(locks.layer(tower_batch_lock::keys::path("shipment"))),
     );
     let ok = send(
         &app,
-        http::Request::post("/orders/7")
+        http::Request::post("/shipments/7")
             .body(axum::body::Body::empty())
             .unwrap(),
     )
@@ -248,12 +248,12 @@ async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unav
     server.kill();
     let down = send(
         &app,
-        http::Request::post("/orders/7")
+        http::Request::post("/shipments/7")
             .body(axum::body::Body::empty())
             .unwrap(),
     )
     .await;
     assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
-    let [granted, _, unavailable, _] = recorded().outcomes("/orders/{id}");
+    let [granted, _, unavailable, _] = recorded().outcomes("/shipments/{id}");
     assert_eq!((granted, unavailable), (1, 1));
 }

@@ -1,9 +1,6 @@
 //! The idempotency layer on every store, across two routers (two processes): a request
 //! with an `Idempotency-Key` runs once, its retries get its answer, and everything else a
 //! client can send gets the draft's answer.
-#![cfg(all(feature = "idempotency", feature = "redis"))]
-
-mod support;
 
 use std::{
     convert::Infallible,
@@ -22,13 +19,14 @@ use axum::{
     Router,
 };
 use bytes::Bytes;
-use support::{
+use tower_batch_lock::{idempotency::Idempotency, Locks, Wait};
+
+use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
     stores::Store,
     Rng,
 };
-use tower_batch_lock::{idempotency::Idempotency, Locks, Wait};
 
 impl Store {
     /// Waits (up to 3 s) until no in-flight lock is left, then checks it: a run whose
@@ -813,7 +811,12 @@ async fn a_killed_processs_key_is_free_again_after_its_ttl() {
     let store = Store::redis();
     let server = &store.servers[0];
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "dying_process", "--ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "idempotency::dying_process",
+            "--ignored",
+            "--nocapture",
+        ])
         .env(DYING_URL, server.url())
         .stdout(std::process::Stdio::null())
         .spawn()

@@ -1,0 +1,94 @@
+//! The integration tests: one binary, a module per subject, linked once. `support` is what
+//! the modules share; `orders_app` is the `orders` example, which `orders` and `malformed`
+//! drive. Modules that need Redis (or another feature) are compiled with it only.
+//!
+//! Which tests prove the properties of DESIGN.md (`mod::test`, `*` for several):
+//!
+//! 1. **No overlap**: `redis::intersecting_batches_never_overlap_across_processes`,
+//!    `redlock::overlapping_batches_never_run_together_*`,
+//!    `cluster::overlapping_batches_never_run_together_across_two_processes`,
+//!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates).
+//!    Not for shared holds: the crate has none yet.
+//! 2. **All or nothing**: `redis::a_big_batch_with_one_held_key_is_refused_and_writes_nothing`,
+//!    `redis::a_frozen_server_*`, `redis::an_acquisition_stalled_on_the_server_*`,
+//!    `redis::an_acquisition_sent_just_before_the_server_froze_*`,
+//!    `redlock::after_a_failed_quorum_no_master_keeps_any_key_of_the_batch`,
+//!    `redlock::an_acquisition_slower_than_its_validity_fails_and_rolls_back`,
+//!    `cluster::a_refused_batch_leaves_nothing_on_any_master`,
+//!    `reentrant::a_handler_locks_more_keys_all_or_nothing_*`,
+//!    `waiting::a_waiting_request_holds_none_of_its_batch`.
+//! 3. **Owner only**: `redis::a_late_release_never_deletes_the_next_owners_key`,
+//!    `redis::a_foreign_value_under_a_lock_key_is_never_released`,
+//!    `operator::redis::redis_foreign_values_show_and_stay`,
+//!    `reentrant::a_forged_or_malformed_owner_header_never_reenters`,
+//!    `reentrant::a_propagated_owner_reenters_downstream_only_from_a_trusted_caller`.
+//! 4. **Cancellation**: `layer::dropping_the_response_future_releases_the_keys`,
+//!    `redis::a_dropped_request_future_releases_its_keys_within_milliseconds`,
+//!    `redis::a_client_that_hangs_up_over_tcp_releases_its_keys`,
+//!    `redlock::a_dropped_request_releases_its_keys_on_every_master_within_milliseconds`,
+//!    `waiting::a_client_that_drops_a_held_body_midway_releases_its_keys_promptly`,
+//!    `fairness::a_waiter_that_gives_up_or_is_dropped_withdraws_its_reservations_at_once`.
+//! 5. **Crash liveness**: `redis::a_killed_process_blocks_others_only_until_the_ttl`,
+//!    `redis::a_leaked_holder_blocks_others_only_until_the_ttl`,
+//!    `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`. Not for shared
+//!    holders: the crate has none yet.
+//! 6. **Lease**: `waiting::a_renewed_lease_outlives_its_ttl_and_never_its_release`,
+//!    `waiting::a_lost_lease_*`, `defaults::a_handler_slower_than_the_ttl_keeps_its_keys_*`,
+//!    `defaults::renewal_ends_at_max_hold`,
+//!    `redlock::the_lease_expires_at_the_validity_deadline_before_any_master_lets_go`,
+//!    `redlock::a_master_kept_out_for_a_ttl_before_rejoining_keeps_exclusion`,
+//!    `cluster::a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it`.
+//! 7. **Fencing**: `waiting::fencing_tokens_strictly_increase_per_key_*` (across processes,
+//!    in memory), `redlock::fencing_tokens_increase_across_grants_even_when_*` (which also
+//!    shows a token going back once masters restart empty, the documented limit), and the
+//!    token order in `redlock::overlapping_*` and `cluster::*` under load and resharding.
+//!    Not across a restart of one Redis or a cluster failover.
+//! 8. **Quorum**: `redlock::a_minority_killed_keeps_granting_and_a_majority_killed_*`,
+//!    `redlock::a_frozen_master_*`, `redlock::a_frozen_majority_*`,
+//!    `redlock::masters_restarted_empty_lose_a_lock_only_once_they_are_a_majority`,
+//!    `defaults::check_needs_a_majority_of_the_redlock_masters`.
+//! 9. **Clear errors**: `malformed::*`, `fuzz::*` (and the `fuzz` unit tests of
+//!    `src/keys`), `layer::key_limits_are_4xx_naming_the_limit`,
+//!    `layer::the_json_extractor_refuses_bad_bodies_with_problems`, `extractors::*`.
+//! 10. **Fairness**: `fairness::*`,
+//!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
+//!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`.
+//!     Not for exclusive requests behind shared ones: the crate has no shared holds yet.
+//! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
+//!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
+//!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.
+//! 12. **Bounded stall**: no test yet.
+
+mod support;
+
+/// The `orders` example (its router, its store), which `orders` and `malformed` drive.
+#[allow(dead_code, unreachable_pub)] // its `main` and what only `main` calls; `pub` items
+#[path = "../../examples/orders.rs"]
+mod orders_app;
+
+#[cfg(feature = "cluster")]
+mod cluster;
+#[cfg(feature = "redis")]
+mod defaults;
+mod extractors;
+#[cfg(feature = "redis")]
+mod fairness;
+mod fuzz;
+#[cfg(all(feature = "idempotency", feature = "redis"))]
+mod idempotency;
+mod layer;
+mod lease;
+mod malformed;
+#[cfg(all(feature = "redis", feature = "metrics"))]
+mod metrics;
+mod operator;
+mod orders;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+mod redlock;
+#[cfg(feature = "redis")]
+mod reentrant;
+mod tracing;
+#[cfg(feature = "redis")]
+mod waiting;
