@@ -15,6 +15,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{body::Body, routing::post, Router};
 use http::{request::Parts, Request, StatusCode};
@@ -79,8 +80,11 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let stores = [
-            ("memory", Locks::isolated_memory()),
-            ("redis", Locks::redis(server.pool())),
+            ("memory", Locks::new(Store::isolated_memory())),
+            (
+                "redis",
+                Locks::new(Redis::pool(server.pool()).build().unwrap()),
+            ),
         ];
         println!("uncontended acquire + release through the layer, {rounds} rounds, medians");
         println!(

@@ -20,6 +20,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
+use tower_batch_lock::store::{Redis, Redlock};
 
 use axum::{body::Body, routing::post, Router};
 use bytes::Bytes;
@@ -160,9 +161,9 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let ttl = Duration::from_secs(30);
-        let single = router(&Locks::redis_url(&single_server.url()).unwrap().ttl(ttl));
+        let single = router(&Locks::new(Redis::url(single_server.url()).build().unwrap()).ttl(ttl));
         let urls: Vec<String> = masters.iter().map(support::RedisServer::url).collect();
-        let redlock = router(&Locks::redlock(&urls).unwrap().ttl(ttl));
+        let redlock = router(&Locks::new(Redlock::new(&urls).build().unwrap()).ttl(ttl));
         println!(
             "acquire + release through the layer, local redis-servers, {} cores, {rounds} rounds \
              (3,000 keys: {})",

@@ -16,6 +16,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
+use tower_batch_lock::store::Redis;
 
 use axum::{body::Body, routing::post, Router};
 use http::{request::Parts, Request, StatusCode};
@@ -77,7 +78,8 @@ fn main() {
     let server = support::RedisServer::start();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(60));
+        let locks =
+            Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(60));
         // Load the scripts and warm the pool.
         measure(&locks, 10, 10).await;
         println!("acquire + release through Lease::lock, one local redis-server, {rounds} rounds");

@@ -562,7 +562,7 @@ async fn main() -> Result<(), StoreError> {
             // requests when any instance releases their keys.
             (
                 Store::redis(pool),
-                Locks::redis_url(&url)?,
+                Locks::new(tower_batch_lock::store::Redis::url(&url).build()?),
                 "locks and data in Redis".to_owned(),
             )
         }
@@ -571,7 +571,7 @@ async fn main() -> Result<(), StoreError> {
             let urls = url_list("REDIS_URLS")?;
             let pool = redis_pool(&urls[0]).await?;
             // Each master gets a pool of its own; the locks hold while a majority answers.
-            let locks = Locks::redlock(&urls)?;
+            let locks = Locks::new(tower_batch_lock::store::Redlock::new(&urls).build()?);
             // (No URL in the log: it may carry a password.)
             let backend = format!("locks on {} Redlock masters, data in the first", urls.len());
             (Store::redis(pool), locks, backend)
@@ -582,7 +582,7 @@ async fn main() -> Result<(), StoreError> {
             let urls = url_list("REDIS_CLUSTER_URLS")?;
             let client = redis::cluster::ClusterClient::new(urls.clone())?;
             let data = client.get_async_connection().await?;
-            let locks = Locks::redis_cluster(&urls)?;
+            let locks = Locks::new(tower_batch_lock::store::RedisCluster::new(&urls).build()?);
             let backend = "locks and data on a Redis Cluster".to_owned();
             (Store::redis_cluster(data), locks, backend)
         }

@@ -1,40 +1,122 @@
 //! How a request gets its batch: one attempt after another until it is granted, refused or
-//! out of time, with a place in line while it waits ([`Locks`](crate::Locks) holds the
-//! policy; this is the mechanism).
+//! out of time, with a place in line while it waits ([`Locks`] holds the policy; this is
+//! the mechanism).
 
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
 
+use tracing::Span;
+
 use crate::{
-    backend::{wake::any_released, Acquire, Backend, Contention, Holder, Line, OwnerToken, Ticket},
+    backoff::Backoff,
     guard::LockGuard,
-    observe::{Layer, Waiting},
-    wait::Backoff,
-    FencingToken, Wait,
+    locks::Locks,
+    observe::{Layer, Outcome, Waiting},
+    rejection::Rejection,
+    store::{
+        contract::{
+            Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore, OwnerToken,
+            Ticket,
+        },
+        wake::any_released,
+    },
+    wait::Wait,
 };
 
+/// How many conflicting keys a waiting request watches for releases, whatever the
+/// response names: a lost wake-up only costs a poll interval.
+const WATCHED_CONFLICTS: usize = 20;
+
+/// Acquires `keys` for `owner`, which may already hold others, under the policy of
+/// `locks`: see [`Acquisition`]. A refusal comes with what it counts as; a request's
+/// acquisition has the `layer` its waiting counts under.
+pub(crate) async fn acquire(
+    locks: &Locks,
+    keys: &Arc<[String]>,
+    owner: OwnerToken,
+    holds_keys: bool,
+    layer: Option<&Layer>,
+    span: &Span,
+) -> Result<(LockGuard, FencingToken), (Rejection, Outcome)> {
+    let policy = &locks.policy;
+    let report = if policy.wait.bound().is_zero() {
+        policy.max_named_conflicts
+    } else {
+        policy.max_named_conflicts.max(WATCHED_CONFLICTS)
+    };
+    let acquisition = Acquisition {
+        store: &locks.store.locks,
+        namespace: &policy.keys.prefix,
+        keys,
+        ttl: policy.ttl,
+        wait: policy.wait,
+        timeout: policy.store_timeout,
+        report,
+        holds_keys,
+        layer,
+    };
+    acquisition
+        .run(owner)
+        .await
+        .map_err(|refusal| match refusal {
+            Refusal::Contended(contention) => {
+                span.record("outcome", "contended");
+                tracing::debug!(held = contention.total, "locks held by another owner");
+                (
+                    contention_rejection(locks, keys.len(), contention),
+                    Outcome::Contended,
+                )
+            }
+            Refusal::Unavailable => {
+                span.record("outcome", "unavailable");
+                (Rejection::unavailable(), Outcome::Unavailable)
+            }
+        })
+}
+
+/// The response for a batch refused because `contention` holds some of its `of` keys.
+fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rejection {
+    let policy = &locks.policy;
+    let prefix = policy.keys.prefix.len();
+    let named = contention
+        .keys
+        .into_iter()
+        .take(policy.max_named_conflicts)
+        .map(|mut key| key.split_off(prefix))
+        .collect();
+    Rejection::contention(
+        policy.contention_status,
+        contention.total,
+        of,
+        named,
+        policy
+            .retry_after
+            .advise(&locks.holds, contention.earliest_expiry),
+    )
+}
+
 /// One request's acquisition of one batch.
-pub(crate) struct Acquisition<'a> {
-    pub(crate) backend: &'a Arc<dyn Backend>,
+struct Acquisition<'a> {
+    store: &'a Arc<dyn LockStore>,
     /// The key prefix: the namespace of the fencing counter.
-    pub(crate) namespace: &'a str,
-    pub(crate) keys: &'a Arc<[String]>,
-    pub(crate) ttl: Duration,
-    pub(crate) wait: Wait,
+    namespace: &'a Arc<str>,
+    keys: &'a Arc<[String]>,
+    ttl: Duration,
+    wait: Wait,
     /// How long one call to the store may take.
-    pub(crate) timeout: Duration,
+    timeout: Duration,
     /// How many conflicting keys to learn of, to name them and to watch for their release.
-    pub(crate) report: usize,
+    report: usize,
     /// Whether the owner already holds keys (see [`Line::Holder`]).
-    pub(crate) holds_keys: bool,
+    holds_keys: bool,
     /// The metrics label of a request's acquisition (not of a handler's `Lease::lock`).
-    pub(crate) layer: Option<&'a Layer>,
+    layer: Option<&'a Layer>,
 }
 
 /// Why a batch was not granted.
-pub(crate) enum Refusal {
+enum Refusal {
     /// Held or reserved by others, after any waiting.
     Contended(Contention),
     /// The store did not answer in time, or failed.
@@ -50,16 +132,17 @@ impl Acquisition<'_> {
     /// its arrival; every refused attempt renews its reservations. They are withdrawn when
     /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
     /// that already holds keys stands in no line ([`Line::Holder`]).
-    pub(crate) async fn run(self, owner: OwnerToken) -> Result<(LockGuard, FencingToken), Refusal> {
+    async fn run(self, owner: OwnerToken) -> Result<(LockGuard, FencingToken), Refusal> {
         let deadline = Instant::now() + self.wait.bound();
         let place = (self.wait.queues() && !self.holds_keys)
-            .then(|| Place::take(self.backend.clone(), self.keys.clone(), self.timeout));
+            .then(|| Place::take(self.store.clone(), self.keys.clone(), self.timeout));
         let line = match &place {
             _ if self.holds_keys => Line::Holder,
             Some(place) => Line::At(place.ticket),
             None => Line::Outside,
         };
-        let mut backoff = Backoff::new();
+        // The pauses between attempts, for when a wake-up is lost.
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
         // Counted from the first refusal that makes the request wait, until it ends.
         let mut waiting = None;
         loop {
@@ -69,24 +152,21 @@ impl Acquisition<'_> {
             let holder = Holder::new(owner);
             let attempted = Instant::now();
             let guard = LockGuard::new(
-                self.backend.clone(),
+                self.store.clone(),
                 self.keys.clone(),
                 holder,
                 self.timeout,
-                attempted + self.ttl.saturating_sub(self.backend.drift(self.ttl)),
+                attempted + self.ttl.saturating_sub(self.store.drift(self.ttl)),
             );
-            let outcome = tokio::time::timeout(
-                self.timeout,
-                self.backend.acquire(
-                    self.namespace,
-                    self.keys,
-                    holder,
-                    self.ttl,
-                    self.report,
-                    line,
-                ),
-            )
-            .await;
+            let request = AcquireRequest {
+                namespace: self.namespace.clone(),
+                keys: self.keys.clone(),
+                holder,
+                ttl: self.ttl,
+                report: self.report,
+                line,
+            };
+            let outcome = tokio::time::timeout(self.timeout, self.store.acquire(&request)).await;
             let contention = match outcome {
                 Ok(Ok(Acquire::Granted(fence))) => {
                     // The grant took the reservations off the batch.
@@ -102,7 +182,7 @@ impl Acquisition<'_> {
                 }
                 Ok(Err(error)) => {
                     tracing::error!(%error, keys = self.keys.len(), "could not acquire locks");
-                    if !error.may_have_applied {
+                    if !error.may_have_applied() {
                         guard.disarm();
                     }
                     // Otherwise the guard's drop releases whatever the store may have granted,
@@ -130,7 +210,7 @@ impl Acquisition<'_> {
             if let (None, Some(layer)) = (&waiting, self.layer) {
                 waiting = Some(Waiting::start(layer));
             }
-            let mut released = self.backend.wakeups().watch(&contention.keys);
+            let mut released = self.store.wakeups().watch(&contention.keys);
             let wake_at = (now + backoff.pause()).min(deadline);
             let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
         }
@@ -139,7 +219,7 @@ impl Acquisition<'_> {
 
 /// A fair waiter's place in line: its ticket, and the batch its attempts reserve. Dropped
 /// while armed (the request was dropped, or the store failed), it withdraws the
-/// reservations in the background; they expire within [`Wait::RESERVATION_TTL`] anyway.
+/// reservations in the background; they expire within a second anyway.
 struct Place {
     ticket: Ticket,
     armed: Option<Reserved>,
@@ -147,17 +227,17 @@ struct Place {
 
 /// What a withdrawal needs: where, which keys, and how long it may take.
 struct Reserved {
-    backend: Arc<dyn Backend>,
+    store: Arc<dyn LockStore>,
     keys: Arc<[String]>,
     timeout: Duration,
 }
 
 impl Place {
-    fn take(backend: Arc<dyn Backend>, keys: Arc<[String]>, timeout: Duration) -> Self {
+    fn take(store: Arc<dyn LockStore>, keys: Arc<[String]>, timeout: Duration) -> Self {
         Self {
             ticket: Ticket::take(),
             armed: Some(Reserved {
-                backend,
+                store,
                 keys,
                 timeout,
             }),
@@ -193,7 +273,7 @@ impl Reserved {
     /// One attempt, bounded by the store's timeout: the reservations expire on their own.
     async fn withdraw(&self, ticket: Ticket) {
         let keys = self.keys.len();
-        match tokio::time::timeout(self.timeout, self.backend.withdraw(&self.keys, ticket)).await {
+        match tokio::time::timeout(self.timeout, self.store.withdraw(&self.keys, ticket)).await {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => tracing::debug!(
                 %error,

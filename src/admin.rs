@@ -19,11 +19,11 @@
 //! use axum::{body::Body, Router};
 //! use http::{Request, StatusCode};
 //! use tower::ServiceExt;
-//! use tower_batch_lock::{admin, Locks};
+//! use tower_batch_lock::{admin, store::Store, Locks};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! let locks = Locks::isolated_memory();
+//! let locks = Locks::new(Store::isolated_memory());
 //! // In a real service: its own listener on an internal address, e.g. 127.0.0.1:9000.
 //! let admin_app: Router = Router::new().nest("/admin", admin::router(locks.clone()));
 //!
@@ -45,7 +45,7 @@ use axum::{
 use http::{header, StatusCode};
 use serde_json::{json, Value};
 
-use crate::{KeyState, Locks, OperatorError};
+use crate::{inspect::KeyState, locks::Locks, rejection::Rejection};
 
 /// The operator's routes over `locks`, as JSON: see [the module](self). Nest or merge it
 /// into a router that only an admin port serves.
@@ -80,7 +80,7 @@ async fn inspect(
             let keys: Vec<Value> = states.iter().map(key_json).collect();
             json_response(&json!({ "keys": keys }))
         }
-        Err(error) => operator_problem(&error),
+        Err(rejection) => rejection.into_response(),
     }
 }
 
@@ -137,7 +137,7 @@ async fn force_release(State(locks): State<Locks>, body: Bytes) -> Response {
     let reason = reason.unwrap_or("none given (admin router)");
     match locks.force_release(keys, reason).await {
         Ok(released) => json_response(&json!({ "released": released })),
-        Err(error) => operator_problem(&error),
+        Err(rejection) => rejection.into_response(),
     }
 }
 
@@ -149,22 +149,7 @@ fn json_response(value: &Value) -> Response {
         .into_response()
 }
 
-fn operator_problem(error: &OperatorError) -> Response {
-    problem(error.status(), &error.to_string())
-}
-
-/// An RFC 9457 problem document.
-fn problem(status: StatusCode, detail: &str) -> Response {
-    let body = json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
+/// An RFC 9457 problem document, as every refusal of this crate is.
+fn problem(status: StatusCode, detail: &'static str) -> Response {
+    Rejection::new(status, detail).into_response()
 }

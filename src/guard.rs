@@ -8,21 +8,29 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::future::join_all;
+use futures_util::future::BoxFuture;
 use tokio::{
     sync::{oneshot, watch},
     task::JoinHandle,
 };
 
 use crate::{
-    backend::{Backend, BoxFuture, Holder},
-    inspect::Registered,
-    lease::LeaseStatus,
+    backoff::Backoff,
     observe::{self, Layer},
-    owner::{ExtraHolds, RequestOwner},
+    registry::Registered,
     retry_after::HoldTimes,
-    FencingToken, Lease, Locks,
+    store::contract::{Holder, LockStore},
 };
+
+/// The state of a lease, kept current by the guard and its renewal; the handler's
+/// [`Lease`](crate::lease::Lease) reads it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseStatus {
+    /// When the keys expire in the store unless renewed: never earlier than this.
+    pub(crate) expires_at: Instant,
+    /// A renewal found the keys gone or foreign, or could not reach the store in time.
+    pub(crate) lost: bool,
+}
 
 /// Releases a batch of keys when dropped, unless [released](Self::release) before.
 ///
@@ -36,7 +44,7 @@ pub(crate) struct LockGuard {
 
 #[derive(Debug)]
 struct Held {
-    backend: Arc<dyn Backend>,
+    store: Arc<dyn LockStore>,
     keys: Arc<[String]>,
     holder: Holder,
     timeout: Duration,
@@ -47,7 +55,7 @@ struct Held {
     deferred: Option<(Duration, Option<Instant>, Instant)>,
     /// When the hold began, and where to count how long it lasted.
     timed: Option<(Instant, Arc<HoldTimes>)>,
-    /// The hold's entry in [`Locks::held_batches`], until it ends.
+    /// The hold's entry in [`Locks::held_batches`](crate::Locks::held_batches), until it ends.
     listed: Option<Registered>,
     /// The metrics label of the request that holds the keys, once it holds them.
     layer: Option<Layer>,
@@ -74,7 +82,7 @@ impl LockGuard {
     /// only this guard's drop then releases it. `expires_at` is the acquisition's start
     /// plus the TTL (less the store's clock-drift allowance): the keys never expire earlier.
     pub(crate) fn new(
-        backend: Arc<dyn Backend>,
+        store: Arc<dyn LockStore>,
         keys: Arc<[String]>,
         holder: Holder,
         timeout: Duration,
@@ -87,7 +95,7 @@ impl LockGuard {
         let status = Arc::new(status);
         Self {
             held: Some(Held {
-                backend,
+                store,
                 keys,
                 holder,
                 timeout,
@@ -101,23 +109,10 @@ impl LockGuard {
         }
     }
 
-    /// What the handler may see of these locks.
-    /// What the handler may see of these locks, granted by `locks` to `owner`.
-    pub(crate) fn lease(
-        &self,
-        fencing_token: FencingToken,
-        locks: Locks,
-        owner: Arc<RequestOwner>,
-    ) -> Option<Lease> {
-        let held = self.held.as_ref()?;
-        let status = held.status.subscribe();
-        Some(Lease::new(
-            held.keys.clone(),
-            fencing_token,
-            status,
-            locks,
-            owner,
-        ))
+    /// The lease's state as it changes, while armed: for the handler's
+    /// [`Lease`](crate::lease::Lease).
+    pub(crate) fn status(&self) -> Option<watch::Receiver<LeaseStatus>> {
+        Some(self.held.as_ref()?.status.subscribe())
     }
 
     /// The id of this hold, while armed.
@@ -158,7 +153,7 @@ impl LockGuard {
         let phase = Arc::new(AtomicU8::new(SLEEPING));
         let renewer = Renewer {
             phase: phase.clone(),
-            backend: held.backend.clone(),
+            store: held.store.clone(),
             keys: held.keys.clone(),
             holder: held.holder,
             ttl,
@@ -182,7 +177,7 @@ impl LockGuard {
         }
     }
 
-    /// Lists the hold in [`Locks::held_batches`] until it ends.
+    /// Lists the hold in [`Locks::held_batches`](crate::Locks::held_batches) until it ends.
     pub(crate) fn list_in(&mut self, entry: Registered) {
         if let Some(held) = &mut self.held {
             held.listed = Some(entry);
@@ -214,33 +209,6 @@ impl LockGuard {
                 }
             }
             self.disarm();
-        })
-    }
-}
-
-/// Everything a request gives back when it ends: its layer's guard and, for the layer
-/// that made the request's owner, the holds its handler took through its lease.
-#[derive(Debug)]
-pub(crate) struct RequestGuard {
-    pub(crate) guard: LockGuard,
-    pub(crate) extra: Option<ExtraHolds>,
-}
-
-impl RequestGuard {
-    /// Starts the layer's deferred renewal (see [`LockGuard::renew_later`]).
-    pub(crate) fn start_deferred_renewal(&mut self) {
-        self.guard.start_deferred_renewal();
-    }
-
-    /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
-    /// a drop midway leaves is released in the background.
-    pub(crate) fn release(self) -> BoxFuture<'static, ()> {
-        let Self { guard, extra } = self;
-        Box::pin(async move {
-            if let Some(extra) = &extra {
-                join_all(extra.take().into_iter().map(LockGuard::release)).await;
-            }
-            guard.release().await;
         })
     }
 }
@@ -281,7 +249,7 @@ impl Held {
     /// One attempt; whether the store answered.
     async fn release(&self) -> bool {
         let released =
-            tokio::time::timeout(self.timeout, self.backend.release(&self.keys, self.holder)).await;
+            tokio::time::timeout(self.timeout, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
                 tracing::trace!(keys = self.keys.len(), released = count, "released locks");
@@ -313,9 +281,10 @@ impl Held {
     /// at once, and the acquisition may still run when it recovers. A release sent after
     /// the store recovered runs after it, on any connection.
     async fn release_until_answered(&self) {
-        let mut pause = Duration::from_millis(50);
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.release().await {
             self.count_release_failure("retried");
+            let pause = backoff.pause();
             if Instant::now() + pause >= self.status.borrow().expires_at {
                 tracing::warn!(
                     keys = self.keys.len(),
@@ -325,7 +294,6 @@ impl Held {
                 return;
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 }
@@ -354,7 +322,7 @@ impl Drop for LockGuard {
 /// Keeps a lease alive: extends it every third of its TTL, and reports it lost when an
 /// extension finds the keys gone or taken, or cannot reach the store before it runs out.
 struct Renewer {
-    backend: Arc<dyn Backend>,
+    store: Arc<dyn LockStore>,
     keys: Arc<[String]>,
     holder: Holder,
     ttl: Duration,
@@ -403,13 +371,13 @@ impl Renewer {
             }
             let extended = tokio::time::timeout(
                 self.attempt_limit,
-                self.backend.extend(&self.keys, self.holder, self.ttl),
+                self.store.extend(&self.keys, self.holder, self.ttl),
             )
             .await;
             self.phase.store(SLEEPING, Ordering::Release);
             match extended {
                 Ok(Ok(true)) => {
-                    let valid_for = self.ttl.saturating_sub(self.backend.drift(self.ttl));
+                    let valid_for = self.ttl.saturating_sub(self.store.drift(self.ttl));
                     self.status.send_modify(|s| s.expires_at = now + valid_for);
                     next = now + every;
                     continue;
@@ -443,47 +411,30 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::backend::{
-        memory::MemoryBackend, wake::Wakeups, Acquire, BackendError, KeyView, Line, OwnerToken,
-        Ticket,
+    use crate::store::{
+        contract::{Acquire, AcquireRequest, KeyView, Keys, Line, OwnerToken, Reply, Ticket},
+        memory::MemoryStore,
+        wake::Wakeups,
     };
 
     /// The memory store, except that its next release never answers: a store that went
     /// silent just as a response was finishing.
     #[derive(Debug)]
     struct StallingRelease {
-        store: MemoryBackend,
+        store: MemoryStore,
         stall_next: AtomicBool,
     }
 
-    impl Backend for StallingRelease {
-        fn acquire<'a>(
-            &'a self,
-            namespace: &'a str,
-            keys: &'a [String],
-            holder: Holder,
-            ttl: Duration,
-            report: usize,
-            line: Line,
-        ) -> BoxFuture<'a, Result<Acquire, BackendError>> {
-            self.store
-                .acquire(namespace, keys, holder, ttl, report, line)
+    impl LockStore for StallingRelease {
+        fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+            self.store.acquire(request)
         }
 
-        fn withdraw<'a>(
-            &'a self,
-            keys: &'a [String],
-            ticket: Ticket,
-        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
             self.store.withdraw(keys, ticket)
         }
 
-        fn extend<'a>(
-            &'a self,
-            keys: &'a [String],
-            holder: Holder,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, BackendError>> {
+        fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
             self.store.extend(keys, holder, ttl)
         }
 
@@ -491,47 +442,19 @@ mod tests {
             self.store.wakeups()
         }
 
-        fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        fn check(&self) -> Reply<'_, ()> {
             self.store.check()
         }
 
-        fn inspect<'a>(
-            &'a self,
-            keys: &'a [String],
-        ) -> BoxFuture<'a, Result<Vec<KeyView>, BackendError>> {
+        fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
             self.store.inspect(keys)
         }
 
-        fn force_release<'a>(
-            &'a self,
-            keys: &'a [String],
-        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
             self.store.force_release(keys)
         }
 
-        #[cfg(feature = "idempotency")]
-        fn load_answer<'a>(
-            &'a self,
-            key: &'a str,
-        ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, BackendError>> {
-            self.store.load_answer(key)
-        }
-
-        #[cfg(feature = "idempotency")]
-        fn store_answer<'a>(
-            &'a self,
-            key: &'a str,
-            answer: bytes::Bytes,
-            retention: Duration,
-        ) -> BoxFuture<'a, Result<bool, BackendError>> {
-            self.store.store_answer(key, answer, retention)
-        }
-
-        fn release<'a>(
-            &'a self,
-            keys: &'a [String],
-            holder: Holder,
-        ) -> BoxFuture<'a, Result<usize, BackendError>> {
+        fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
             if self.stall_next.swap(false, Ordering::SeqCst) {
                 return Box::pin(std::future::pending());
             }
@@ -541,24 +464,29 @@ mod tests {
 
     #[tokio::test]
     async fn a_release_dropped_midway_is_sent_again() {
-        let backend = Arc::new(StallingRelease {
-            store: MemoryBackend::new(),
+        let store = Arc::new(StallingRelease {
+            store: MemoryStore::new(),
             stall_next: AtomicBool::new(true),
         });
         let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+        let ttl = Duration::from_secs(30);
+        let request = |holder| AcquireRequest {
+            namespace: "lock:".into(),
+            keys: keys.clone(),
+            holder,
+            ttl,
+            report: 0,
+            line: Line::Outside,
+        };
         let (owner, other) = (
             Holder::new(OwnerToken::random()),
             Holder::new(OwnerToken::random()),
         );
-        let ttl = Duration::from_secs(30);
-        let granted = backend
-            .acquire("lock:", &keys, owner, ttl, 0, Line::Outside)
-            .await
-            .unwrap();
+        let granted = store.acquire(&request(owner)).await.unwrap();
         assert!(matches!(granted, Acquire::Granted(_)));
 
         let guard = LockGuard::new(
-            backend.clone(),
+            store.clone(),
             keys.clone(),
             owner,
             ttl,
@@ -569,13 +497,8 @@ mod tests {
 
         // Dropping the stalled release spawned another one; let it run.
         for _ in 0..100 {
-            if matches!(
-                backend
-                    .acquire("lock:", &keys, other, ttl, 0, Line::Outside)
-                    .await
-                    .unwrap(),
-                Acquire::Granted(_)
-            ) {
+            let retried = store.acquire(&request(other)).await.unwrap();
+            if matches!(retried, Acquire::Granted(_)) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -2,61 +2,29 @@
 //! ([`Locks::inspect`]), the batches this process holds ([`Locks::held_batches`]), and a
 //! way out of a stuck lock ([`Locks::force_release`]).
 
-use std::{
-    collections::HashMap,
-    fmt,
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc, Mutex, PoisonError,
-    },
-    time::{Duration, Instant},
+use std::{sync::Arc, time::Duration};
+
+use http::StatusCode;
+
+use crate::{
+    keys::normalize::normalize,
+    locks::Locks,
+    registry::HeldBatch,
+    rejection::Rejection,
+    store::{contract::KeyStatus, error::StoreError},
 };
-
-use axum::extract::MatchedPath;
-use http::{HeaderValue, Request, StatusCode};
-
-use crate::{keys::normalize, Locks};
-
-/// Whether a key is locked, as [`Locks::inspect`] sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum KeyStatus {
-    /// Nobody holds the key (waiters may still have it reserved).
-    Free,
-    /// A request holds the key.
-    Held,
-    /// The store keeps something under the key that this crate did not write (another
-    /// program's value, an older version's lock). It keeps every request out, and
-    /// [`Locks::force_release`] leaves it alone.
-    Foreign,
-}
-
-impl KeyStatus {
-    /// `"free"`, `"held"` or `"foreign"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Free => "free",
-            Self::Held => "held",
-            Self::Foreign => "foreign",
-        }
-    }
-}
-
-impl fmt::Display for KeyStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+#[cfg(doc)]
+use crate::{lease::Lease, locks::OnLostLease, store::contract::FencingToken};
 
 /// What the store holds for one key: [`Locks::inspect`]'s answer. Never who holds it: the
 /// owner token is a capability, and it stays in the store.
 ///
 /// ```
-/// use tower_batch_lock::{KeyStatus, Locks};
+/// use tower_batch_lock::{store::Store, KeyStatus, Locks};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), tower_batch_lock::OperatorError> {
-/// let locks = Locks::isolated_memory();
+/// # async fn main() -> Result<(), tower_batch_lock::Rejection> {
+/// let locks = Locks::new(Store::isolated_memory());
 /// let states = locks.inspect(["order:42"]).await?;
 /// assert_eq!(states[0].key(), "order:42");
 /// assert_eq!(states[0].status(), KeyStatus::Free);
@@ -111,83 +79,6 @@ impl KeyState {
     }
 }
 
-/// A batch of keys this process holds now: [`Locks::held_batches`]'s answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct HeldBatch {
-    route: Option<String>,
-    request_id: Option<String>,
-    age: Duration,
-    keys: usize,
-}
-
-impl HeldBatch {
-    /// The route that took it (axum's [`MatchedPath`], such as `/orders/{id}`), when the
-    /// layer ran inside an axum router.
-    pub fn route(&self) -> Option<&str> {
-        self.route.as_deref()
-    }
-
-    /// The request's `x-request-id` header, when it had one.
-    pub fn request_id(&self) -> Option<&str> {
-        self.request_id.as_deref()
-    }
-
-    /// How long it has been held.
-    pub fn age(&self) -> Duration {
-        self.age
-    }
-
-    /// How many keys it holds.
-    pub fn key_count(&self) -> usize {
-        self.keys
-    }
-}
-
-/// An operator's call ([`Locks::inspect`], [`Locks::force_release`]) that failed: keys the
-/// layer would refuse (a 4xx), or a store that did not answer in time (503).
-#[derive(Debug)]
-pub struct OperatorError {
-    status: StatusCode,
-    detail: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync>>,
-}
-
-impl OperatorError {
-    /// The HTTP status that fits: the 400 or 413 of a key a request could not lock either,
-    /// or 503 when the store could not answer.
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    fn unavailable(
-        detail: String,
-        source: Option<Box<dyn std::error::Error + Send + Sync>>,
-    ) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            detail,
-            source,
-        }
-    }
-}
-
-impl fmt::Display for OperatorError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.detail)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for OperatorError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|s| s as _)
-    }
-}
-
 /// How many keys the warning of a forced release names; it counts them all.
 const LOGGED_KEYS: usize = 100;
 
@@ -197,7 +88,7 @@ impl Locks {
     ///
     /// The keys are the ones requests name (the [prefix](Locks::prefix) goes in front), and
     /// the answer lists them as a request's batch would be: sorted, each once. On
-    /// [Redlock](crate::Redlock), each key is what a majority of the masters see: held when
+    /// [Redlock](crate::store::Redlock), each key is what a majority of the masters see: held when
     /// a majority holds it, since that is when it keeps requests out; a leftover on a
     /// minority keeps nobody out and expires on its own, so it shows as free. The time
     /// left and the holds are those that a majority still has. A per-master view would
@@ -205,11 +96,11 @@ impl Locks {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_batch_lock::{KeyStatus, Locks};
+    /// use tower_batch_lock::{store::Store, KeyStatus, Locks};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), tower_batch_lock::OperatorError> {
-    /// let locks = Locks::isolated_memory();
+    /// # async fn main() -> Result<(), tower_batch_lock::Rejection> {
+    /// let locks = Locks::new(Store::isolated_memory());
     /// for state in locks.inspect(["sku:1", "sku:2"]).await? {
     ///     if state.status() == KeyStatus::Held {
     ///         println!("{} held for {:?} more", state.key(), state.ttl().unwrap_or_default());
@@ -221,11 +112,11 @@ impl Locks {
     ///
     /// # Errors
     ///
-    /// An [`OperatorError`]: a key a request could not lock either (empty, too long, too
-    /// many keys: 400 or 413), or a store that did not answer within the
-    /// [backend timeout](Locks::backend_timeout) (for Redlock, fewer than a majority of
-    /// the masters answered).
-    pub async fn inspect<I>(&self, keys: I) -> Result<Vec<KeyState>, OperatorError>
+    /// The [`Rejection`] a request would get: a key it could not lock either (empty, too
+    /// long, too many keys: 400 or 413), or a store that failed or did not answer within
+    /// the [store timeout](Locks::store_timeout) (503; for Redlock, fewer than a majority
+    /// of the masters answered). A store's failure is logged with its cause.
+    pub async fn inspect<I>(&self, keys: I) -> Result<Vec<KeyState>, Rejection>
     where
         I: IntoIterator,
         I::Item: Into<String>,
@@ -234,23 +125,18 @@ impl Locks {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let views =
-            match tokio::time::timeout(self.call_timeout(), self.backend.inspect(&keys)).await {
-                Ok(Ok(views)) => views,
-                Ok(Err(error)) => {
-                    return Err(OperatorError::unavailable(
-                        "the lock store could not be inspected".to_owned(),
-                        Some(error.into()),
-                    ))
-                }
-                Err(_) => return Err(self.timed_out("inspecting")),
-            };
+        let inspected = tokio::time::timeout(self.call_timeout(), self.store.locks.inspect(&keys));
+        let views = match inspected.await {
+            Ok(Ok(views)) => views,
+            Ok(Err(error)) => return Err(operator_failure("inspecting", error)),
+            Err(_) => return Err(self.timed_out("inspecting")),
+        };
         let prefix = self.prefix_len();
         Ok(keys
-            .into_iter()
+            .iter()
             .zip(views)
-            .map(|(mut key, view)| KeyState {
-                key: key.split_off(prefix),
+            .map(|(key, view)| KeyState {
+                key: key[prefix..].to_owned(),
                 status: view.status,
                 ttl: view.ttl,
                 holds: view.holds,
@@ -268,9 +154,9 @@ impl Locks {
     /// [`Locks::hold_until_body_end`] until the body ends.
     ///
     /// ```
-    /// use tower_batch_lock::Locks;
+    /// use tower_batch_lock::{store::Store, Locks};
     ///
-    /// let locks = Locks::isolated_memory();
+    /// let locks = Locks::new(Store::isolated_memory());
     /// for batch in locks.held_batches() {
     ///     println!("{:?} holds {} keys for {:?}", batch.route(), batch.key_count(), batch.age());
     /// }
@@ -285,15 +171,15 @@ impl Locks {
     ///
     /// The holder is not stopped: its critical section goes on **without exclusion**, side
     /// by side with the next request that takes the keys, until it ends. Its lease learns
-    /// of the loss only at its next renewal ([`Lease::lost`](crate::Lease::lost); with
-    /// [`OnLostLease::Cancel`](crate::OnLostLease::Cancel) its handler is then cancelled),
+    /// of the loss only at its next renewal ([`Lease::lost`](Lease::lost); with
+    /// [`OnLostLease::Cancel`](OnLostLease::Cancel) its handler is then cancelled),
     /// and its release later finds nothing to release and does no harm. Resources that
-    /// check [fencing tokens](crate::FencingToken) refuse its late writes; nothing else
+    /// check [fencing tokens](FencingToken) refuse its late writes; nothing else
     /// does. Prefer waiting for the TTL when you can.
     ///
     /// Waiters' reservations stay: the waiters in line take the keys next, in their order,
     /// rather than a request that arrived just now (and a waiter that is gone loses its
-    /// reservations within [`Wait::RESERVATION_TTL`](crate::Wait::RESERVATION_TTL)). The
+    /// reservations within a second). The
     /// waiters are woken, in this process and (on Redis) in every process that subscribes
     /// to releases. A foreign value under a key is left alone. On Redlock, it succeeds when
     /// a majority of the masters answered.
@@ -302,11 +188,11 @@ impl Locks {
     /// held.
     ///
     /// ```
-    /// use tower_batch_lock::Locks;
+    /// use tower_batch_lock::{store::Store, Locks};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), tower_batch_lock::OperatorError> {
-    /// let locks = Locks::isolated_memory();
+    /// # async fn main() -> Result<(), tower_batch_lock::Rejection> {
+    /// let locks = Locks::new(Store::isolated_memory());
     /// let released = locks
     ///     .force_release(["order:42"], "holder hung since 10:02, ticket OPS-1234")
     ///     .await?;
@@ -318,7 +204,7 @@ impl Locks {
     /// # Errors
     ///
     /// As [`inspect`](Self::inspect). After a timeout, some holds may have ended.
-    pub async fn force_release<I>(&self, keys: I, reason: &str) -> Result<usize, OperatorError>
+    pub async fn force_release<I>(&self, keys: I, reason: &str) -> Result<usize, Rejection>
     where
         I: IntoIterator,
         I::Item: Into<String>,
@@ -334,7 +220,7 @@ impl Locks {
             .map(|k| &k[prefix..])
             .collect();
         let released =
-            tokio::time::timeout(self.call_timeout(), self.backend.force_release(&keys)).await;
+            tokio::time::timeout(self.call_timeout(), self.store.locks.force_release(&keys)).await;
         match released {
             Ok(Ok(released)) => {
                 tracing::warn!(
@@ -354,10 +240,7 @@ impl Locks {
                     %error,
                     "a forced release of locks failed; some may have been released"
                 );
-                Err(OperatorError::unavailable(
-                    "the lock store could not release the keys".to_owned(),
-                    Some(error.into()),
-                ))
+                Err(operator_failure("releasing", error))
             }
             Err(_) => {
                 tracing::warn!(
@@ -372,104 +255,37 @@ impl Locks {
     }
 
     /// `keys` normalized as a request's are.
-    fn operator_keys<I>(&self, keys: I) -> Result<Vec<String>, OperatorError>
+    fn operator_keys<I>(&self, keys: I) -> Result<Arc<[String]>, Rejection>
     where
         I: IntoIterator,
         I::Item: Into<String>,
     {
         let keys = keys.into_iter().map(Into::into).collect();
-        normalize(keys, self.key_policy()).map_err(|rejection| OperatorError {
-            status: rejection.status(),
-            detail: rejection.body_text().to_owned(),
-            source: None,
-        })
+        Ok(normalize(keys, self.key_policy())?.into())
     }
 
-    fn timed_out(&self, doing: &str) -> OperatorError {
-        OperatorError::unavailable(
+    fn timed_out(&self, doing: &str) -> Rejection {
+        let timeout = self.call_timeout();
+        tracing::warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            doing,
+            "the lock store did not answer an operator's call in time"
+        );
+        Rejection::new(
+            StatusCode::SERVICE_UNAVAILABLE,
             format!(
-                "the lock store did not answer within the backend timeout ({} ms) while {doing}",
-                self.call_timeout().as_millis()
+                "the lock store did not answer within the store timeout ({} ms) while {doing}",
+                timeout.as_millis()
             ),
-            None,
         )
     }
 }
 
-/// The batches a [`Locks`] handle and its clones hold now. Sharded, so that requests on
-/// different cores rarely share a mutex on the way in and out.
-#[derive(Debug, Default)]
-pub(crate) struct Batches {
-    next: AtomicU64,
-    shards: [Mutex<HashMap<u64, Batch>>; BATCH_SHARDS],
-}
-
-const BATCH_SHARDS: usize = 8;
-
-#[derive(Debug)]
-struct Batch {
-    route: Option<MatchedPath>,
-    request_id: Option<HeaderValue>,
-    since: Instant,
-    keys: usize,
-}
-
-impl Batches {
-    /// Lists a batch of `keys` keys granted to `request` now, until the returned
-    /// registration drops.
-    pub(crate) fn register<B>(self: &Arc<Self>, request: &Request<B>, keys: usize) -> Registered {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let batch = Batch {
-            route: request.extensions().get::<MatchedPath>().cloned(),
-            request_id: request.headers().get("x-request-id").cloned(),
-            since: Instant::now(),
-            keys,
-        };
-        self.shard(id).insert(id, batch);
-        Registered {
-            batches: self.clone(),
-            id,
-        }
-    }
-
-    fn shard(&self, id: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Batch>> {
-        // Every change is one insert or remove: a poisoned map is still whole.
-        self.shards[(id % BATCH_SHARDS as u64) as usize]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn list(&self) -> Vec<HeldBatch> {
-        let now = Instant::now();
-        let mut listed: Vec<(u64, HeldBatch)> = Vec::new();
-        for shard in 0..BATCH_SHARDS as u64 {
-            listed.extend(self.shard(shard).iter().map(|(&id, batch)| {
-                let held = HeldBatch {
-                    route: batch.route.as_ref().map(|r| r.as_str().to_owned()),
-                    request_id: batch
-                        .request_id
-                        .as_ref()
-                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
-                    age: now.saturating_duration_since(batch.since),
-                    keys: batch.keys,
-                };
-                (id, held)
-            }));
-        }
-        listed.sort_unstable_by_key(|&(id, _)| id);
-        listed.into_iter().map(|(_, batch)| batch).collect()
-    }
-}
-
-/// A batch's place in [`Batches`]: it leaves the list when this drops.
-#[derive(Debug)]
-pub(crate) struct Registered {
-    batches: Arc<Batches>,
-    id: u64,
-}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        self.batches.shard(self.id).remove(&self.id);
-    }
+/// The answer to an operator's call that the store failed; the cause goes to the log.
+fn operator_failure(doing: &'static str, error: StoreError) -> Rejection {
+    tracing::warn!(%error, doing, "the lock store failed an operator's call");
+    Rejection::new(
+        error.status(),
+        format!("the lock store failed while {doing}; the cause is logged"),
+    )
 }

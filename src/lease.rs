@@ -3,73 +3,14 @@
 use std::{convert::Infallible, fmt, sync::Arc, time::Instant};
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use http::{request::Parts, HeaderValue};
+use http::{request::Parts, HeaderValue, StatusCode};
 use tokio::sync::watch;
+use tracing::Span;
 
 use crate::{
-    owner::{HeldKeys, RequestOwner},
-    Locks, Rejection,
+    acquire::acquire, guard::LeaseStatus, keys::normalize::normalize, locks::Locks,
+    owner::RequestOwner, rejection::Rejection, store::contract::FencingToken,
 };
-
-/// A number that grows with every grant: give it to the resource you write, and let the
-/// resource refuse writes that carry a smaller one than it has seen.
-///
-/// A lease protects a critical section only while its holder runs on time. A holder that
-/// stalls (a long GC or VM pause, a slow disk, a lost network) can wake up after its lease
-/// expired and another request got the same keys, and still write. Neither holder can tell
-/// from the clock alone; the resource can, by comparing tokens:
-///
-/// ```
-/// use tower_batch_lock::FencingToken;
-///
-/// /// A record that remembers the largest token that wrote it.
-/// struct Record { value: u64, fence: Option<FencingToken> }
-///
-/// impl Record {
-///     /// Check-and-set: a write fenced below the last one is stale, and refused.
-///     fn write(&mut self, value: u64, fence: FencingToken) -> Result<(), &'static str> {
-///         if self.fence.is_some_and(|seen| fence < seen) {
-///             return Err("a newer lock holder has written since");
-///         }
-///         (self.value, self.fence) = (value, Some(fence));
-///         Ok(())
-///     }
-/// }
-/// ```
-///
-/// In SQL the same check is `UPDATE … SET value = $1, fence = $2 WHERE id = $3 AND fence <= $2`.
-///
-/// Tokens strictly increase across every grant that shares any key: with Redis there is one
-/// counter per key namespace (the prefix), in memory one per store. With Redlock they do
-/// as long as no master loses its counter; [`Redlock`](crate::Redlock) says why and when.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct FencingToken(u64);
-
-impl FencingToken {
-    pub(crate) fn new(value: u64) -> Self {
-        Self(value)
-    }
-
-    /// The token as a number, to store beside the data it guards.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-/// The state of a lease, kept current by the guard and its renewal.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LeaseStatus {
-    /// When the keys expire in the store unless renewed: never earlier than this.
-    pub(crate) expires_at: Instant,
-    /// A renewal found the keys gone or foreign, or could not reach the store in time.
-    pub(crate) lost: bool,
-}
 
 /// The locks a request holds, as its handler sees them.
 ///
@@ -167,7 +108,7 @@ impl Lease {
         I::Item: Into<String>,
     {
         let keys = keys.into_iter().map(Into::into).collect();
-        self.locks.lock_for(&self.owner, keys).await
+        lock_for(&self.locks, &self.owner, keys).await
     }
 
     /// The request's owner token, to send to a downstream service that shares the lock
@@ -195,7 +136,7 @@ impl Lease {
 
     /// When the locks expire if they are not renewed again: the TTL counted from the
     /// moment the last acquisition or renewal was sent, so the real expiry in the store is
-    /// never earlier. With [`Redlock`](crate::Redlock) it is the validity deadline, sooner
+    /// never earlier. With [`Redlock`](crate::store::Redlock) it is the validity deadline, sooner
     /// by the allowance for clock drift between the masters (`ttl / 100 + 2 ms`).
     pub fn expires_at(&self) -> Instant {
         self.status.borrow().expires_at
@@ -289,5 +230,64 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Infallible> {
         Ok(parts.extensions.get::<Self>().cloned())
+    }
+}
+
+/// Locks more keys for a request's owner, for [`Lease::lock`].
+async fn lock_for(
+    locks: &Locks,
+    owner: &Arc<RequestOwner>,
+    keys: Vec<String>,
+) -> Result<HeldKeys, Rejection> {
+    let policy = &locks.policy;
+    let keys: Arc<[String]> = normalize(keys, &policy.keys)?.into();
+    if keys.is_empty() {
+        let detail = "there are no keys to lock".to_owned();
+        return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
+    }
+    let (mut guard, fencing_token) =
+        acquire(locks, &keys, owner.token, true, None, &Span::current())
+            .await
+            .map_err(|(rejection, _)| rejection)?;
+    if policy.renew {
+        let until = policy
+            .max_hold
+            .and_then(|max| Instant::now().checked_add(max));
+        guard.renew(policy.ttl, until);
+    }
+    let (Some(status), Some(hold)) = (guard.status(), guard.hold()) else {
+        unreachable!("a granted guard is armed");
+    };
+    let lease = Lease::new(keys, fencing_token, status, locks.clone(), owner.clone());
+    owner.keep(hold, guard);
+    Ok(HeldKeys {
+        lease,
+        hold,
+        owner: owner.clone(),
+    })
+}
+
+/// Keys a handler locked with [`Lease::lock`]: they belong to the request, and are released
+/// with it, or earlier with [`release`](Self::release). Dropping this handle does not
+/// release them.
+#[derive(Debug)]
+pub struct HeldKeys {
+    lease: Lease,
+    hold: u64,
+    owner: Arc<RequestOwner>,
+}
+
+impl HeldKeys {
+    /// The lease of these keys: their fencing token, expiry and loss.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Releases these keys now rather than with the request. Keys the request also holds
+    /// through a layer (or another [`Lease::lock`]) stay held by it.
+    pub async fn release(self) {
+        if let Some(guard) = self.owner.take(self.hold) {
+            guard.release().await;
+        }
     }
 }

@@ -31,15 +31,16 @@
 //!
 //! # Stores
 //!
+//! Each store is built one way; [`Locks::new`] takes it, and [`store`] says what each
+//! promises:
+//!
 //! - [`Locks::memory`] (what [`LockLayer::new`] uses too): one process; and
-//!   [`Locks::isolated_memory`], a store of its own, for tests.
-//! - [`Locks::redis_url`] and [`Locks::redis`] (feature `redis`, on by default): every
-//!   process that shares a Redis.
-//! - [`Locks::redlock`] and [`Redlock`] (feature `redis`): every process that shares a
-//!   majority of several independent Redis masters, so that the locks outlive any minority
-//!   of them.
-//! - [`Locks::redis_cluster`] and [`RedisCluster`] (feature `cluster`): every process that
-//!   shares a Redis Cluster, each batch spread over the masters that serve its keys.
+//!   [`store::Store::isolated_memory`], a store of its own, for tests.
+//! - [`store::Redis`] (feature `redis`, on by default): every process that shares a Redis.
+//! - [`store::Redlock`] (feature `redis`): every process that shares a majority of several
+//!   independent Redis masters, so that the locks outlive any minority of them.
+//! - `store::RedisCluster` (feature `cluster`): every process that shares a Redis
+//!   Cluster, each batch spread over the masters that serve its keys.
 //!
 //! # Responses
 //!
@@ -47,7 +48,7 @@
 //! | --- | --- |
 //! | all keys acquired | the inner service's |
 //! | a key is held by another request | 409 ([`Locks::contention_status`]), `Retry-After` |
-//! | the store is unreachable or slow ([`Locks::backend_timeout`]) | 503, `Retry-After` |
+//! | the store is unreachable or slow ([`Locks::store_timeout`]) | 503, `Retry-After` |
 //! | the extractor refuses the request | its own 4xx (see [`keys::json`]) |
 //! | more keys than [`Locks::max_keys`] | 413 |
 //! | an empty key, or one longer than [`Locks::max_key_len`] | 400 |
@@ -80,7 +81,7 @@
 //! # Dependencies
 //!
 //! With the `redis` feature, the crate re-exports the two crates whose types its API takes
-//! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`Locks::redis`] with
+//! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`store::Redis::pool`] with
 //! `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
 //! `tower_batch_lock::redis`, and the versions always match this crate's.
 //!
@@ -94,49 +95,41 @@
 mod acquire;
 #[cfg(feature = "admin")]
 pub mod admin;
-mod backend;
-mod body;
-mod check;
-mod future;
+mod backoff;
 mod guard;
 #[cfg(feature = "idempotency")]
 pub mod idempotency;
 mod inspect;
 pub mod keys;
-mod layer;
 mod lease;
 mod locks;
+mod middleware;
 mod observe;
 mod owner;
+mod registry;
 mod rejection;
+mod request;
 mod retry_after;
-mod service;
+pub mod store;
 mod wait;
 
-#[cfg(feature = "cluster")]
-pub use backend::cluster::RedisCluster;
-#[cfg(feature = "redis")]
-pub use backend::redlock::Redlock;
-pub use body::ResponseBody;
-pub use check::CheckError;
-/// The pool crate of [`Locks::redis`], at the version this crate is built with: a pool made
-/// with `tower_batch_lock::deadpool_redis::Config` is always the `Pool` it takes.
+/// The pool crate of [`store::Redis::pool`], at the version this crate is built with: a
+/// pool made with `tower_batch_lock::deadpool_redis::Config` is always the `Pool` it takes.
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
-pub use future::ResponseFuture;
-pub use inspect::{HeldBatch, KeyState, KeyStatus, OperatorError};
-pub use keys::KeyExtractor;
-pub use layer::LockLayer;
-pub use lease::{FencingToken, Lease};
+pub use inspect::KeyState;
+pub use keys::extractor::KeyExtractor;
+pub use lease::{HeldKeys, Lease};
 pub use locks::{Locks, OnLostLease};
-pub use owner::HeldKeys;
+pub use middleware::{LockLayer, LockService, ResponseBody, ResponseFuture};
 /// The Redis client crate, at the version this crate is built with: the
-/// [`RedisError`](redis::RedisError) of [`Locks::redis_url`] and [`Locks::redlock`].
+/// [`RedisError`](redis::RedisError) of the Redis stores' builders.
 #[cfg(feature = "redis")]
 pub use redis;
+pub use registry::HeldBatch;
 pub use rejection::Rejection;
 pub use retry_after::RetryAfter;
-pub use service::LockService;
+pub use store::contract::{FencingToken, KeyStatus};
 pub use wait::Wait;
 
 // The README's examples compile as doctests, so its quickstart stays true; with the

@@ -2,31 +2,23 @@
 
 use std::{
     fmt,
-    future::Future,
     sync::{Arc, LazyLock},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use axum::{
-    extract::MatchedPath,
-    response::{IntoResponse, Response},
-};
-use http::{request::Parts, HeaderName, Request, StatusCode};
-use tracing::Span;
+use axum::response::{IntoResponse, Response};
+use http::{request::Parts, HeaderName, StatusCode};
 
-#[cfg(doc)]
-use crate::Lease;
 use crate::{
-    acquire::{Acquisition, Refusal},
-    backend::{memory::MemoryBackend, Backend, BoxFuture, Contention, OwnerToken},
-    guard::{LockGuard, RequestGuard},
-    inspect::Batches,
-    keys::{normalize, KeyExtractor, KeyPolicy},
-    observe::{self, Layer, Outcome},
-    owner::{ExtraHolds, HeldKeys, OwnerExtension, RequestOwner},
-    retry_after::HoldTimes,
-    CheckError, FencingToken, LockLayer, Rejection, RetryAfter, Wait,
+    keys::normalize::KeyPolicy,
+    registry::Batches,
+    rejection::Rejection,
+    retry_after::{HoldTimes, RetryAfter},
+    store::{error::StoreError, handle::Store},
+    wait::Wait,
 };
+#[cfg(doc)]
+use crate::{lease::Lease, middleware::LockLayer};
 
 /// A lock store and the rules for using it; cheap to clone, and every clone shares the store.
 ///
@@ -48,32 +40,34 @@ use crate::{
 /// ```
 #[derive(Clone)]
 pub struct Locks {
-    pub(crate) backend: Arc<dyn Backend>,
-    policy: Arc<Policy>,
+    pub(crate) store: Store,
+    pub(crate) policy: Arc<Policy>,
     /// How long this handle's holds lasted lately, for [`RetryAfter::Observed`].
-    holds: Arc<HoldTimes>,
+    pub(crate) holds: Arc<HoldTimes>,
     /// The batches this handle's requests hold now, for [`Locks::held_batches`].
     pub(crate) batches: Arc<Batches>,
 }
 
+/// The rules, as the request path reads them: each is set by the builder method of its
+/// name.
 #[derive(Debug, Clone)]
-struct Policy {
-    keys: KeyPolicy,
-    ttl: Duration,
-    contention_status: StatusCode,
-    name_conflicts: usize,
-    backend_timeout: Duration,
-    require_keys: bool,
-    wait: Wait,
-    renew: bool,
-    max_hold: Option<Duration>,
-    on_lost_lease: OnLostLease,
-    hold_until_body_end: bool,
-    trusted_owner_header: Option<TrustedOwnerHeader>,
-    retry_after: RetryAfter,
+pub(crate) struct Policy {
+    pub(crate) keys: KeyPolicy,
+    pub(crate) ttl: Duration,
+    pub(crate) contention_status: StatusCode,
+    pub(crate) max_named_conflicts: usize,
+    pub(crate) store_timeout: Duration,
+    pub(crate) require_keys: bool,
+    pub(crate) wait: Wait,
+    pub(crate) renew: bool,
+    pub(crate) max_hold: Option<Duration>,
+    pub(crate) on_lost_lease: OnLostLease,
+    pub(crate) hold_until_body_end: bool,
+    pub(crate) trusted_owner_header: Option<TrustedOwnerHeader>,
+    pub(crate) retry_after: RetryAfter,
     refusal: Option<RefusalResponse>,
     /// The `layer` label of the metrics, when not the route.
-    name: Option<Arc<str>>,
+    pub(crate) metrics_label: Option<Arc<str>>,
 }
 
 /// A user's way to build the responses the layer refuses requests with.
@@ -88,9 +82,9 @@ impl fmt::Debug for RefusalResponse {
 
 /// A header that carries an owner token from a caller this service trusts.
 #[derive(Clone)]
-struct TrustedOwnerHeader {
-    name: HeaderName,
-    trusts: Arc<dyn Fn(&Parts) -> bool + Send + Sync>,
+pub(crate) struct TrustedOwnerHeader {
+    pub(crate) name: HeaderName,
+    pub(crate) trusts: Arc<dyn Fn(&Parts) -> bool + Send + Sync>,
 }
 
 impl fmt::Debug for TrustedOwnerHeader {
@@ -119,22 +113,18 @@ pub enum OnLostLease {
 /// hold its keys for good.
 const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(300);
 
-/// How many conflicting keys a waiting request watches for releases, whatever the
-/// response names: a lost wake-up only costs a poll interval.
-const WATCHED_CONFLICTS: usize = 20;
-
 impl Default for Policy {
     fn default() -> Self {
         Self {
             keys: KeyPolicy {
-                prefix: "lock:".to_owned(),
+                prefix: "lock:".into(),
                 max_keys: 10_000,
                 max_key_len: 256,
             },
             ttl: Duration::from_secs(30),
             contention_status: StatusCode::CONFLICT,
-            name_conflicts: 20,
-            backend_timeout: Duration::from_secs(2),
+            max_named_conflicts: 20,
+            store_timeout: Duration::from_secs(2),
             require_keys: false,
             wait: Wait::none(),
             renew: true,
@@ -144,13 +134,13 @@ impl Default for Policy {
             trusted_owner_header: None,
             retry_after: RetryAfter::Observed,
             refusal: None,
-            name: None,
+            metrics_label: None,
         }
     }
 }
 
 /// The process-wide in-memory store: [`Locks::memory`]'s and [`LockLayer::new`]'s.
-static MEMORY: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(MemoryBackend::new()));
+static MEMORY: LazyLock<Store> = LazyLock::new(Store::isolated_memory);
 
 impl Locks {
     /// Locks in this process's memory, for a service that runs as one process: the
@@ -159,159 +149,22 @@ impl Locks {
     /// gives a handle with the default policy; tune it (`Locks::memory().ttl(..)`), and it
     /// keeps sharing the store.
     pub fn memory() -> Self {
-        Self::with_backend(MEMORY.clone())
+        Self::new(MEMORY.clone())
     }
 
-    /// A new, empty in-memory store, shared only by the clones of this handle: for tests
-    /// that must not see each other's locks. Layers on it do not exclude layers on
-    /// [`Locks::memory`] or [`LockLayer::new`], even on the same key.
-    pub fn isolated_memory() -> Self {
-        Self::with_backend(Arc::new(MemoryBackend::new()))
-    }
-
-    /// Locks in the Redis at `url`, shared by every process that uses the same Redis and
-    /// prefix, with a pool of its own and a subscription that wakes waiting requests when
-    /// any process releases their keys. `rediss://` and credentials go in the URL.
-    ///
-    /// Needs a Redis with Lua scripting (2.6.12 or later) or a compatible server. The
-    /// subscription opens at once when this is called inside a Tokio runtime, and
-    /// otherwise when the first request waits.
-    ///
-    /// # Errors
-    ///
-    /// When `url` is not a valid Redis URL. Nothing connects yet.
-    #[cfg(feature = "redis")]
-    pub fn redis_url(url: &str) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(url)?;
-        let pool = deadpool_redis::Config::from_url(url)
-            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-            .map_err(|e| {
-                redis::RedisError::from((
-                    redis::ErrorKind::InvalidClientConfig,
-                    "could not create a Redis pool",
-                    e.to_string(),
-                ))
-            })?;
-        let backend = crate::backend::redis::RedisBackend::new(pool, Some(client));
-        Ok(Self::with_backend(Arc::new(backend)))
-    }
-
-    /// Locks in Redis through a pool you already have, shared by every process that uses
-    /// the same Redis and prefix.
-    ///
-    /// A pool knows no URL to subscribe with, so waiting requests wake at once for this
-    /// process's releases and otherwise poll (every 5 to 100 ms); [`Locks::redis_url`] and
-    /// [`Locks::redis_with_wakeups`] wake them for every process's releases.
-    ///
-    /// The locks take one connection out of the pool for good and share it (redis-rs
-    /// pipelines concurrent commands over one connection, and a checkout from a
-    /// deadpool-redis pool costs a `PING` round trip); after a connection error they take
-    /// another. The pool is one connection smaller each time.
-    #[cfg(feature = "redis")]
-    pub fn redis(pool: deadpool_redis::Pool) -> Self {
-        Self::with_backend(Arc::new(crate::backend::redis::RedisBackend::new(
-            pool, None,
-        )))
-    }
-
-    /// Locks in Redis through a pool you already have, like [`Locks::redis`], and with a
-    /// subscription opened at `url` (the same Redis) that wakes waiting requests when any
-    /// process releases their keys, like [`Locks::redis_url`].
-    ///
-    /// ```
-    /// use tower_batch_lock::{deadpool_redis, Locks};
-    ///
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let url = "redis://127.0.0.1/";
-    /// let pool = deadpool_redis::Config::from_url(url).create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
-    /// let locks = Locks::redis_with_wakeups(pool, url)?;
-    /// # drop(locks);
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// When `url` is not a valid Redis URL. Nothing connects yet.
-    #[cfg(feature = "redis")]
-    pub fn redis_with_wakeups(
-        pool: deadpool_redis::Pool,
-        url: &str,
-    ) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(url)?;
-        let backend = crate::backend::redis::RedisBackend::new(pool, Some(client));
-        Ok(Self::with_backend(Arc::new(backend)))
-    }
-
-    /// Locks over several independent Redis masters with the Redlock algorithm, shared by
-    /// every process that uses the same masters and prefix: a batch is locked when a
-    /// majority of the masters locked all of it, so the locks outlive the loss of any
-    /// minority of them. [`Redlock`](crate::Redlock) explains what that guarantees, and
-    /// sets the per-master timeout (100 ms by default).
+    /// Locks in `store`, with the default policy: build the store with one of the
+    /// builders of [`store`](crate::store), then tune the policy.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_batch_lock::Locks;
+    /// use tower_batch_lock::{store::Store, Locks};
     ///
-    /// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
-    /// let locks = Locks::redlock([
-    ///     "redis://10.0.0.1:6379/",
-    ///     "redis://10.0.0.2:6379/",
-    ///     "redis://10.0.0.3:6379/",
-    /// ])?
-    /// .ttl(Duration::from_secs(10));
+    /// let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(10));
     /// # drop(locks);
-    /// # Ok(())
-    /// # }
     /// ```
-    ///
-    /// # Errors
-    ///
-    /// When there are fewer than three URLs, one is not a valid Redis URL, or two name the
-    /// same server. Nothing connects yet.
-    #[cfg(feature = "redis")]
-    pub fn redlock<I>(urls: I) -> Result<Self, redis::RedisError>
-    where
-        I: IntoIterator,
-        I::Item: AsRef<str>,
-    {
-        crate::Redlock::new(urls).build()
-    }
-
-    /// Locks on a Redis Cluster, shared by every process that uses it with the same
-    /// prefix: each batch is grouped by the master that serves its keys, one script call
-    /// per master, all at once, granted when every master granted its group.
-    /// [`RedisCluster`](crate::RedisCluster) explains what that guarantees, and sets the
-    /// timeouts.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_batch_lock::Locks;
-    ///
-    /// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
-    /// // Any subset of the nodes: the rest comes from the cluster's slot map.
-    /// let locks = Locks::redis_cluster(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"])?
-    ///     .ttl(Duration::from_secs(10));
-    /// # drop(locks);
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// When there is no URL, or one is not a valid Redis URL. Nothing connects yet.
-    #[cfg(feature = "cluster")]
-    pub fn redis_cluster<I>(urls: I) -> Result<Self, redis::RedisError>
-    where
-        I: IntoIterator,
-        I::Item: AsRef<str>,
-    {
-        crate::RedisCluster::new(urls).build()
-    }
-
-    pub(crate) fn with_backend(backend: Arc<dyn Backend>) -> Self {
+    pub fn new(store: Store) -> Self {
         Self {
-            backend,
+            store,
             policy: Arc::new(Policy::default()),
             holds: Arc::default(),
             batches: Arc::default(),
@@ -350,7 +203,7 @@ impl Locks {
             !prefix.is_empty(),
             "a lock prefix must not be empty: it keeps client keys apart from other data"
         );
-        self.tune(|p| p.keys.prefix = prefix)
+        self.tune(|p| p.keys.prefix = prefix.into())
     }
 
     /// The status for a request whose keys are held by someone else: 409 Conflict (the
@@ -387,14 +240,14 @@ impl Locks {
     /// How many of the conflicting keys a contention response names, in its
     /// `conflicting_keys` member. Default 20; 0 names none, for keys that clients must not
     /// learn of.
-    pub fn name_conflicts(self, at_most: usize) -> Self {
-        self.tune(|p| p.name_conflicts = at_most)
+    pub fn max_named_conflicts(self, at_most: usize) -> Self {
+        self.tune(|p| p.max_named_conflicts = at_most)
     }
 
     /// How long one call to the store may take in all (pool checkout and command) before
     /// the request gets 503. Default 2 s.
-    pub fn backend_timeout(self, timeout: Duration) -> Self {
-        self.tune(|p| p.backend_timeout = timeout)
+    pub fn store_timeout(self, timeout: Duration) -> Self {
+        self.tune(|p| p.store_timeout = timeout)
     }
 
     /// Whether a request whose extractor finds no keys is refused with 400 (`true`) or
@@ -499,39 +352,32 @@ impl Locks {
     }
 
     /// Whether the lock store can serve locks now: it answers within the
-    /// [backend timeout](Self::backend_timeout), and has what the locks need (for Redis:
+    /// [store timeout](Self::store_timeout), and has what the locks need (for Redis:
     /// version 7.0 or later, and every script loads; for Redlock: a majority of the masters
     /// pass that check). For readiness probes, and for `main` before it serves:
     ///
     /// ```no_run
-    /// use tower_batch_lock::Locks;
+    /// use tower_batch_lock::{store, Locks};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let locks = Locks::redis_url("redis://127.0.0.1/")?;
-    /// locks.check().await?; // "could not reach the lock store: ..." when Redis is down
+    /// let locks = Locks::new(store::Redis::url("redis://127.0.0.1/").build()?);
+    /// // When Redis is down: "the lock store cannot serve locks: ..."
+    /// locks.check().await?;
     /// # Ok(())
     /// # }
     /// ```
     ///
     /// # Errors
     ///
-    /// A [`CheckError`] that says what is wrong.
-    pub async fn check(&self) -> Result<(), CheckError> {
-        let timeout = self.policy.backend_timeout;
-        match tokio::time::timeout(timeout, self.backend.check()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(CheckError::new(
-                "the lock store cannot serve locks",
-                Some(error.into()),
-            )),
-            Err(_) => Err(CheckError::new(
-                format!(
-                    "the lock store did not answer within the backend timeout ({} ms)",
-                    timeout.as_millis()
-                ),
-                None,
-            )),
+    /// A [`StoreError`] that says what is wrong.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let timeout = self.policy.store_timeout;
+        match tokio::time::timeout(timeout, self.store.locks.check()).await {
+            Ok(checked) => {
+                checked.map_err(|error| error.context("the lock store cannot serve locks"))
+            }
+            Err(_) => Err(StoreError::timed_out(timeout)),
         }
     }
 
@@ -539,7 +385,7 @@ impl Locks {
     /// problem+json ones: contention, an unavailable store, keys over the limits, no keys
     /// with [`require_keys`](Self::require_keys), and a lost lease with
     /// [`OnLostLease::Cancel`]. The [`Rejection`] says which (its
-    /// [`status`](Rejection::status), [`body_text`](Rejection::body_text)), and
+    /// [`status`](Rejection::status), [`detail`](Rejection::detail)), and
     /// `rejection.into_response()` gives the default, to change a part of it. An
     /// extractor's own refusals (a body that is not JSON, say) are already responses, and
     /// are sent as they are.
@@ -566,7 +412,7 @@ impl Locks {
     }
 
     /// The response for a refusal: the user's, or the rejection's own.
-    fn refuse(&self, rejection: Rejection) -> Response {
+    pub(crate) fn refuse(&self, rejection: Rejection) -> Response {
         let refused = rejection.refused();
         let mut response = match &self.policy.refusal {
             Some(build) => (build.0)(rejection),
@@ -580,193 +426,9 @@ impl Locks {
     /// table). By default a request's metrics carry the route it matched: a name groups
     /// several routes, or tells apart two layers on one route. Choose a fixed word, never
     /// anything from a request.
-    pub fn name(self, name: impl Into<String>) -> Self {
-        let name: Arc<str> = name.into().into();
-        self.tune(|p| p.name = Some(name))
-    }
-
-    /// A layer that locks the keys `extractor` reads from each request.
-    pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
-        LockLayer::with_locks(self.clone(), extractor)
-    }
-
-    /// Extracts, normalizes and acquires the keys of one request: the work before the inner
-    /// service runs. Gives back the request with its guard (none when there are no keys),
-    /// or the response that refuses it.
-    pub(crate) fn lock<B, E>(
-        &self,
-        extractor: &E,
-        request: Request<B>,
-        span: Span,
-    ) -> BoxFuture<'static, Locked<B>>
-    where
-        B: Send + 'static,
-        E: KeyExtractor<B>,
-    {
-        // Named before the extractor takes the request: a refused one is counted too.
-        let route = request.extensions().get::<MatchedPath>();
-        let layer = Layer::new(self.policy.name.as_ref(), route.map(MatchedPath::as_str));
-        let extracted = extractor.extract(request);
-        let locks = self.clone();
-        Box::pin(async move { locks.acquire(extracted, &layer, &span).await })
-    }
-
-    async fn acquire<B>(
-        self,
-        extracted: impl Future<Output = crate::keys::Extracted<B>>,
-        layer: &Layer,
-        span: &Span,
-    ) -> Locked<B> {
-        let policy = &self.policy;
-        let rejected = || {
-            span.record("outcome", "rejected");
-            observe::outcome(layer, Outcome::Rejected, None);
-        };
-        let (mut request, keys) = extracted.await.inspect_err(|_| rejected())?;
-        let keys = normalize(keys, &policy.keys).map_err(|rejection| {
-            rejected();
-            self.refuse(rejection)
-        })?;
-        span.record("keys", keys.len());
-        if keys.is_empty() {
-            if policy.require_keys {
-                rejected();
-                let rejection = Rejection::limit(
-                    StatusCode::BAD_REQUEST,
-                    "no_keys",
-                    "the request does not name a resource to lock".to_owned(),
-                );
-                return Err(self.refuse(rejection));
-            }
-            span.record("outcome", "unlocked");
-            return Ok((request, None));
-        }
-
-        // One owner per request: an outer layer's, a trusted caller's, or a new one.
-        let existing = request
-            .extensions()
-            .get::<OwnerExtension>()
-            .map(|o| o.0.clone());
-        // An owner from an outer layer or a trusted caller already holds keys.
-        let (owner, made_here, holds_keys) = match existing {
-            Some(owner) => (owner, false, true),
-            None => {
-                let trusted;
-                (request, trusted) = self.trusted_owner(request);
-                let token = trusted.unwrap_or_else(OwnerToken::random);
-                let owner = RequestOwner::new(token);
-                request
-                    .extensions_mut()
-                    .insert(OwnerExtension(owner.clone()));
-                (owner, true, trusted.is_some())
-            }
-        };
-
-        observe::batch(layer, keys.len());
-        let keys: Arc<[String]> = keys.into();
-        let started = Instant::now();
-        let granted = self
-            .acquire_waiting(&keys, owner.token, holds_keys, Some(layer), span)
-            .await;
-        let took = started.elapsed();
-        span.record("acquire_ms", took.as_secs_f64() * 1e3);
-        let outcome = granted
-            .as_ref()
-            .map_or_else(|(_, o)| *o, |_| Outcome::Granted);
-        observe::outcome(layer, outcome, Some(took));
-        let (mut guard, fencing_token) =
-            granted.map_err(|(rejection, _)| self.refuse(rejection))?;
-        // `max_hold` counts from here: the time spent waiting for the keys is not holding.
-        let granted_at = Instant::now();
-        span.record("outcome", "granted");
-
-        let lease = guard.lease(fencing_token, self.clone(), owner.clone());
-        guard.time_into(self.holds.clone(), layer.clone());
-        guard.list_in(self.batches.register(&request, keys.len()));
-        // The response future starts the renewal if the request still holds its keys when
-        // the first extension is due.
-        let renew_at = if policy.renew {
-            let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
-            guard.renew_later(policy.ttl, until)
-        } else {
-            None
-        };
-        if let Some(lease) = &lease {
-            request.extensions_mut().insert(lease.clone());
-        }
-        let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
-            .then_some(lease)
-            .flatten()
-            .map(|lease| {
-                let locks = self.clone();
-                Box::pin(async move {
-                    lease.lost().await;
-                    tracing::warn!("lease lost while the handler ran; cancelling it");
-                    locks.refuse(Rejection::new(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the locks of this request were lost before it finished; try again",
-                    ))
-                }) as BoxFuture<'static, Response>
-            });
-        // The layer that made the owner gives back the handler's holds too.
-        let extra = made_here.then(|| ExtraHolds(owner));
-        Ok((
-            request,
-            Some(Holding {
-                guard: RequestGuard { guard, extra },
-                cancel_on_loss,
-                until_body_end: policy.hold_until_body_end,
-                renew_at,
-            }),
-        ))
-    }
-
-    /// The owner token a trusted caller sent, if this service trusts the header and the
-    /// caller; and the request back.
-    fn trusted_owner<B>(&self, request: Request<B>) -> (Request<B>, Option<OwnerToken>) {
-        let Some(header) = &self.policy.trusted_owner_header else {
-            return (request, None);
-        };
-        let sent = request
-            .headers()
-            .get(&header.name)
-            .and_then(|v| v.to_str().ok());
-        let Some(token) = sent.and_then(OwnerToken::from_hex) else {
-            return (request, None);
-        };
-        let (parts, body) = request.into_parts();
-        let trusted = (header.trusts)(&parts);
-        (Request::from_parts(parts, body), trusted.then_some(token))
-    }
-
-    /// Locks more keys for a request's owner, for [`Lease::lock`].
-    pub(crate) async fn lock_for(
-        &self,
-        owner: &Arc<RequestOwner>,
-        keys: Vec<String>,
-    ) -> Result<HeldKeys, Rejection> {
-        let policy = &self.policy;
-        let keys: Arc<[String]> = normalize(keys, &policy.keys)?.into();
-        if keys.is_empty() {
-            let detail = "there are no keys to lock".to_owned();
-            return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
-        }
-        let (mut guard, fencing_token) = self
-            .acquire_waiting(&keys, owner.token, true, None, &Span::current())
-            .await
-            .map_err(|(rejection, _)| rejection)?;
-        if policy.renew {
-            let until = policy
-                .max_hold
-                .and_then(|max| Instant::now().checked_add(max));
-            guard.renew(policy.ttl, until);
-        }
-        let lease = guard.lease(fencing_token, self.clone(), owner.clone());
-        let (Some(lease), Some(hold)) = (lease, guard.hold()) else {
-            unreachable!("a granted guard is armed");
-        };
-        owner.keep(hold, guard);
-        Ok(HeldKeys::new(lease, hold, owner.clone()))
+    pub fn metrics_label(self, label: impl Into<String>) -> Self {
+        let label: Arc<str> = label.into().into();
+        self.tune(|p| p.metrics_label = Some(label))
     }
 
     /// How long the namespace prefix is, to show keys without it.
@@ -785,107 +447,16 @@ impl Locks {
         self.policy.ttl
     }
 
-    /// How long one call to the store may take ([`Locks::backend_timeout`]).
+    /// How long one call to the store may take ([`Locks::store_timeout`]).
     pub(crate) fn call_timeout(&self) -> Duration {
-        self.policy.backend_timeout
-    }
-
-    /// Acquires `keys` for `owner`, which may already hold others, under this policy: see
-    /// [`Acquisition`]. A refusal comes with what it counts as; a request's acquisition has
-    /// the `layer` its waiting counts under.
-    async fn acquire_waiting(
-        &self,
-        keys: &Arc<[String]>,
-        owner: OwnerToken,
-        holds_keys: bool,
-        layer: Option<&Layer>,
-        span: &Span,
-    ) -> Result<(LockGuard, FencingToken), (Rejection, Outcome)> {
-        let policy = &self.policy;
-        let report = if policy.wait.bound().is_zero() {
-            policy.name_conflicts
-        } else {
-            policy.name_conflicts.max(WATCHED_CONFLICTS)
-        };
-        let acquisition = Acquisition {
-            backend: &self.backend,
-            namespace: &policy.keys.prefix,
-            keys,
-            ttl: policy.ttl,
-            wait: policy.wait,
-            timeout: policy.backend_timeout,
-            report,
-            holds_keys,
-            layer,
-        };
-        acquisition
-            .run(owner)
-            .await
-            .map_err(|refusal| match refusal {
-                Refusal::Contended(contention) => {
-                    span.record("outcome", "contended");
-                    tracing::debug!(held = contention.total, "locks held by another owner");
-                    (self.contention(keys.len(), contention), Outcome::Contended)
-                }
-                Refusal::Unavailable => {
-                    span.record("outcome", "unavailable");
-                    (Rejection::unavailable(), Outcome::Unavailable)
-                }
-            })
-    }
-
-    /// The response for a batch refused because `contention` holds some of its `of` keys.
-    fn contention(&self, of: usize, contention: Contention) -> Rejection {
-        let policy = &self.policy;
-        let prefix = policy.keys.prefix.len();
-        let named = contention
-            .keys
-            .into_iter()
-            .take(policy.name_conflicts)
-            .map(|mut key| key.split_off(prefix))
-            .collect();
-        Rejection::contention(
-            policy.contention_status,
-            contention.total,
-            of,
-            named,
-            policy
-                .retry_after
-                .advise(&self.holds, contention.earliest_expiry),
-        )
+        self.policy.store_timeout
     }
 }
-
-/// A granted request's hold on its keys, for the response future.
-pub(crate) struct Holding {
-    pub(crate) guard: RequestGuard,
-    /// When losing the lease cancels the inner service: resolves, once it is lost, to the
-    /// response that replaces the inner service's.
-    pub(crate) cancel_on_loss: Option<BoxFuture<'static, Response>>,
-    /// Whether the keys stay locked until the response body ends.
-    pub(crate) until_body_end: bool,
-    /// When the guard's deferred renewal must start, if the keys are still held then.
-    pub(crate) renew_at: Option<Instant>,
-}
-
-impl fmt::Debug for Holding {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Holding")
-            .field("guard", &self.guard)
-            .field("cancel_on_loss", &self.cancel_on_loss.is_some())
-            .field("until_body_end", &self.until_body_end)
-            .field("renew_at", &self.renew_at)
-            .finish()
-    }
-}
-
-/// The request, with the guard of its keys, or the response that refuses it.
-pub(crate) type Locked<B> = Result<(Request<B>, Option<Holding>), Response>;
 
 impl fmt::Debug for Locks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Locks")
-            .field("backend", &self.backend)
+            .field("store", &self.store)
             .field("policy", &self.policy)
             .finish_non_exhaustive()
     }

@@ -7,7 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 /// The `layer` label of a request's metrics: the name given to its layer
-/// ([`Locks::name`](crate::Locks::name)), else the route it matched, else `unnamed`.
+/// ([`Locks::metrics_label`](crate::Locks::metrics_label)), else the route it matched, else `unnamed`.
 #[derive(Debug, Clone)]
 pub(crate) struct Layer(#[cfg_attr(not(feature = "metrics"), allow(dead_code))] Option<Arc<str>>);
 
@@ -99,9 +99,15 @@ mod record {
             .increment(1);
     }
 
-    pub(crate) fn node_error(node: &str, call: &'static str) {
-        counter!("tower_batch_lock_redlock_node_errors_total", "node" => node.to_owned(), "call" => call)
-            .increment(1);
+    #[cfg(feature = "redis")]
+    pub(crate) fn node_error(store: &'static str, node: &str, call: &'static str) {
+        counter!(
+            "tower_batch_lock_node_errors_total",
+            "store" => store,
+            "node" => node.to_owned(),
+            "call" => call
+        )
+        .increment(1);
     }
 }
 
@@ -119,14 +125,13 @@ mod record {
     pub(crate) fn held(layer: &Layer, held: Duration) {}
     pub(crate) fn lease_lost(layer: &Layer) {}
     pub(crate) fn release(layer: &Layer, result: &'static str) {}
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn node_error(node: &str, call: &'static str) {}
+    #[cfg(feature = "redis")]
+    pub(crate) fn node_error(store: &'static str, node: &str, call: &'static str) {}
 }
 
-#[cfg_attr(not(feature = "redis"), allow(unused_imports))]
-pub(crate) use record::{
-    batch, held, holding, lease_lost, node_error, outcome, release, waited, waiting,
-};
+#[cfg(feature = "redis")]
+pub(crate) use record::node_error;
+pub(crate) use record::{batch, held, holding, lease_lost, outcome, release, waited, waiting};
 
 /// Counts a request as waiting while it lives, and then how long it waited.
 #[derive(Debug)]

@@ -2,7 +2,11 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::{backend::OwnerToken, guard::LockGuard, Lease};
+use futures_util::future::{join_all, BoxFuture};
+
+#[cfg(doc)]
+use crate::lease::Lease;
+use crate::{guard::LockGuard, store::contract::OwnerToken};
 
 /// The owner of a request's locks, in the request's extensions: every layer on the request
 /// locks under it, so a key an outer layer holds is re-entered by an inner one instead of
@@ -35,7 +39,7 @@ impl RequestOwner {
         self.extra().push((hold, guard));
     }
 
-    fn take(&self, hold: u64) -> Option<LockGuard> {
+    pub(crate) fn take(&self, hold: u64) -> Option<LockGuard> {
         let mut extra = self.extra();
         let at = extra.iter().position(|(h, _)| *h == hold)?;
         Some(extra.swap_remove(at).1)
@@ -65,31 +69,29 @@ impl Drop for ExtraHolds {
     }
 }
 
-/// Keys a handler locked with [`Lease::lock`]: they belong to the request, and are released
-/// with it, or earlier with [`release`](Self::release). Dropping this handle does not
-/// release them.
+/// Everything a request gives back when it ends: its layer's guard and, for the layer
+/// that made the request's owner, the holds its handler took through its lease.
 #[derive(Debug)]
-pub struct HeldKeys {
-    lease: Lease,
-    hold: u64,
-    owner: Arc<RequestOwner>,
+pub(crate) struct RequestGuard {
+    pub(crate) guard: LockGuard,
+    pub(crate) extra: Option<ExtraHolds>,
 }
 
-impl HeldKeys {
-    pub(crate) fn new(lease: Lease, hold: u64, owner: Arc<RequestOwner>) -> Self {
-        Self { lease, hold, owner }
+impl RequestGuard {
+    /// Starts the layer's deferred renewal (see [`LockGuard::renew_later`]).
+    pub(crate) fn start_deferred_renewal(&mut self) {
+        self.guard.start_deferred_renewal();
     }
 
-    /// The lease of these keys: their fencing token, expiry and loss.
-    pub fn lease(&self) -> &Lease {
-        &self.lease
-    }
-
-    /// Releases these keys now rather than with the request. Keys the request also holds
-    /// through a layer (or another [`Lease::lock`]) stay held by it.
-    pub async fn release(self) {
-        if let Some(guard) = self.owner.take(self.hold) {
+    /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
+    /// a drop midway leaves is released in the background.
+    pub(crate) fn release(self) -> BoxFuture<'static, ()> {
+        let Self { guard, extra } = self;
+        Box::pin(async move {
+            if let Some(extra) = &extra {
+                join_all(extra.take().into_iter().map(LockGuard::release)).await;
+            }
             guard.release().await;
-        }
+        })
     }
 }

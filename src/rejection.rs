@@ -94,7 +94,7 @@ impl Rejection {
         .retry_after(Duration::from_secs(1))
     }
 
-    /// The handler takes a [`Lease`](crate::Lease) that the request does not have. The
+    /// The handler takes a [`Lease`](crate::lease::Lease) that the request does not have. The
     /// server's mistake, not the client's: the log says what to change.
     pub(crate) fn missing_lease() -> Self {
         Self::new(
@@ -128,8 +128,8 @@ impl Rejection {
         self.status
     }
 
-    /// The explanation, as the `detail` member of the body.
-    pub fn body_text(&self) -> &str {
+    /// The explanation, as the `detail` member of the problem document.
+    pub fn detail(&self) -> &str {
         &self.detail
     }
 
@@ -226,7 +226,7 @@ mod tests {
         let detail = |held, of| {
             let rejection =
                 Rejection::contention(StatusCode::CONFLICT, held, of, vec![], Duration::ZERO);
-            rejection.body_text().to_owned()
+            rejection.detail().to_owned()
         };
         assert_eq!(
             detail(1, 1),

@@ -23,7 +23,8 @@ use std::time::Duration;
 ///
 /// A reservation is not a lock: it keeps nobody out who came earlier, and it never makes a
 /// deadlock. It ends when its waiter is granted, gives up or is dropped, and on its own
-/// within [`Wait::RESERVATION_TTL`] of the waiter's last attempt when its process dies.
+/// within a second of the waiter's last attempt when its process dies (a live waiter
+/// tries at least every 100 ms, and so renews its reservations long before).
 ///
 /// ```
 /// use std::time::Duration;
@@ -49,12 +50,6 @@ impl Default for Wait {
 }
 
 impl Wait {
-    /// How long a waiter's reservations live at most past its last attempt: the bound
-    /// within which the reservations of a waiter whose process died stop holding anybody
-    /// up. A live waiter tries at least every 100 ms, and renews a reservation once half of
-    /// this has passed.
-    pub const RESERVATION_TTL: Duration = Duration::from_secs(1);
-
     /// Refuse at once (the default): right for duplicate submissions.
     pub const fn none() -> Self {
         Self {
@@ -90,42 +85,5 @@ impl Wait {
     /// reserve their keys.
     pub(crate) fn queues(self) -> bool {
         self.fair && !self.bound.is_zero()
-    }
-}
-
-/// The pauses between attempts while waiting, for when a wake-up is lost: growing from
-/// 5 ms to 100 ms, each picked at random from its upper half, so that waiters that
-/// missed the same release do not all retry at the same moment.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(5);
-    const LAST: Duration = Duration::from_millis(100);
-
-    pub(crate) fn new() -> Self {
-        Self { next: Self::FIRST }
-    }
-
-    pub(crate) fn pause(&mut self) -> Duration {
-        let ceiling = self.next;
-        self.next = (self.next * 2).min(Self::LAST);
-        ceiling.mul_f64(fastrand::f64().mul_add(0.5, 0.5))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_to_its_ceiling_with_jitter() {
-        let mut backoff = Backoff::new();
-        let pauses: Vec<Duration> = (0..10).map(|_| backoff.pause()).collect();
-        assert!(pauses[0] >= Duration::from_micros(2500) && pauses[0] <= Backoff::FIRST);
-        assert!(pauses.iter().all(|&p| p <= Backoff::LAST));
-        assert!(pauses[9] >= Backoff::LAST / 2);
     }
 }

@@ -19,6 +19,7 @@
 //!   pipelined baseline with Redis's SLOWLOG on: the longest single script, or `DEL`, during
 //!   which Redis serves no one else.
 
+use tower_batch_lock::store::Redis;
 use std::{
     collections::BTreeMap,
     convert::Infallible,
@@ -192,7 +193,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let targets = targets(&cases);
     Ok(json!({
         "method": {
-            CRATE: "a tower service behind Locks::redis(pool).max_keys(100_000).backend_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
+            CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
             PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys, on one multiplexed connection shared by the case's cycles",
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands",
@@ -412,10 +413,10 @@ impl Cycle {
         let service = (algorithm == Algorithm::Crate).then(|| {
             // A 100,000-key script runs for most of a second: more than the default 2 s
             // `backend_timeout` leaves room for on a busy 2-core machine.
-            let locks = Locks::redis(pool.clone())
+            let locks = Locks::new(Redis::pool(pool.clone()).build().unwrap())
                 .ttl(TTL)
                 .max_keys(100_000)
-                .backend_timeout(Duration::from_secs(30));
+                .store_timeout(Duration::from_secs(30));
             layered(&locks, names)
         });
         let pooled = pool.get().await.map_err(|e| e.to_string())?;

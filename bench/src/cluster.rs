@@ -7,7 +7,7 @@
 //!   stream. The one Redis is the bench's own server, as in the other sections.
 //! - **The cycle**: as the `batch` section's crate case, a tower service behind
 //!   `locks.layer(closure naming 3,000 keys)` called with `oneshot`, the response waiting for
-//!   the release; on one Redis (`Locks::redis(pool)`) and on the cluster (`RedisCluster`).
+//!   the release; on one Redis (`Locks::new(Redis::pool(pool).build().unwrap())`) and on the cluster (`RedisCluster`).
 //!   The two take turns round by round, the first of each round swapping, so that a slow
 //!   moment of the machine lands on both.
 //! - **Redis's own time**: `CONFIG RESETSTAT` on every node before the measured rounds,
@@ -20,6 +20,7 @@
 //!   keys a request (a key set of its own per request: uncontended), driven by the `http`
 //!   section's load generator; the four routes take turns run by run.
 
+use tower_batch_lock::store::Redis;
 use std::{
     net::SocketAddr,
     sync::Arc,
@@ -30,7 +31,7 @@ use axum::{routing::get, Router};
 use deadpool_redis::Pool;
 use redis::aio::MultiplexedConnection;
 use serde_json::{json, Value};
-use tower_batch_lock::{Locks, RedisCluster};
+use tower_batch_lock::{Locks, store::RedisCluster};
 
 use crate::{
     batch::{self, command_stats, redis_error, reset_stats, sum, CommandStats},
@@ -70,17 +71,17 @@ pub(crate) async fn run(server: &RedisServer, pool: &Pool, quick: bool) -> Resul
     if masters.len() != MASTERS {
         return Err(format!("expected {MASTERS} masters, found {masters:?}"));
     }
-    let one = Locks::redis(pool.clone())
+    let one = Locks::new(Redis::pool(pool.clone()).build().unwrap())
         .ttl(TTL)
         .max_keys(KEYS)
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
     let clustered = RedisCluster::new(cluster.urls())
         .node_timeout(NODE_TIMEOUT)
         .build()
         .map_err(redis_error)?
         .ttl(TTL)
         .max_keys(KEYS)
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
 
     let cycle = cycle(server, &cluster, &masters, &one, &clustered, quick).await?;
     let http = http_cases(&one, &clustered, quick).await?;
@@ -91,7 +92,7 @@ pub(crate) async fn run(server: &RedisServer, pool: &Pool, quick: bool) -> Resul
     Ok(json!({
         "method": {
             "cluster": "three masters without replicas (tests/it/support/cluster.rs, Cluster::start_with(0)) on free loopback ports, Redis's defaults but --save \"\" --appendonly no --cluster-node-timeout 1000; the one Redis is the bench's own server",
-            "cycle": format!("a tower service behind locks.layer(closure naming {KEYS} keys), called with oneshot, the response waiting for the release (as the batch section's crate case); Locks::redis(pool) and RedisCluster::new(urls).node_timeout(5 s).build(), both with ttl 30 s and backend_timeout 30 s; the two take turns round by round, the first of each round swapping; ratio = cluster / one Redis"),
+            "cycle": format!("a tower service behind locks.layer(closure naming {KEYS} keys), called with oneshot, the response waiting for the release (as the batch section's crate case); Locks::new(Redis::pool(pool).build().unwrap()) and RedisCluster::new(urls).node_timeout(5 s).build(), both with ttl 30 s and backend_timeout 30 s; the two take turns round by round, the first of each round swapping; ratio = cluster / one Redis"),
             "server_ms": "CONFIG RESETSTAT on every node before the measured rounds, INFO commandstats after, divided by the rounds: on one Redis evalsha + eval (its scripts run INCR and PUBLISH inside, counted in the script's time); on a master evalsha + eval + incr + spublish (the cluster store sends the fencing counter's INCR and the release's SPUBLISH on their own); busiest master = the master with the largest such time",
             "batch_keys": "how many of the batch's keys each master serves (CLUSTER KEYSLOT of each stored key, against each master's slot ranges in CLUSTER NODES)",
             "http": format!("axum on 127.0.0.1:0 in the bench process, the http section's load generator ({} keep-alive connections, GET with an x-key header of its own per request: uncontended); the four routes take turns run by run; requests/s = median of the runs; ratio = median of the per-run ratios cluster / one Redis", http::CONNECTIONS),

@@ -7,6 +7,7 @@
 //! does a little more: the HTTP service around it, a fencing token, and a release message
 //! for waiters.
 
+use tower_batch_lock::store::{Redis, Redlock};
 use std::{sync::Arc, time::Duration};
 
 use deadpool_redis::Pool;
@@ -55,7 +56,7 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
     let trio_urls: Vec<String> = trio.iter().map(RedisServer::url).collect();
 
     let one_key: Arc<[String]> = Arc::from(vec!["bench:field".to_owned()]);
-    let layer_one_node = batch::layered(&Locks::redis(pool.clone()).ttl(TTL), one_key.clone());
+    let layer_one_node = batch::layered(&Locks::new(Redis::pool(pool.clone()).build().unwrap()).ttl(TTL), one_key.clone());
     let contenders: Vec<(&str, usize, Contender)> = vec![
         ("tower-batch-lock", 1, Contender::Layer(layer_one_node)),
         (
@@ -72,7 +73,7 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
             "tower-batch-lock Redlock",
             3,
             Contender::Layer(batch::layered(
-                &Locks::redlock(&trio_urls)
+                &Redlock::new(&trio_urls).build().map(Locks::new)
                     .map_err(|e| e.to_string())?
                     .ttl(TTL),
                 one_key,

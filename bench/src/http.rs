@@ -13,6 +13,7 @@
 //! installed (metrics-exporter-prometheus, as an application would) only once every figure
 //! without one is taken, and the memory layer runs again, taking turns with bare axum.
 
+use tower_batch_lock::store::{Store, Redis};
 use std::{net::SocketAddr, sync::LazyLock, time::Duration};
 
 use axum::{
@@ -306,7 +307,7 @@ async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
     } else {
         (3, Duration::from_secs(1))
     };
-    let memory = Locks::isolated_memory().ttl(TTL);
+    let memory = Locks::new(Store::isolated_memory()).ttl(TTL);
     let routers = [
         ("bare axum", Router::new().route("/", get(ok))),
         (
@@ -491,8 +492,8 @@ struct Hand {
 }
 
 fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
-    let memory = Locks::isolated_memory().ttl(TTL);
-    let redis = Locks::redis(pool.clone()).ttl(TTL);
+    let memory = Locks::new(Store::isolated_memory()).ttl(TTL);
+    let redis = Locks::new(Redis::pool(pool.clone()).build().unwrap()).ttl(TTL);
     Router::new()
         .route("/bare", get(ok))
         .route("/memory/1", get(ok).layer(memory.layer(one_key)))

@@ -13,6 +13,7 @@
 //! inherits another's locks or reservations. The server runs in this process on
 //! 127.0.0.1:0; the clients run on a thread and runtime of their own.
 
+use tower_batch_lock::store::{Store, Redis};
 use std::{
     collections::{BTreeMap, HashMap},
     io,
@@ -86,9 +87,9 @@ impl Store<'_> {
         }
         let urls: Vec<String> = self.servers.iter().map(|s| s.url()).collect();
         match urls.as_slice() {
-            [] => Ok(Locks::isolated_memory()),
-            [url] => Locks::redis_url(url),
-            urls => tower_batch_lock::Redlock::new(urls)
+            [] => Ok(Locks::new(Store::isolated_memory())),
+            [url] => Redis::url(url).build().map(Locks::new),
+            urls => tower_batch_lock::store::Redlock::new(urls)
                 .node_timeout(REDLOCK_NODE_TIMEOUT)
                 .build(),
         }

@@ -6,11 +6,12 @@
 //! handler runs. Compared:
 //!
 //! - `pub/sub`: `Locks::redis_url`: B wakes on A's release through Redis pub/sub;
-//! - `backoff`: `Locks::redis(pool)`: B knows nothing of A's release and retries on its
+//! - `backoff`: `Locks::new(Redis::pool(pool).build().unwrap())`: B knows nothing of A's release and retries on its
 //!   jittered 5-100 ms backoff;
 //! - `client retries every 50 ms`: what peer libraries leave to their users: refuse at
 //!   once, and the client asks again 50 ms later.
 
+use tower_batch_lock::store::Redis;
 use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -118,7 +119,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
     };
     let wait = Wait::up_to(WAIT_BOUND);
     let url = server.url();
-    let redis_url = |url: &str| Locks::redis_url(url).map_err(|e| e.to_string());
+    let redis_url = |url: &str| Redis::url(url).build().map(Locks::new).map_err(|e| e.to_string());
     let configurations = [
         (
             "pub/sub (Locks::redis_url)",
@@ -127,15 +128,15 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             Retry::InLayer,
         ),
         (
-            "backoff (Locks::redis(pool))",
-            Locks::redis(server.pool()),
-            Locks::redis(server.pool()).wait(wait),
+            "backoff (Locks::new(Redis::pool(pool).build().unwrap()))",
+            Locks::new(Redis::pool(server.pool()).build().unwrap()),
+            Locks::new(Redis::pool(server.pool()).build().unwrap()).wait(wait),
             Retry::InLayer,
         ),
         (
             "client retries every 50 ms",
-            Locks::redis(server.pool()),
-            Locks::redis(server.pool()),
+            Locks::new(Redis::pool(server.pool()).build().unwrap()),
+            Locks::new(Redis::pool(server.pool()).build().unwrap()),
             Retry::Client(Duration::from_millis(50)),
         ),
     ];

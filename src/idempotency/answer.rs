@@ -5,6 +5,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{header, response::Parts, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
+use super::refusals;
+
 /// What makes two requests with one key the same request: a SHA-256 digest.
 pub(super) type Fingerprint = [u8; 32];
 
@@ -117,7 +119,7 @@ impl Answer {
     /// again is what the key is there to prevent.
     pub(super) fn replay(self) -> Response {
         let Some(body) = self.body else {
-            return super::too_large_to_replay(self.status);
+            return refusals::too_large_to_replay(self.status);
         };
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = self.status;

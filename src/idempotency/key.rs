@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use http::{HeaderMap, StatusCode};
 use sfv::{visitor::Ignored, BareItemFromInput, Parser};
 
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// The header's name, as the draft gives it.
 pub(super) const HEADER: &str = "idempotency-key";

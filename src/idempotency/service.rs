@@ -21,11 +21,20 @@ use tower_service::Service;
 
 use super::{
     answer::{fingerprint, Answer, Fingerprint},
-    key, Config,
+    config::Config,
+    key, refusals,
 };
+use futures_util::future::BoxFuture;
+
 use crate::{
-    backend::BoxFuture, keys::body::read_capped, owner::OwnerExtension, rejection::Refused, Lease,
-    LockService, Locks, Rejection,
+    backoff::Backoff,
+    keys::body::read_capped,
+    lease::Lease,
+    locks::Locks,
+    middleware::LockService,
+    owner::OwnerExtension,
+    rejection::{Refused, Rejection},
+    store::contract::StoredAnswer,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -63,7 +72,7 @@ struct Run {
     /// The in-flight lock's key (without the namespace).
     lock_key: String,
     /// The stored answer's key (with the namespace).
-    answer_key: String,
+    answer_key: Arc<str>,
     fingerprint: Fingerprint,
     /// The owner and the lease of lock layers outside this one, if any.
     outer_owner: Option<OwnerExtension>,
@@ -135,7 +144,7 @@ where
                     let request = Request::from_parts(parts, Body::new(body));
                     return Ok(inner.call(request).await?.map(Body::new));
                 }
-                Ok(None) => return Ok(super::missing_key()),
+                Ok(None) => return Ok(refusals::missing_key()),
                 Err(rejection) => return Ok(rejection.into_response()),
             };
             let body = match read_capped(&parts.headers, body, config.body_limit).await {
@@ -169,7 +178,7 @@ where
             let refused = response.extensions().get::<Refused>().copied();
             if refused.is_some_and(|r| r.contended) {
                 let after = response.headers().get(http::header::RETRY_AFTER).cloned();
-                return Ok(super::in_progress(after));
+                return Ok(refusals::in_progress(after));
             }
             Ok(response.map(Body::new))
         })
@@ -192,7 +201,7 @@ impl Shared {
             }
         };
         Run {
-            answer_key: format!("{}done:{scoped}", self.locks.key_policy().prefix),
+            answer_key: format!("{}done:{scoped}", self.locks.key_policy().prefix).into(),
             lock_key: format!("run:{scoped}"),
             fingerprint,
             outer_owner: None,
@@ -203,10 +212,10 @@ impl Shared {
     /// The response to `run` from its stored answer: the replay, or 422 when the answer
     /// is another request's; or 503 when the store cannot say. `None`: no answer yet.
     async fn stored(&self, run: &Run) -> Option<Response> {
-        let backend = &self.locks.backend;
+        let answers = &self.locks.store.answers;
         let loaded = tokio::time::timeout(
             self.locks.call_timeout(),
-            backend.load_answer(&run.answer_key),
+            answers.load_answer(&run.answer_key),
         )
         .await;
         let bytes = match loaded {
@@ -227,7 +236,7 @@ impl Shared {
         };
         if answer.fingerprint != run.fingerprint {
             tracing::debug!("an Idempotency-Key was sent again with another request");
-            return Some(super::reused_key());
+            return Some(refusals::reused_key());
         }
         tracing::debug!(status = answer.status.as_u16(), "replaying a stored answer");
         Some(answer.replay())
@@ -238,21 +247,22 @@ impl Shared {
     /// (409), where releasing it with no answer stored would let them run the request
     /// again. After that, the failure is logged and the response goes out anyway.
     async fn store(&self, run: &Run, answer: &Answer) {
-        let encoded = answer.encode();
+        let stored = StoredAnswer {
+            key: run.answer_key.clone(),
+            bytes: answer.encode(),
+            retention: self.config.retention,
+        };
         let give_up_at = Instant::now() + self.locks.lease_ttl();
-        let mut pause = Duration::from_millis(50);
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
-            let store = self.locks.backend.store_answer(
-                &run.answer_key,
-                encoded.clone(),
-                self.config.retention,
-            );
+            let store = self.locks.store.answers.store_answer(&stored);
             let failure = match tokio::time::timeout(self.locks.call_timeout(), store).await {
                 Ok(Ok(true)) => return,
-                Ok(Ok(false)) => return self.stored_first(run, &encoded).await,
+                Ok(Ok(false)) => return self.stored_first(run, &stored.bytes).await,
                 Ok(Err(error)) => error.to_string(),
                 Err(_) => "the store did not answer in time".to_owned(),
             };
+            let pause = backoff.pause();
             if Instant::now() + pause >= give_up_at {
                 tracing::error!(
                     failure,
@@ -265,14 +275,13 @@ impl Shared {
                 "could not store an idempotent answer yet; trying again"
             );
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 
     /// An answer was there when this run stored its own: its own, from an attempt whose
     /// reply was lost, or another run's, whose in-flight lock lapsed while this one ran.
     async fn stored_first(&self, run: &Run, encoded: &Bytes) {
-        let load = self.locks.backend.load_answer(&run.answer_key);
+        let load = self.locks.store.answers.load_answer(&run.answer_key);
         let stored = tokio::time::timeout(self.locks.call_timeout(), load).await;
         if !matches!(stored, Ok(Ok(Some(ref stored))) if stored == encoded) {
             tracing::warn!(

@@ -11,8 +11,11 @@ use futures_util::future::BoxFuture;
 use http::{header, request::Parts, Request};
 use http_body::Body;
 
-use super::{body::read_capped, Extracted, IntoKeys, KeyExtractor, DEFAULT_BODY_LIMIT};
-use crate::Rejection;
+use super::{
+    body::{read_capped, DEFAULT_BODY_LIMIT},
+    extractor::{Extracted, IntoKeys, KeyExtractor},
+};
+use crate::rejection::Rejection;
 
 /// Keys from an extractor of the request head: any [`FromRequestParts`] type, such as
 /// [`Path<T>`](axum::extract::Path), `Query<T>`, a typed header, a tuple of those, or one of

@@ -4,7 +4,7 @@ use std::{future::Future, pin::Pin};
 
 use http::Request;
 
-use super::{Extracted, KeyExtractor};
+use super::extractor::{Extracted, KeyExtractor};
 
 /// The keys of every extractor in a tuple, together: `keys::all((keys::path("order"),
 /// keys::json(f)))` locks the order of the path and the products of the body as one batch.

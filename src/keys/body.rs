@@ -5,7 +5,7 @@ use http::{header, HeaderMap, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// How much of a body [`json`](super::json) and [`from_request`](super::from_request) read
 /// by default before they refuse the request: 2 MiB.
@@ -98,7 +98,7 @@ mod tests {
         let refused = block_on(read_capped(&HeaderMap::new(), body, 10)).unwrap_err();
         assert_eq!(refused.status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(
-            refused.body_text(),
+            refused.detail(),
             "the request body is larger than the limit of 10 bytes"
         );
     }

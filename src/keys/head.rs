@@ -9,8 +9,8 @@ use std::{
 use axum::response::IntoResponse;
 use http::{header::HeaderName, request::Parts, Request, StatusCode};
 
-use super::{Extracted, KeyExtractor};
-use crate::Rejection;
+use super::extractor::{Extracted, KeyExtractor};
+use crate::rejection::Rejection;
 
 /// One key per value of the header `name`: `{kind}:{value}`.
 ///
@@ -298,7 +298,7 @@ mod tests {
     fn query_keys(query: &str) -> Result<Vec<String>, String> {
         super::query("id", "order")
             .keys(Some(query))
-            .map_err(|r| r.body_text().to_owned())
+            .map_err(|r| r.detail().to_owned())
     }
 
     #[test]
@@ -338,7 +338,7 @@ mod tests {
         let refused = required.keys(Some("x=1")).unwrap_err();
         assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
         assert_eq!(
-            refused.body_text(),
+            refused.detail(),
             "the request needs the `id` query parameter"
         );
     }
@@ -366,7 +366,7 @@ mod tests {
     #[test]
     fn empty_non_utf8_and_missing_required_headers_are_refused() {
         let keys = header("idempotency-key", "idem");
-        let text = |parts: &Parts| keys.keys(parts).unwrap_err().body_text().to_owned();
+        let text = |parts: &Parts| keys.keys(parts).unwrap_err().detail().to_owned();
         assert_eq!(
             text(&head(&[("idempotency-key", b" ")])),
             "the `idempotency-key` header is empty"
@@ -377,7 +377,7 @@ mod tests {
         );
         let required = keys.clone().required();
         assert_eq!(
-            required.keys(&head(&[])).unwrap_err().body_text(),
+            required.keys(&head(&[])).unwrap_err().detail(),
             "the request needs the `idempotency-key` header"
         );
     }
@@ -397,10 +397,7 @@ mod fuzz {
     use proptest::{collection::vec, prelude::*};
 
     use super::*;
-    use crate::keys::{
-        self,
-        normalize::fuzz::{check, key},
-    };
+    use crate::keys::normalize::fuzz::{check, key};
 
     /// Percent-encodes `text` the way a client might: some characters as they are, some
     /// escaped, spaces as `+` or `%20`.
@@ -428,7 +425,7 @@ mod fuzz {
     fn query_keys_decode_any_query_and_round_trip_any_value() {
         // Any query string at all: no panic, and every key is the kind and a decoded value.
         check("query: any", 512, any::<String>(), |query| {
-            let extractor = keys::query("id", "order");
+            let extractor = super::query("id", "order");
             match extractor.keys(Some(&query)) {
                 Ok(found) => {
                     for key in found {
@@ -446,7 +443,7 @@ mod fuzz {
                 .iter()
                 .map(|v| format!("x=1&id={}", encode(v, &choices)))
                 .collect();
-            let found = keys::query("id", "order").keys(Some(&query.join("&")));
+            let found = super::query("id", "order").keys(Some(&query.join("&")));
             if values.iter().any(String::is_empty) {
                 prop_assert!(found.is_err());
             } else {

@@ -8,8 +8,11 @@ use http::{header, HeaderMap, Request, StatusCode};
 use http_body::Body;
 use serde::de::DeserializeOwned;
 
-use super::{body::read_capped, Extracted, IntoKeys, KeyExtractor, DEFAULT_BODY_LIMIT};
-use crate::Rejection;
+use super::{
+    body::{read_capped, DEFAULT_BODY_LIMIT},
+    extractor::{Extracted, IntoKeys, KeyExtractor},
+};
+use crate::rejection::Rejection;
 
 /// Keys from a JSON body: parses it into `T` and gives the value to `keys`.
 ///
@@ -243,13 +246,13 @@ mod tests {
     fn refusals_name_the_field() {
         // The example of `json`'s docs.
         assert_eq!(
-            refusal(r#"{"items": [{"sku": "a"}, {"sku": 5}]}"#).body_text(),
+            refusal(r#"{"items": [{"sku": "a"}, {"sku": 5}]}"#).detail(),
             "the JSON body is not valid: items[1].sku: invalid type: integer `5`, \
              expected a string at line 1 column 34"
         );
         // A missing field is named by the object that misses it, as serde words it.
         assert_eq!(
-            refusal(r#"{"id": 1, "items": [{}]}"#).body_text(),
+            refusal(r#"{"id": 1, "items": [{}]}"#).detail(),
             "the JSON body is not valid: items[0]: missing field `sku` at line 1 column 22"
         );
     }

@@ -1,13 +1,15 @@
-//! From the keys an extractor read to the keys a backend locks.
+//! From the keys an extractor read to the keys a store locks.
+
+use std::sync::Arc;
 
 use http::StatusCode;
 
-use crate::Rejection;
+use crate::rejection::Rejection;
 
 /// The namespace and the limits every batch is held to.
 #[derive(Debug, Clone)]
 pub(crate) struct KeyPolicy {
-    pub(crate) prefix: String,
+    pub(crate) prefix: Arc<str>,
     pub(crate) max_keys: usize,
     pub(crate) max_key_len: usize,
 }
@@ -104,7 +106,7 @@ mod tests {
         let err = normalize(keys(&["a", "b", "c", "d"]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(
-            err.body_text(),
+            err.detail(),
             "the request locks 4 resources; the limit is 3 at once"
         );
     }
@@ -114,7 +116,7 @@ mod tests {
         for order in [["123456789", "1234567890"], ["1234567890", "123456789"]] {
             let err = normalize(keys(&order), &policy()).unwrap_err();
             assert_eq!(
-                err.body_text(),
+                err.detail(),
                 "a lock key is 10 bytes long; the limit is 8 bytes"
             );
         }
@@ -128,7 +130,7 @@ mod tests {
         let err = normalize(keys(&["123456789"]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
         assert_eq!(
-            err.body_text(),
+            err.detail(),
             "a lock key is 9 bytes long; the limit is 8 bytes"
         );
     }
@@ -198,7 +200,7 @@ pub(super) mod fuzz {
     fn policy() -> impl Strategy<Value = KeyPolicy> {
         ("[a-z:{}]{0,5}", 0usize..40, 0usize..16).prop_map(|(prefix, max_keys, max_key_len)| {
             KeyPolicy {
-                prefix,
+                prefix: prefix.into(),
                 max_keys,
                 max_key_len,
             }
@@ -224,7 +226,7 @@ pub(super) mod fuzz {
                     (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
                     (Err(a), Err(b)) => {
                         prop_assert_eq!(a.status(), b.status());
-                        prop_assert_eq!(a.body_text(), b.body_text());
+                        prop_assert_eq!(a.detail(), b.detail());
                     }
                     _ => prop_assert!(false, "{normalized:?} but reordered {reordered:?}"),
                 }
@@ -247,7 +249,7 @@ pub(super) mod fuzz {
                         sorted.sort();
                         prop_assert_eq!(&stored, &sorted);
                         prop_assert!(stored.windows(2).all(|w| w[0] < w[1]));
-                        prop_assert!(stored.iter().all(|k| k.starts_with(&policy.prefix)));
+                        prop_assert!(stored.iter().all(|k| k.starts_with(&*policy.prefix)));
                         // Idempotent: normalizing the stored keys again (less the prefix the store
                         // adds) gives them back.
                         let unprefixed: Vec<String> = stored
@@ -256,7 +258,7 @@ pub(super) mod fuzz {
                             .collect();
                         prop_assert_eq!(normalize(unprefixed, &policy).ok(), Some(stored.clone()));
                         let bare = KeyPolicy {
-                            prefix: String::new(),
+                            prefix: "".into(),
                             ..policy.clone()
                         };
                         let again = normalize(stored.clone(), &bare);
@@ -272,7 +274,7 @@ pub(super) mod fuzz {
                             StatusCode::PAYLOAD_TOO_LARGE
                         };
                         prop_assert_eq!(rejection.status(), expected);
-                        prop_assert!(!rejection.body_text().is_empty());
+                        prop_assert!(!rejection.detail().is_empty());
                     }
                 }
                 Ok(())

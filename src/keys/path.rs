@@ -8,8 +8,8 @@ use axum::{
 };
 use http::{request::Parts, Request, StatusCode};
 
-use super::{Extracted, KeyExtractor};
-use crate::Rejection;
+use super::extractor::{Extracted, KeyExtractor};
+use crate::rejection::Rejection;
 
 /// One key from a path parameter of the matched route: `{kind}:{value}`.
 ///

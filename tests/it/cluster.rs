@@ -10,7 +10,7 @@ use std::{
 };
 
 use http::StatusCode;
-use tower_batch_lock::{Locks, RedisCluster, Wait};
+use tower_batch_lock::{store::RedisCluster, Locks, Wait};
 
 use crate::support::{
     cluster::Cluster,
@@ -21,13 +21,15 @@ use crate::support::{
 
 /// A `Locks` of its own on the cluster: one "process".
 fn locks(cluster: &Cluster) -> Locks {
-    RedisCluster::new(cluster.urls())
-        .node_timeout(Duration::from_secs(1))
-        .retry_for(Duration::from_secs(2))
-        .build()
-        .expect("valid cluster URLs")
-        .ttl(Duration::from_secs(10))
-        .backend_timeout(Duration::from_secs(3))
+    Locks::new(
+        RedisCluster::new(cluster.urls())
+            .node_timeout(Duration::from_secs(1))
+            .retry_for(Duration::from_secs(2))
+            .build()
+            .expect("valid cluster URLs"),
+    )
+    .ttl(Duration::from_secs(10))
+    .store_timeout(Duration::from_secs(3))
 }
 
 fn keys(prefix: &str, count: usize) -> Vec<String> {
@@ -235,11 +237,13 @@ async fn a_resharding_under_load_loses_no_update_and_leaves_nothing_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_master_gives_503_for_its_keys_and_grants_resume_after_the_failover() {
     let (_serial, mut cluster) = Cluster::start_in_turn().await;
-    let locks = RedisCluster::new(cluster.urls())
-        .node_timeout(Duration::from_millis(300))
-        .retry_for(Duration::from_millis(500))
-        .build()
-        .unwrap();
+    let locks = Locks::new(
+        RedisCluster::new(cluster.urls())
+            .node_timeout(Duration::from_millis(300))
+            .retry_for(Duration::from_millis(500))
+            .build()
+            .unwrap(),
+    );
     let app = batch_router(&locks, counting_handler(&Arc::default()));
     let masters = cluster.masters();
     // Not the master of the fencing counter (`lock:`): while that one is down, no batch
@@ -424,15 +428,17 @@ fn signal(pid: &str, signal: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
     let (_serial, cluster) = Cluster::start_in_turn().await;
-    let locks = RedisCluster::new(cluster.urls())
-        .node_timeout(Duration::from_millis(300))
-        .retry_for(Duration::from_millis(500))
-        .build()
-        .unwrap()
-        .backend_timeout(Duration::from_secs(2))
-        // An acquisition the frozen master runs when it thaws, after its batch's release,
-        // is released again a second later, or expires with this.
-        .ttl(Duration::from_secs(2));
+    let locks = Locks::new(
+        RedisCluster::new(cluster.urls())
+            .node_timeout(Duration::from_millis(300))
+            .retry_for(Duration::from_millis(500))
+            .build()
+            .unwrap(),
+    )
+    .store_timeout(Duration::from_secs(2))
+    // An acquisition the frozen master runs when it thaws, after its batch's release,
+    // is released again a second later, or expires with this.
+    .ttl(Duration::from_secs(2));
     let app = batch_router(&locks, counting_handler(&Arc::default()));
     let masters = cluster.masters();
     let counter_slot: u16 = cluster.cmd(

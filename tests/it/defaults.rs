@@ -3,10 +3,11 @@
 //! can serve, and a layer can override the TTL and the contention status.
 
 use std::time::{Duration, Instant};
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{routing::post, Router};
 use http::StatusCode;
-use tower_batch_lock::{Locks, Redlock, RetryAfter};
+use tower_batch_lock::{store::Redlock, Locks, RetryAfter};
 
 use crate::support::{
     handlers::{gated_handler, Gate},
@@ -31,8 +32,11 @@ async fn a_handler_slower_than_the_ttl_keeps_its_keys_by_default() {
     let server = RedisServer::start();
     let ttl = Duration::from_millis(300);
     let stores = [
-        ("memory", Locks::isolated_memory()),
-        ("redis", Locks::redis(server.pool())),
+        ("memory", Locks::new(Store::isolated_memory())),
+        (
+            "redis",
+            Locks::new(Redis::pool(server.pool()).build().unwrap()),
+        ),
     ];
     for (name, locks) in stores {
         let locks = locks.ttl(ttl);
@@ -75,7 +79,7 @@ async fn a_handler_slower_than_the_ttl_keeps_its_keys_by_default() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn renewal_ends_at_max_hold() {
     let ttl = Duration::from_millis(200);
-    let locks = Locks::isolated_memory()
+    let locks = Locks::new(Store::isolated_memory())
         .ttl(ttl)
         .max_hold(Duration::from_millis(300));
     let gate = Gate::new();
@@ -106,7 +110,10 @@ async fn renewal_ends_at_max_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retry_after_follows_observed_holds_not_the_ttl() {
     let server = RedisServer::start();
-    for locks in [Locks::isolated_memory(), Locks::redis(server.pool())] {
+    for locks in [
+        Locks::new(Store::isolated_memory()),
+        Locks::new(Redis::pool(server.pool()).build().unwrap()),
+    ] {
         let locks = locks.ttl(Duration::from_secs(30));
         // Holds of about 300 ms, one after another.
         for i in 0..3 {
@@ -163,13 +170,11 @@ async fn retry_after_follows_observed_holds_not_the_ttl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn check_says_whether_the_store_can_serve_within_the_backend_timeout() {
-    assert!(Locks::isolated_memory().check().await.is_ok());
+    assert!(Locks::new(Store::isolated_memory()).check().await.is_ok());
 
     let mut server = RedisServer::start();
     let timeout = Duration::from_millis(300);
-    let locks = Locks::redis_url(&server.url())
-        .unwrap()
-        .backend_timeout(timeout);
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap()).store_timeout(timeout);
     locks.check().await.expect("a live Redis 7 serves locks");
 
     server.pause();
@@ -184,9 +189,7 @@ async fn check_says_whether_the_store_can_serve_within_the_backend_timeout() {
     assert!(frozen.to_string().contains("did not answer"), "{frozen}");
 
     server.kill();
-    let down = Locks::redis_url(&server.url())
-        .unwrap()
-        .backend_timeout(timeout);
+    let down = Locks::new(Redis::url(server.url()).build().unwrap()).store_timeout(timeout);
     let error = down
         .check()
         .await
@@ -198,7 +201,7 @@ async fn check_says_whether_the_store_can_serve_within_the_backend_timeout() {
 async fn check_needs_a_majority_of_the_redlock_masters() {
     let mut masters: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
-    let locks = Redlock::new(&urls).build().unwrap();
+    let locks = Locks::new(Redlock::new(&urls).build().unwrap());
     locks.check().await.expect("three masters");
     masters[0].kill();
     locks
@@ -218,7 +221,7 @@ async fn check_needs_a_majority_of_the_redlock_masters() {
 async fn a_layer_overrides_ttl_and_contention_status() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).renew_lease(false);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap()).renew_lease(false);
     let gate = Gate::new();
     let layer = locks
         .layer(header_keys)
@@ -253,13 +256,13 @@ async fn the_refusal_response_hook_builds_every_refusal_of_the_layer() {
         move |rejection: Rejection| -> Response {
             seen.lock().unwrap().push(rejection.status());
             let status = rejection.status();
-            (status, format!("custom: {}", rejection.body_text())).into_response()
+            (status, format!("custom: {}", rejection.detail())).into_response()
         }
     };
     let mut server = RedisServer::start();
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .max_keys(2)
-        .backend_timeout(Duration::from_millis(300))
+        .store_timeout(Duration::from_millis(300))
         .refusal_response(hook);
 
     let gate = Gate::new();

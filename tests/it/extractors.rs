@@ -8,6 +8,7 @@ use std::{
         Arc,
     },
 };
+use tower_batch_lock::store::Store;
 
 use axum::{
     body::{Body, Bytes},
@@ -88,7 +89,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tenant {
 
 #[tokio::test]
 async fn from_parts_runs_any_head_extractor_and_answers_with_its_rejection() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new()
         .route(
             "/shops/{shop}/items/{item}",
@@ -191,7 +192,7 @@ struct RequestId(&'static str);
 
 #[tokio::test]
 async fn from_request_hands_the_handler_the_same_bytes_and_head() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new()
         .route(
             "/raw",
@@ -238,20 +239,26 @@ async fn from_request_answers_with_axums_refusal_as_a_problem() {
     let app = Router::new()
         .route(
             "/json",
-            post(held).layer(Locks::isolated_memory().layer(keys::from_request(
-                |Json(ids): Json<Vec<u64>>| ids.into_iter().map(|id| format!("n:{id}")),
-            ))),
+            post(held).layer(
+                Locks::new(Store::isolated_memory()).layer(keys::from_request(
+                    |Json(ids): Json<Vec<u64>>| ids.into_iter().map(|id| format!("n:{id}")),
+                )),
+            ),
         )
         .route(
             "/form",
-            post(held).layer(Locks::isolated_memory().layer(keys::from_request(
-                |Form(t): Form<Transfer>| [format!("account:{}", t.from)],
-            ))),
+            post(held).layer(
+                Locks::new(Store::isolated_memory()).layer(keys::from_request(
+                    |Form(t): Form<Transfer>| [format!("account:{}", t.from)],
+                )),
+            ),
         )
         .route(
             "/text",
-            post(held)
-                .layer(Locks::isolated_memory().layer(keys::from_request(|text: String| [text]))),
+            post(held).layer(
+                Locks::new(Store::isolated_memory())
+                    .layer(keys::from_request(|text: String| [text])),
+            ),
         );
     let axum = Router::new()
         .route("/json", post(|_: Json<Vec<u64>>| async {}))
@@ -324,7 +331,7 @@ async fn a_refusal_without_text_keeps_its_headers_and_one_in_json_stays_as_it_is
     let app = Router::new().route(
         "/",
         post(held).layer(
-            Locks::isolated_memory()
+            Locks::new(Store::isolated_memory())
                 .layer(keys::from_parts(|_: Authenticated| -> [String; 0] { [] })),
         ),
     );
@@ -352,7 +359,7 @@ struct Bank {
 #[tokio::test]
 async fn extractors_that_need_the_routers_state_run_with_the_state_given() {
     let bank = Bank { code: "b1" };
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new()
         .route(
             "/accounts/{id}",
@@ -404,7 +411,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
     let app =
         Router::new().route(
             "/",
-            post(held).layer(Locks::isolated_memory().layer(
+            post(held).layer(Locks::new(Store::isolated_memory()).layer(
                 keys::from_request(|body: Bytes| [format!("{}", body.len())]).limit(64 * 1024),
             )),
         );
@@ -436,7 +443,7 @@ async fn from_request_refuses_an_endless_chunked_body_at_the_cap() {
 
 #[tokio::test]
 async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let idem = keys::header("idempotency-key", "idem");
     let app = Router::new()
@@ -503,7 +510,7 @@ async fn header_keys_serialize_deliveries_of_one_idempotency_key() {
 
 #[tokio::test]
 async fn query_and_path_keys_name_one_resource_alike() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let app = Router::new()
         .route(
@@ -569,7 +576,7 @@ async fn query_and_path_keys_name_one_resource_alike() {
 
 #[tokio::test]
 async fn path_keys_on_a_route_with_several_parameters_lock_the_one_named() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let app = Router::new()
         .route(
@@ -620,7 +627,7 @@ async fn path_keys_on_a_route_with_several_parameters_lock_the_one_named() {
 #[tokio::test]
 async fn a_route_that_cannot_give_a_path_key_is_a_500_and_one_logged_error() {
     errors_logged();
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new()
         .route(
             "/branches/{bank}/{branch}/accounts/{id}",
@@ -680,12 +687,14 @@ async fn json_refusals_name_the_field_that_does_not_fit() {
     }
     let app = Router::new().route(
         "/orders",
-        post(held).layer(Locks::isolated_memory().layer(keys::json(|order: Order| {
-            order
-                .lines
-                .into_iter()
-                .map(|line| format!("sku:{}", line.sku))
-        }))),
+        post(held).layer(
+            Locks::new(Store::isolated_memory()).layer(keys::json(|order: Order| {
+                order
+                    .lines
+                    .into_iter()
+                    .map(|line| format!("sku:{}", line.sku))
+            })),
+        ),
     );
     let reply = send_text(
         &app,
@@ -716,7 +725,7 @@ struct Lines {
 
 #[tokio::test]
 async fn all_locks_the_path_and_the_body_as_one_batch() {
-    let locks = Locks::isolated_memory().max_keys(4);
+    let locks = Locks::new(Store::isolated_memory()).max_keys(4);
     let app = Router::new().route(
         "/orders/{id}/lines",
         put(

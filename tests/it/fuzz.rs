@@ -24,6 +24,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Store;
 
 use axum::{body::Body, routing::post, Extension, Router};
 use bytes::Bytes;
@@ -348,7 +349,9 @@ fn body_extractors_hand_on_the_bytes_or_refuse_within_the_cap() {
 #[test]
 fn the_layer_answers_every_key_list_and_leaves_nothing_locked() {
     let runtime = runtime();
-    let locks = Locks::isolated_memory().max_keys(8).max_key_len(12);
+    let locks = Locks::new(Store::isolated_memory())
+        .max_keys(8)
+        .max_key_len(12);
     let app = Router::new().route(
         "/",
         post(|Extension(lease): Extension<Lease>| async move {

@@ -10,6 +10,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::{
     body::Body,
@@ -591,7 +592,7 @@ async fn an_answer_the_store_could_not_take_at_once_is_stored_when_it_can() {
     let mut store = Store::redis();
     let locks = store.locks[0]
         .clone()
-        .backend_timeout(Duration::from_millis(200))
+        .store_timeout(Duration::from_millis(200))
         .ttl(Duration::from_secs(5));
     let orders = Arc::new(Orders::default());
     let gate = Gate::new();
@@ -743,10 +744,11 @@ async fn a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_that_share_a_trusted_owner_still_run_once() {
     const OWNER: &str = "0123456789abcdef0123456789abcdef";
-    let trusting = Locks::isolated_memory().trust_owner_header(
-        http::HeaderName::from_static("x-lock-owner"),
-        |_: &http::request::Parts| true,
-    );
+    let trusting = Locks::new(tower_batch_lock::store::Store::isolated_memory())
+        .trust_owner_header(
+            http::HeaderName::from_static("x-lock-owner"),
+            |_: &http::request::Parts| true,
+        );
     let orders = Arc::new(Orders::default());
     let gate = Gate::new();
     // The owner header reaches the in-flight lock directly, and through an outer lock
@@ -798,7 +800,7 @@ async fn dying_process() {
     let Ok(url) = std::env::var(DYING_URL) else {
         return;
     };
-    let locks = Locks::redis_url(&url).unwrap().ttl(DYING_TTL);
+    let locks = Locks::new(Redis::url(&url).build().unwrap()).ttl(DYING_TTL);
     let app = Router::new().route(
         "/orders",
         post(std::future::pending::<()>).layer(locks.idempotency()),

@@ -9,6 +9,7 @@ use std::{
     task::{Context, Poll},
     time::Duration,
 };
+use tower_batch_lock::store::Store;
 
 use axum::{
     body::{Body, Bytes},
@@ -68,7 +69,7 @@ fn quick(locks: &Locks) -> Router {
 
 #[tokio::test]
 async fn held_keys_are_refused_with_409_naming_them_and_retry_after() {
-    let locks = Locks::isolated_memory().ttl(Duration::from_secs(5));
+    let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(5));
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("a,b")));
     gate.entered.notified().await;
@@ -98,9 +99,9 @@ async fn held_keys_are_refused_with_409_naming_them_and_retry_after() {
 
 #[tokio::test]
 async fn contention_status_and_naming_are_configurable() {
-    let locks = Locks::isolated_memory()
+    let locks = Locks::new(Store::isolated_memory())
         .contention_status(StatusCode::LOCKED)
-        .name_conflicts(0);
+        .max_named_conflicts(0);
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("a")));
     gate.entered.notified().await;
@@ -120,13 +121,13 @@ async fn contention_status_and_naming_are_configurable() {
 
 #[tokio::test]
 async fn requests_without_keys_pass_unlocked_unless_keys_are_required() {
-    let response = quick(&Locks::isolated_memory())
+    let response = quick(&Locks::new(Store::isolated_memory()))
         .oneshot(request(""))
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
 
-    let response = quick(&Locks::isolated_memory().require_keys(true))
+    let response = quick(&Locks::new(Store::isolated_memory()).require_keys(true))
         .oneshot(request(""))
         .await
         .unwrap();
@@ -136,7 +137,9 @@ async fn requests_without_keys_pass_unlocked_unless_keys_are_required() {
 
 #[tokio::test]
 async fn key_limits_are_4xx_naming_the_limit() {
-    let locks = Locks::isolated_memory().max_keys(3).max_key_len(5);
+    let locks = Locks::new(Store::isolated_memory())
+        .max_keys(3)
+        .max_key_len(5);
     let response = quick(&locks).oneshot(request("a,b,c,d")).await.unwrap();
     assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(problem(response).await["limit"], "max_keys");
@@ -151,7 +154,7 @@ async fn key_limits_are_4xx_naming_the_limit() {
 
 #[tokio::test]
 async fn dropping_the_response_future_releases_the_keys() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("a")));
     gate.entered.notified().await;
@@ -171,7 +174,7 @@ async fn dropping_the_response_future_releases_the_keys() {
 
 #[tokio::test]
 async fn an_inner_error_or_panic_releases_the_keys() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let failing =
         tower::service_fn(|_: Request<Body>| async { Err::<Response<Body>, _>("inner failed") });
     let result = ServiceBuilder::new()
@@ -216,7 +219,7 @@ async fn eventually_ok(locks: &Locks, key: &str) -> bool {
 
 #[tokio::test]
 async fn the_handler_sees_its_lease() {
-    let locks = Locks::isolated_memory()
+    let locks = Locks::new(Store::isolated_memory())
         .prefix("app:")
         .ttl(Duration::from_secs(7));
     let app = Router::new().route(
@@ -260,7 +263,7 @@ fn json_request(body: impl Into<Body>) -> Request<Body> {
 #[tokio::test]
 async fn the_json_extractor_hands_the_same_bytes_to_the_handler() {
     let body = r#"{"items": ["1", "2"], "note": "kept as sent"}"#;
-    let response = json_app(&Locks::isolated_memory(), 1024)
+    let response = json_app(&Locks::new(Store::isolated_memory()), 1024)
         .oneshot(json_request(body))
         .await
         .unwrap();
@@ -273,7 +276,7 @@ async fn the_json_extractor_hands_the_same_bytes_to_the_handler() {
 
 #[tokio::test]
 async fn the_json_extractor_locks_the_ids_of_the_body() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("sku:2")));
     gate.entered.notified().await;
@@ -293,7 +296,7 @@ async fn the_json_extractor_locks_the_ids_of_the_body() {
 
 #[tokio::test]
 async fn the_json_extractor_refuses_bad_bodies_with_problems() {
-    let app = json_app(&Locks::isolated_memory(), 64);
+    let app = json_app(&Locks::new(Store::isolated_memory()), 64);
     let cases: Vec<(Request<Body>, StatusCode)> = vec![
         (
             Request::post("/orders")
@@ -345,7 +348,7 @@ async fn a_chunked_body_over_the_limit_is_refused_without_reading_the_rest() {
         Ok::<_, Infallible>(Bytes::from_static(&[b' '; 1024]))
     });
     let request = json_request(Body::from_stream(chunks));
-    let response = json_app(&Locks::isolated_memory(), 16 * 1024)
+    let response = json_app(&Locks::new(Store::isolated_memory()), 16 * 1024)
         .oneshot(request)
         .await
         .unwrap();
@@ -364,7 +367,7 @@ async fn a_declared_length_over_the_limit_is_refused_up_front() {
         .header(header::CONTENT_LENGTH, "1000000")
         .body(Body::empty())
         .unwrap();
-    let response = json_app(&Locks::isolated_memory(), 1024)
+    let response = json_app(&Locks::new(Store::isolated_memory()), 1024)
         .oneshot(request)
         .await
         .unwrap();
@@ -373,7 +376,7 @@ async fn a_declared_length_over_the_limit_is_refused_up_front() {
 
 #[tokio::test]
 async fn path_keys_work_under_every_way_of_layering_a_route() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::default();
     let holder = tokio::spawn(gate.router(&locks).oneshot(request("order:7")));
     gate.entered.notified().await;
@@ -500,7 +503,7 @@ impl Service<Request<Body>> for MustBeReady {
 #[tokio::test]
 async fn the_ready_inner_service_is_the_one_called() {
     let mut service = ServiceBuilder::new()
-        .layer(Locks::isolated_memory().layer(header_keys))
+        .layer(Locks::new(Store::isolated_memory()).layer(header_keys))
         .service(MustBeReady::default());
     for keys in ["a", "", "a,b"] {
         let response = service
@@ -517,5 +520,5 @@ async fn the_ready_inner_service_is_the_one_called() {
 #[test]
 #[should_panic(expected = "a lock prefix must not be empty")]
 fn an_empty_prefix_is_refused_at_configuration() {
-    let _ = Locks::isolated_memory().prefix("");
+    let _ = Locks::new(Store::isolated_memory()).prefix("");
 }

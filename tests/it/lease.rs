@@ -8,6 +8,7 @@ use std::{
     },
     time::Duration,
 };
+use tower_batch_lock::store::Store;
 
 use axum::{routing::post, Extension, Router};
 use http::{Request, StatusCode};
@@ -30,7 +31,7 @@ where
 
 #[tokio::test]
 async fn a_handler_takes_its_lease_as_an_extractor() {
-    let locks = Locks::isolated_memory().prefix("app:");
+    let locks = Locks::new(Store::isolated_memory()).prefix("app:");
     let app = locked(
         &locks,
         |lease: Lease, Extension(same): Extension<Lease>| async move {
@@ -46,7 +47,7 @@ async fn a_handler_takes_its_lease_as_an_extractor() {
 
 #[tokio::test]
 async fn an_optional_lease_is_none_when_the_request_names_no_keys() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = locked(&locks, |lease: Option<Lease>| async move {
         match lease {
             Some(lease) => lease.keys().collect::<Vec<_>>().join(","),
@@ -92,7 +93,7 @@ async fn a_route_without_the_layer_answers_500_in_problem_json_and_logs_why() {
 #[tokio::test]
 async fn a_required_lease_answers_500_when_the_request_names_no_keys() {
     errors_logged();
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new().route(
         "/no-keys",
         post(|_: Lease| async {}).layer(locks.layer(header_keys)),
@@ -113,7 +114,7 @@ async fn a_required_lease_answers_500_when_the_request_names_no_keys() {
 
 #[tokio::test]
 async fn debug_shows_the_keys_the_fence_the_time_left_and_whether_it_is_lost() {
-    let locks = Locks::isolated_memory()
+    let locks = Locks::new(Store::isolated_memory())
         .prefix("app:")
         .ttl(Duration::from_secs(30));
     let gate = Gate::new();
@@ -144,9 +145,10 @@ async fn debug_shows_the_keys_the_fence_the_time_left_and_whether_it_is_lost() {
 #[tokio::test]
 async fn debug_shows_the_first_twenty_keys_of_a_large_batch_and_counts_the_rest() {
     let keys: Vec<String> = (0..25).map(|i| format!("k{i:02}")).collect();
-    let app = locked(&Locks::isolated_memory(), |lease: Lease| async move {
-        format!("{lease:?}")
-    });
+    let app = locked(
+        &Locks::new(Store::isolated_memory()),
+        |lease: Lease| async move { format!("{lease:?}") },
+    );
     let shown = send_text(&app, post_keys("/", &keys.join(","))).await.body;
     let listed: Vec<String> = keys[..20].iter().map(|k| format!("{k:?}")).collect();
     let expected = format!("keys: [{}, ... and 5 more]", listed.join(", "));
@@ -155,7 +157,7 @@ async fn debug_shows_the_first_twenty_keys_of_a_large_batch_and_counts_the_rest(
 
 #[tokio::test]
 async fn contention_detail_agrees_in_number_with_the_held_count() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let gate = Gate::new();
     let holder = tokio::spawn({
         let app = locked(&locks, gated_handler(&gate));

@@ -559,7 +559,7 @@ fn assert_read_at_most_the_cap(pulled: &AtomicUsize) {
 async fn memory_malformed_requests_get_the_right_4xx() {
     let app = orders::app(
         Store::memory(),
-        Some(Locks::isolated_memory()),
+        Some(Locks::new(tower_batch_lock::store::Store::isolated_memory())),
         Duration::ZERO,
     );
     let (layer, handler, pulled) = split_corpus();
@@ -587,7 +587,9 @@ async fn redis_malformed_requests_get_the_right_4xx_and_leave_nothing_behind() {
     let pool = server.pool();
     let app = orders::app(
         Store::redis(pool.clone()),
-        Some(Locks::redis(pool)),
+        Some(Locks::new(
+            tower_batch_lock::store::Redis::pool(pool).build().unwrap(),
+        )),
         Duration::ZERO,
     );
     let (layer, handler, pulled) = split_corpus();
@@ -619,7 +621,7 @@ async fn a_chunked_upload_over_the_cap_is_answered_before_it_ends() {
 
     let app = orders::app(
         Store::memory(),
-        Some(Locks::isolated_memory()),
+        Some(Locks::new(tower_batch_lock::store::Store::isolated_memory())),
         Duration::ZERO,
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -7,6 +7,7 @@ use std::{
     sync::{Mutex, OnceLock},
     time::Duration,
 };
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{routing::post, Router};
 use http::StatusCode;
@@ -129,11 +130,14 @@ async fn every_answer_is_counted_once_under_its_outcome() {
     recorded();
     let server = RedisServer::start();
     let stores = [
-        ("counted-memory", Locks::isolated_memory()),
-        ("counted-redis", Locks::redis(server.pool())),
+        ("counted-memory", Locks::new(Store::isolated_memory())),
+        (
+            "counted-redis",
+            Locks::new(Redis::pool(server.pool()).build().unwrap()),
+        ),
     ];
     for (name, locks) in stores {
-        let locks = locks.name(name).max_keys(3);
+        let locks = locks.metrics_label(name).max_keys(3);
         let gate = Gate::new();
         let holder = Router::new().route(
             "/",
@@ -197,8 +201,8 @@ async fn every_answer_is_counted_once_under_its_outcome() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiting_requests_are_counted_while_they_wait_and_timed() {
     recorded();
-    let locks = Locks::isolated_memory()
-        .name("waiting")
+    let locks = Locks::new(Store::isolated_memory())
+        .metrics_label("waiting")
         .wait(Wait::up_to(Duration::from_secs(5)));
     let gate = Gate::new();
     let holder = Router::new().route(
@@ -232,7 +236,8 @@ async fn waiting_requests_are_counted_while_they_wait_and_timed() {
 async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unavailable() {
     recorded();
     let mut server = RedisServer::start();
-    let locks = Locks::redis(server.pool()).backend_timeout(Duration::from_millis(300));
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .store_timeout(Duration::from_millis(300));
     let app = Router::new().route(
         "/shipments/{id}",
         post(|| async {}).layer(locks.layer(tower_batch_lock::keys::path("shipment"))),

@@ -9,7 +9,7 @@ use std::{
 use axum::{body::Body, routing::post, Router};
 use http::{Request, StatusCode};
 use tokio::task::JoinHandle;
-use tower_batch_lock::{KeyState, KeyStatus, Locks, Wait};
+use tower_batch_lock::{store::Store, KeyState, KeyStatus, Locks, Wait};
 
 use crate::support::{
     handlers::{counting_handler, gated_handler, Gate},
@@ -182,17 +182,17 @@ async fn force_release_frees_a_held_key(locks: Locks) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_inspect_and_held_batches() {
-    inspect_and_held_batches(Locks::isolated_memory()).await;
+    inspect_and_held_batches(Locks::new(Store::isolated_memory())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_force_release() {
-    force_release_frees_a_held_key(Locks::isolated_memory()).await;
+    force_release_frees_a_held_key(Locks::new(Store::isolated_memory())).await;
 }
 
 #[tokio::test]
 async fn inspect_and_force_release_refuse_keys_a_request_could_not_lock() {
-    let locks = Locks::isolated_memory().max_keys(2);
+    let locks = Locks::new(Store::isolated_memory()).max_keys(2);
     let error = locks.inspect(["a", "b", "c"]).await.unwrap_err();
     assert_eq!(error.status(), StatusCode::PAYLOAD_TOO_LARGE);
     let error = locks.force_release([""], "test").await.unwrap_err();
@@ -208,24 +208,24 @@ async fn inspect_and_force_release_refuse_keys_a_request_could_not_lock() {
 mod redis {
     use super::*;
     use crate::support::RedisServer;
-    use tower_batch_lock::Redlock;
+    use tower_batch_lock::store::{Redis, Redlock};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_inspect_and_held_batches() {
         let server = RedisServer::start();
-        inspect_and_held_batches(Locks::redis_url(&server.url()).unwrap()).await;
+        inspect_and_held_batches(Locks::new(Redis::url(server.url()).build().unwrap())).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_force_release() {
         let server = RedisServer::start();
-        force_release_frees_a_held_key(Locks::redis_url(&server.url()).unwrap()).await;
+        force_release_frees_a_held_key(Locks::new(Redis::url(server.url()).build().unwrap())).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_foreign_values_show_and_stay() {
         let server = RedisServer::start();
-        let locks = Locks::redis(server.pool());
+        let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
         let mut connection = server.connection();
         let _: () = ::redis::cmd("SET")
             .arg("lock:alien")
@@ -260,10 +260,12 @@ mod redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redlock_inspect_and_force_release_over_three_masters() {
         let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let locks = Redlock::new(servers.iter().map(RedisServer::url))
-            .node_timeout(Duration::from_millis(500))
-            .build()
-            .unwrap();
+        let locks = Locks::new(
+            Redlock::new(servers.iter().map(RedisServer::url))
+                .node_timeout(Duration::from_millis(500))
+                .build()
+                .unwrap(),
+        );
         inspect_and_held_batches(locks.clone()).await;
         force_release_frees_a_held_key(locks).await;
     }
@@ -283,7 +285,7 @@ mod admin {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_admin_routes_answer_json() {
-        let locks = Locks::isolated_memory().ttl(TTL);
+        let locks = Locks::new(Store::isolated_memory()).ttl(TTL);
         let gate = Gate::new();
         let app = router(&locks, &gate);
         let admin_app: Router = Router::new().nest("/admin", admin::router(locks.clone()));

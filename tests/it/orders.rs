@@ -15,7 +15,7 @@ use axum::{body::Body, Router};
 use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
-use tower_batch_lock::Locks;
+use tower_batch_lock::{store, Locks};
 
 use crate::orders_app::{self as orders, Store};
 use crate::support::{self, http::within};
@@ -118,7 +118,11 @@ fn order<S: AsRef<str>>(order_id: &str, items: &[(S, u64)]) -> Value {
 }
 
 fn memory_app(work_delay: Duration) -> Router {
-    orders::app(Store::memory(), Some(Locks::isolated_memory()), work_delay)
+    orders::app(
+        Store::memory(),
+        Some(Locks::new(store::Store::isolated_memory())),
+        work_delay,
+    )
 }
 
 /// One instance of the service on `server`, with its own pool: a process of its own, as
@@ -126,7 +130,7 @@ fn memory_app(work_delay: Duration) -> Router {
 #[cfg(feature = "redis")]
 fn redis_app(server: &support::RedisServer, work_delay: Duration, locked: bool) -> Router {
     let pool = server.pool();
-    let locks = locked.then(|| Locks::redis(pool.clone()));
+    let locks = locked.then(|| Locks::new(store::Redis::pool(pool.clone()).build().unwrap()));
     orders::app(Store::redis(pool), locks, work_delay)
 }
 
@@ -273,7 +277,7 @@ async fn cluster_basic_flows() {
     let urls = &cluster.urls()[..1];
     let client = redis::cluster::ClusterClient::new(urls.to_vec()).unwrap();
     let data = client.get_async_connection().await.unwrap();
-    let locks = Locks::redis_cluster(urls).unwrap();
+    let locks = Locks::new(store::RedisCluster::new(urls).build().unwrap());
     let app = orders::app(Store::redis_cluster(data), Some(locks), Duration::ZERO);
     basic_flows(&app).await;
     idempotent_orders(&app).await;
@@ -571,10 +575,12 @@ async fn redlock_racing_orders_on_two_instances_never_oversell() {
         // A generous per-master timeout: on a loaded two-core machine a debug build can
         // starve a task past the 100 ms default, and this test is about overselling, not
         // about how fast a master must answer (the `redlock` module covers that).
-        let locks = tower_batch_lock::Redlock::new(&urls)
-            .node_timeout(Duration::from_secs(1))
-            .build()
-            .expect("three valid URLs");
+        let locks = Locks::new(
+            tower_batch_lock::store::Redlock::new(&urls)
+                .node_timeout(Duration::from_secs(1))
+                .build()
+                .expect("three valid URLs"),
+        );
         orders::app(Store::redis(masters[0].pool()), Some(locks), WORK_DELAY)
     };
     let race = race(&[instance(), instance()]).await;

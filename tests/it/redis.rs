@@ -12,6 +12,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::{
     body::Body,
@@ -73,11 +74,11 @@ async fn intersecting_batches_never_overlap_across_processes() {
     let ledger = Arc::new(Ledger::default());
     let apps = [
         ledger_router(
-            &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+            &Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10)),
             &ledger,
         ),
         ledger_router(
-            &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+            &Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10)),
             &ledger,
         ),
     ];
@@ -159,8 +160,9 @@ async fn intersecting_batches_never_overlap_across_processes() {
 async fn disjoint_batches_run_together_and_an_intersecting_one_waits_its_turn() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let one = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
-    let other = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let one = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
+    let other =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     // Both handlers must be inside at once to pass the barrier: disjoint keys in parallel.
     let barrier = Arc::new(Barrier::new(2));
@@ -244,7 +246,8 @@ return {1, redis.call('INCR', KEYS[1]), -1, {}}
 async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let runs = Arc::new(AtomicUsize::new(0));
 
     // A key the previous version holds: refused, waiting or not, and left as it was.
@@ -328,7 +331,7 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
 async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool());
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
 
@@ -360,8 +363,8 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
 fn crate_script(body: &str) -> redis::Script {
     redis::Script::new(
         &[
-            include_str!("../../src/backend/scripts/single.lua"),
-            include_str!("../../src/backend/scripts/value.lua"),
+            include_str!("../../src/store/redis/scripts/single.lua"),
+            include_str!("../../src/store/redis/scripts/value.lua"),
             body,
         ]
         .concat(),
@@ -374,8 +377,8 @@ async fn an_acquisition_run_twice_is_one_hold() {
     // hold twice must be one hold, which one release ends.
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let acquire = crate_script(include_str!("../../src/backend/scripts/acquire.lua"));
-    let release = crate_script(include_str!("../../src/backend/scripts/release.lua"));
+    let acquire = crate_script(include_str!("../../src/store/redis/scripts/acquire.lua"));
+    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
     let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000aa");
     for _ in 0..2 {
         let (granted, ..): (i64, i64, i64, Vec<String>) = acquire
@@ -412,7 +415,8 @@ async fn an_acquisition_run_twice_is_one_hold() {
 async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     // "sku:999" sorts last among sku:0..sku:2999, so a script that wrote as it went would
     // have written the other 2,999 keys before finding the conflict.
@@ -477,7 +481,8 @@ async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
 async fn ten_thousand_keys_are_granted_in_one_batch_and_released_fully() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     let seen = Arc::new(Mutex::new(None));
     let app = {
@@ -541,10 +546,10 @@ async fn a_late_release_never_deletes_the_next_owners_key() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     // A's lease is short, unrenewed, and its handler outlives it; B's lease is long.
-    let short = Locks::redis(server.pool())
+    let short = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_millis(300))
         .renew_lease(false);
-    let long = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let long = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     let (gate_a, gate_b) = (Gate::new(), Gate::new());
     let app_a = gated_router(&short, &gate_a);
@@ -592,7 +597,8 @@ async fn a_late_release_never_deletes_the_next_owners_key() {
 async fn a_foreign_value_under_a_lock_key_is_never_released() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     // Someone else's value, without a TTL: contention, and Retry-After still >= 1.
     observer.set("lock:doc:1", "someone-else");
@@ -645,7 +651,8 @@ async fn released_after_drop(observer: &Observer) -> Duration {
 async fn a_dropped_request_future_releases_its_keys_within_milliseconds() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let gate = Gate::new();
     let app = gated_router(&locks, &gate);
     let keys = ["c:1", "c:2", "c:3"];
@@ -689,7 +696,8 @@ async fn a_dropped_request_future_releases_its_keys_within_milliseconds() {
 async fn a_client_that_hangs_up_over_tcp_releases_its_keys() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let gate = Gate::new();
     let app = gated_router(&locks, &gate);
 
@@ -764,7 +772,9 @@ async fn a_leaked_holder_blocks_others_only_until_the_ttl() {
     let ttl = Duration::from_millis(300);
     // Without renewal: a leaked holder's renewal would go on until `max_hold`
     // (the `defaults` module), as a hung handler's does.
-    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(false);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .ttl(ttl)
+        .renew_lease(false);
     let gate = Gate::new();
     let holder = gated_router(&locks, &gate);
 
@@ -811,7 +821,10 @@ async fn a_killed_process_blocks_others_only_until_the_ttl() {
                 .enable_all()
                 .build()
                 .unwrap();
-            let holder = gated_router(&Locks::redis(pool).ttl(ttl), &gate);
+            let holder = gated_router(
+                &Locks::new(Redis::pool(pool).build().unwrap()).ttl(ttl),
+                &gate,
+            );
             runtime.spawn(async move { send(&holder, batch(&["crash:1"])).await });
             runtime.block_on(gate.wait_entered());
             drop(runtime);
@@ -830,7 +843,10 @@ async fn a_killed_process_blocks_others_only_until_the_ttl() {
     );
 
     let runs = Arc::new(AtomicUsize::new(0));
-    let survivor = counting_router(&Locks::redis(server.pool()).ttl(ttl), &runs);
+    let survivor = counting_router(
+        &Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(ttl),
+        &runs,
+    );
     let free_after = granted_after(&survivor, &["crash:1"], sent).await;
     eprintln!("crash liveness (killed runtime): free {free_after:?} after the holder's request");
     assert!(
@@ -868,9 +884,9 @@ fn assert_unavailable(reply: &Reply) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart() {
     let mut server = RedisServer::start();
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     // An idle connection in the pool, so the next request finds a dead one.
@@ -916,9 +932,9 @@ async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart()
 async fn a_frozen_server_gives_503_within_the_backend_timeout_and_leaves_no_key() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["f:1"])).await.status, StatusCode::OK);
@@ -962,9 +978,9 @@ async fn a_frozen_server_gives_503_within_the_backend_timeout_and_leaves_no_key(
 async fn an_acquisition_stalled_on_the_server_leaves_no_key_once_it_runs() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(10))
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["s:1"])).await.status, StatusCode::OK);
@@ -1018,7 +1034,10 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
     let observer = Observer::of(&server);
     // Load the scripts through another pool, so the frozen EVALSHA finds them.
     let runs = Arc::new(AtomicUsize::new(0));
-    let warm = counting_router(&Locks::redis(server.pool()), &runs);
+    let warm = counting_router(
+        &Locks::new(Redis::pool(server.pool()).build().unwrap()),
+        &runs,
+    );
     assert_eq!(send(&warm, batch(&["z:0"])).await.status, StatusCode::OK);
     let sets_before = calls(&observer, "set");
 
@@ -1048,9 +1067,9 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
             .build()
             .unwrap()
     };
-    let locks = Locks::redis(pool)
+    let locks = Locks::new(Redis::pool(pool).build().unwrap())
         .ttl(Duration::from_secs(10))
-        .backend_timeout(BACKEND_TIMEOUT);
+        .store_timeout(BACKEND_TIMEOUT);
     let app = counting_router(&locks, &runs);
     let started = Instant::now();
     let reply = send(&app, batch(&["z:1", "z:2"])).await;
@@ -1106,7 +1125,8 @@ async fn a_pool_that_cannot_connect_gives_503_fast() {
     let pool = deadpool_redis::Config::from_url(format!("redis://127.0.0.1:{closed_port}/"))
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
-    let locks = Locks::redis(pool).backend_timeout(Duration::from_secs(2));
+    let locks =
+        Locks::new(Redis::pool(pool).build().unwrap()).store_timeout(Duration::from_secs(2));
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     let started = Instant::now();
@@ -1129,7 +1149,8 @@ async fn a_pool_that_cannot_connect_gives_503_fast() {
 async fn scripts_are_reloaded_after_script_flush() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["ns:1"])).await.status, StatusCode::OK);
@@ -1196,7 +1217,7 @@ async fn client_keys_live_only_under_the_prefix() {
     };
 
     for prefix in ["lock:", "tenant-a/"] {
-        let locks = Locks::redis(server.pool())
+        let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
             .ttl(Duration::from_secs(10))
             .prefix(prefix);
         let app = batch_router(&locks, handler(&snapshot, &observer));
@@ -1245,7 +1266,8 @@ async fn the_victim_key_is_not_read_by_the_scripts() {
     observer.set("victim", "precious");
     let frequency = || observer.cmd::<i64>(redis::cmd("OBJECT").arg("FREQ").arg("victim"));
     let before = frequency();
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     for _ in 0..3 {
@@ -1265,10 +1287,11 @@ async fn the_victim_key_is_not_read_by_the_scripts() {
 async fn prefixes_are_separate_namespaces_and_conflicts_are_named_without_them() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let tenant = Locks::redis(server.pool())
+    let tenant = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(10))
         .prefix("tenant-a/");
-    let default = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let default =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
 
     let gate = Gate::new();
     let holder = gated_router(&tenant, &gate);
@@ -1323,8 +1346,12 @@ async fn sequential_requests_never_meet_their_own_previous_keys() {
     };
     // Two processes, alternately, as a client behind a load balancer would see them.
     let apps = [
-        router(Locks::redis(server.pool()).ttl(Duration::from_secs(10))),
-        router(Locks::redis(server.pool()).ttl(Duration::from_secs(10))),
+        router(
+            Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10)),
+        ),
+        router(
+            Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10)),
+        ),
     ];
     let started = Instant::now();
     for i in 0..50 {
@@ -1366,7 +1393,7 @@ async fn the_lease_lists_the_keys_and_expires_about_a_ttl_from_now() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let ttl = Duration::from_secs(2);
-    let locks = Locks::redis(server.pool()).ttl(ttl);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(ttl);
 
     let seen = Arc::new(Mutex::new(None));
     let app = {
@@ -1419,7 +1446,8 @@ async fn a_slow_script_is_bounded_by_the_backend_timeout_not_by_the_clients_defa
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let runs = Arc::new(AtomicUsize::new(0));
-    let locks = Locks::redis(server.pool()).backend_timeout(Duration::from_secs(3));
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .store_timeout(Duration::from_secs(3));
     let app = counting_router(&locks, &runs);
     // Load the scripts and open the shared connection first.
     assert_eq!(send(&app, batch(&["warm"])).await.status, StatusCode::OK);

@@ -15,7 +15,7 @@ use std::{
 
 use axum::{body::Body, Extension, Router};
 use http::{Request, StatusCode};
-use tower_batch_lock::{Lease, Locks, Redlock, Wait};
+use tower_batch_lock::{store::Redlock, Lease, Locks, Wait};
 
 use crate::support::{
     handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
@@ -49,10 +49,12 @@ impl Masters {
 
     /// A `Locks` of its own on these masters: one "process".
     fn locks(&self, node_timeout: Duration) -> Locks {
-        Redlock::new(self.urls())
-            .node_timeout(node_timeout)
-            .build()
-            .expect("valid Redlock URLs")
+        Locks::new(
+            Redlock::new(self.urls())
+                .node_timeout(node_timeout)
+                .build()
+                .expect("valid Redlock URLs"),
+        )
     }
 
     fn cmd<T: redis::FromRedisValue>(&self, master: usize, cmd: &mut redis::Cmd) -> T {
@@ -515,7 +517,7 @@ async fn an_acquisition_slower_than_its_validity_fails_and_rolls_back() {
     let locks = masters
         .locks(Duration::from_secs(1))
         .ttl(ttl)
-        .backend_timeout(Duration::from_secs(3));
+        .store_timeout(Duration::from_secs(3));
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["v:0"])).await.status, StatusCode::OK);

@@ -3,6 +3,7 @@
 //! downstream service.
 
 use std::time::Duration;
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{
     body::Body,
@@ -89,7 +90,7 @@ fn nested(locks: &Locks, server: &RedisServer) -> Router {
 #[tokio::test]
 async fn nested_layers_reenter_their_own_keys_and_free_them_after_the_request() {
     let server = RedisServer::start();
-    let locks = Locks::redis(server.pool());
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
     let app = nested(&locks, &server);
 
     let (status, body) = send(&app, Request::put("/skus/1").body(Body::empty()).unwrap()).await;
@@ -120,7 +121,7 @@ async fn nested_layers_reenter_their_own_keys_and_free_them_after_the_request() 
 
 #[tokio::test]
 async fn nested_layers_reenter_on_the_memory_store_too() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let app = Router::new()
         .route(
             "/skus/{sku}",
@@ -158,7 +159,8 @@ fn locking_more(locks: &Locks) -> Router {
 #[tokio::test]
 async fn a_handler_locks_more_keys_all_or_nothing_and_they_go_with_the_request() {
     let server = RedisServer::start();
-    let locks = Locks::redis(server.pool()).contention_status(StatusCode::LOCKED);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .contention_status(StatusCode::LOCKED);
     let app = locking_more(&locks);
 
     // Granted: the layer's key, re-entered, and a new one.
@@ -208,7 +210,7 @@ async fn eventually_free(server: &RedisServer) -> bool {
 #[tokio::test]
 async fn an_inner_release_keeps_the_outer_hold_and_the_outermost_frees_everything() {
     let server = RedisServer::start();
-    let locks = Locks::redis(server.pool());
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
     let (observe, observed) = oneshot::channel::<(usize, usize)>();
     let observe = std::sync::Arc::new(std::sync::Mutex::new(Some(observe)));
     let url = server.url();
@@ -243,7 +245,7 @@ const OWNER_HEADER: &str = "x-lock-owner";
 /// Service B: locks `order:1` too, and trusts owner headers only from callers that show
 /// the `x-internal` marker (standing for a verified peer).
 fn downstream(server: &RedisServer) -> Router {
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .trust_owner_header(HeaderName::from_static(OWNER_HEADER), |parts: &Parts| {
             parts.headers.contains_key("x-internal")
         });
@@ -255,7 +257,7 @@ fn downstream(server: &RedisServer) -> Router {
 
 /// Service A: locks `order:1`, and calls B on its behalf, with or without the marker.
 fn upstream(server: &RedisServer, b: Router) -> Router {
-    let locks = Locks::redis(server.pool());
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
     Router::new().route(
         "/a",
         post(
@@ -309,7 +311,7 @@ async fn a_propagated_owner_reenters_downstream_only_from_a_trusted_caller() {
 async fn a_forged_or_malformed_owner_header_never_reenters() {
     let server = RedisServer::start();
     let b = downstream(&server);
-    let locks = Locks::redis(server.pool());
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
     let release = hold_elsewhere(&locks, "order:1").await;
     for forged in ["0123456789abcdef0123456789abcdef", "not a token", ""] {
         let request = Request::post("/b")
@@ -325,7 +327,7 @@ async fn a_forged_or_malformed_owner_header_never_reenters() {
 /// the order (`keys::all`), and a handler that locks one more key.
 #[tokio::test]
 async fn a_router_wide_layer_a_route_layer_and_the_handler_share_one_owner() {
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let update = |Extension(lease): Extension<Lease>| async move {
         let account = lease.lock(["account:7"]).await?;
         account.release().await;

@@ -6,6 +6,7 @@
 //! a `traced` span, so that the log holds this test's spans and none of the other tests'.
 
 use std::{sync::Arc, time::Duration};
+use tower_batch_lock::store::Store;
 
 use axum::{routing::post, Router};
 use http::StatusCode;
@@ -22,7 +23,7 @@ use crate::support::{
 #[tokio::test]
 async fn each_locked_request_has_a_span_with_its_key_count_outcome_and_acquire_time() {
     let span = traced();
-    let locks = Locks::isolated_memory();
+    let locks = Locks::new(Store::isolated_memory());
     let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let holding = {
         let (entered, release) = (entered.clone(), release.clone());

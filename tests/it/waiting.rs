@@ -17,6 +17,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{body::Body, routing::post, Extension, Router};
 use bytes::Bytes;
@@ -167,19 +168,29 @@ async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
     let ttl = Duration::from_secs(10);
 
     // Two processes, each with its own pool and its own subscription.
-    let holder = Locks::redis_url(&server.url()).unwrap().ttl(ttl);
-    let waiter = Locks::redis_url(&server.url()).unwrap().ttl(ttl);
+    let holder = Locks::new(Redis::url(server.url()).build().unwrap()).ttl(ttl);
+    let waiter = Locks::new(Redis::url(server.url()).build().unwrap()).ttl(ttl);
     let subscribed = release_to_grant(&holder, &waiter, 8).await;
 
     // A pool of the user's own, with a subscription at the URL.
-    let holder = Locks::redis_with_wakeups(server.pool(), &server.url()).unwrap();
-    let waiter = Locks::redis_with_wakeups(server.pool(), &server.url()).unwrap();
+    let holder = Locks::new(
+        Redis::pool(server.pool())
+            .wakeups(server.url())
+            .build()
+            .unwrap(),
+    );
+    let waiter = Locks::new(
+        Redis::pool(server.pool())
+            .wakeups(server.url())
+            .build()
+            .unwrap(),
+    );
     let (own_pool_median, own_pool) = median(&release_to_grant(&holder, &waiter, 6).await);
 
     // The same two processes without a subscription: the waiter can only poll. This is
     // what the figures above would look like if the wake-up did not travel.
-    let holder = Locks::redis(server.pool()).ttl(ttl);
-    let waiter = Locks::redis(server.pool()).ttl(ttl);
+    let holder = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(ttl);
+    let waiter = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(ttl);
     let polled = release_to_grant(&holder, &waiter, 6).await;
 
     let (subscribed_median, subscribed) = median(&subscribed);
@@ -213,11 +224,12 @@ async fn a_waiter_in_another_process_is_woken_through_pub_sub() {
 async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let latencies = release_to_grant(&locks, &locks, 8).await;
     let (median, sorted) = median(&latencies);
     eprintln!(
-        "release to grant in one process (Locks::redis(pool)): {} (median {median:?})",
+        "release to grant in one process (Locks::new(Redis::pool(pool).build().unwrap())): {} (median {median:?})",
         ms(&sorted)
     );
     assert!(
@@ -230,7 +242,7 @@ async fn a_waiter_in_the_same_process_is_woken_by_the_release() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_on_the_memory_store_is_woken_by_the_release() {
-    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
+    let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(10));
     let latencies = release_to_grant(&locks, &locks, 8).await;
     let (median, sorted) = median(&latencies);
     eprintln!(
@@ -288,14 +300,15 @@ async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
     let on_redis = bound_passes(
-        &Locks::redis_url(&server.url())
-            .unwrap()
-            .ttl(Duration::from_secs(10)),
+        &Locks::new(Redis::url(server.url()).build().unwrap()).ttl(Duration::from_secs(10)),
         Some(&store),
     )
     .await;
-    let in_memory =
-        bound_passes(&Locks::isolated_memory().ttl(Duration::from_secs(10)), None).await;
+    let in_memory = bound_passes(
+        &Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(10)),
+        None,
+    )
+    .await;
     eprintln!("a 300 ms bound ran out after {on_redis:?} on Redis, {in_memory:?} in memory");
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
@@ -304,7 +317,8 @@ async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
 async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
-    let holder_locks = Locks::redis(server.pool()).ttl(Duration::from_secs(10));
+    let holder_locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let gate = Gate::new();
     let holder = gated_router(&holder_locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
@@ -312,7 +326,7 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
 
     // The waiter is another process, so only its own polling could wake it.
     let runs = Arc::new(AtomicUsize::new(0));
-    let waiter_locks = Locks::redis(server.pool())
+    let waiter_locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(10))
         .wait(Wait::up_to(Duration::from_secs(5)));
     let waiter = counting_router(&waiter_locks, &runs);
@@ -349,7 +363,7 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
 
     // The same on the memory store: after the release the key is free, and the aborted
     // waiter's handler never ran.
-    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
+    let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(10));
     let holder = gated_router(&locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
     gate.wait_entered().await;
@@ -442,8 +456,12 @@ async fn a_waiting_request_holds_none_of_its_batch() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
-    waiting_holds_nothing(&Locks::redis(server.pool()).ttl(ttl), Some(&store)).await;
-    waiting_holds_nothing(&Locks::isolated_memory().ttl(ttl), None).await;
+    waiting_holds_nothing(
+        &Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(ttl),
+        Some(&store),
+    )
+    .await;
+    waiting_holds_nothing(&Locks::new(Store::isolated_memory()).ttl(ttl), None).await;
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
@@ -562,7 +580,9 @@ async fn a_renewed_lease_outlives_its_ttl_and_never_its_release() {
     let monitor = Monitor::start(&server).await;
     let ttl = Duration::from_millis(300);
     let handler_time = Duration::from_millis(1500);
-    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(true);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .ttl(ttl)
+        .renew_lease(true);
     let entered = Arc::new(Notify::new());
     let app = {
         let entered = entered.clone();
@@ -586,7 +606,7 @@ async fn a_renewed_lease_outlives_its_ttl_and_never_its_release() {
     // Another process asks for the key every 50 ms while the handler runs, five times
     // longer than the TTL: it is refused every time, and the key never has more than a
     // TTL left.
-    let competitor = probe_router(&Locks::redis(server.pool()));
+    let competitor = probe_router(&Locks::new(Redis::pool(server.pool()).build().unwrap()));
     let mut refusals = 0;
     let mut pttls = Vec::new();
     while entered_at.elapsed() < handler_time - Duration::from_millis(150) && refusals < 40 {
@@ -677,7 +697,9 @@ async fn a_lost_lease_is_reported_within_a_renewal_period() {
     let store = Observer::of(&server);
     // Renewed every second; unrenewed, the keys would live 3 s.
     let ttl = Duration::from_secs(3);
-    let locks = Locks::redis(server.pool()).ttl(ttl).renew_lease(true);
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
+        .ttl(ttl)
+        .renew_lease(true);
     let lost_at = Arc::new(Mutex::new(BTreeMap::new()));
     let app = lost_router(&locks, &lost_at);
     let requests: Vec<_> = ["gone", "taken"]
@@ -738,7 +760,7 @@ impl Drop for DropFlag {
 async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(3))
         .renew_lease(true)
         .on_lost_lease(OnLostLease::Cancel);
@@ -796,7 +818,7 @@ async fn a_lost_lease_cancels_the_handler_with_503_when_asked() {
     assert!(!finished.load(Ordering::SeqCst));
     // Nothing is left, and the key is free for the next request at once.
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
-    let probe = probe_router(&Locks::redis(server.pool()));
+    let probe = probe_router(&Locks::new(Redis::pool(server.pool()).build().unwrap()));
     assert_eq!(send(&probe, work(&["cancel"])).await.status, StatusCode::OK);
 }
 
@@ -806,7 +828,7 @@ async fn max_hold_counts_from_the_grant_not_from_the_start_of_the_wait() {
     let store = Observer::of(&server);
     let gate = Gate::new();
     let holder = gated_router(
-        &Locks::redis(server.pool()).ttl(Duration::from_secs(10)),
+        &Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10)),
         &gate,
     );
     let held = tokio::spawn(async move { send(&holder, work(&["m"])).await });
@@ -814,7 +836,7 @@ async fn max_hold_counts_from_the_grant_not_from_the_start_of_the_wait() {
 
     // Held for at most 1 s, renewed every 100 ms until then; the request first waits
     // 800 ms for the key.
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_millis(300))
         .renew_lease(true)
         .max_hold(Duration::from_secs(1))
@@ -996,8 +1018,8 @@ async fn fencing_tokens_strictly_increase_per_key_across_processes() {
     let store = Observer::of(&server);
     let ttl = Duration::from_secs(10);
     let handles = [
-        Locks::redis_url(&server.url()).unwrap().ttl(ttl),
-        Locks::redis_url(&server.url()).unwrap().ttl(ttl),
+        Locks::new(Redis::url(server.url()).build().unwrap()).ttl(ttl),
+        Locks::new(Redis::url(server.url()).build().unwrap()).ttl(ttl),
     ];
     let grants = concurrent_grants(&handles, 100).await;
     assert_fenced(&grants);
@@ -1010,7 +1032,7 @@ async fn fencing_tokens_strictly_increase_per_key_across_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fencing_tokens_strictly_increase_per_key_in_memory() {
-    let locks = Locks::isolated_memory().ttl(Duration::from_secs(10));
+    let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(10));
     let grants = concurrent_grants(&[locks.clone(), locks], 100).await;
     assert_fenced(&grants);
     let tokens: BTreeSet<u64> = grants.iter().map(|g| g.token).collect();
@@ -1142,9 +1164,9 @@ async fn a_streamed_body_keeps_its_keys_until_it_ends_only_when_asked() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
     let every = Duration::from_millis(100);
-    let locks = Locks::redis(server.pool()).ttl(Duration::from_secs(5));
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(5));
     // The competitor is another process, refused at once when the key is busy.
-    let competitor = probe_router(&Locks::redis(server.pool()));
+    let competitor = probe_router(&Locks::new(Redis::pool(server.pool()).build().unwrap()));
 
     let (address, serving) = serve(streaming_router(
         &locks.clone().hold_until_body_end(true),
@@ -1209,7 +1231,7 @@ async fn a_client_that_drops_a_held_body_midway_releases_its_keys_promptly() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
     let every = Duration::from_millis(100);
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
         .hold_until_body_end(true);
 
@@ -1256,10 +1278,10 @@ async fn a_client_that_drops_a_held_body_midway_releases_its_keys_promptly() {
 async fn a_held_response_of_known_length_is_released_before_the_client_has_it() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
-    let locks = Locks::redis(server.pool())
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
         .hold_until_body_end(true);
-    let competitor = probe_router(&Locks::redis(server.pool()));
+    let competitor = probe_router(&Locks::new(Redis::pool(server.pool()).build().unwrap()));
     // Bodies whose size is known up front: HTTP/1.1 may frame them with a length and stop
     // polling them once that many bytes are out.
     let sized = Router::new()

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tower_batch_lock::{Locks, Redlock};
+use tower_batch_lock::{store, Locks};
 
 use super::{Observer, RedisServer};
 
@@ -17,7 +17,7 @@ pub(crate) struct Store {
 
 impl Store {
     pub(crate) fn memory() -> Self {
-        let locks = Locks::isolated_memory();
+        let locks = Locks::new(store::Store::isolated_memory());
         Self {
             name: "memory",
             locks: [locks.clone(), locks],
@@ -27,7 +27,13 @@ impl Store {
 
     pub(crate) fn redis() -> Self {
         let server = RedisServer::start();
-        let handle = || Locks::redis_url(&server.url()).expect("a valid URL");
+        let handle = || {
+            Locks::new(
+                store::Redis::url(server.url())
+                    .build()
+                    .expect("a valid URL"),
+            )
+        };
         Self {
             name: "redis",
             locks: [handle(), handle()],
@@ -40,10 +46,11 @@ impl Store {
         let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
         // A generous node timeout: the masters share two cores with the test.
         let handle = || {
-            Redlock::new(&urls)
+            let store = store::Redlock::new(&urls)
                 .node_timeout(Duration::from_millis(500))
                 .build()
-                .expect("valid URLs")
+                .expect("valid URLs");
+            Locks::new(store)
         };
         Self {
             name: "redlock",

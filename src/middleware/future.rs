@@ -12,15 +12,16 @@ use tokio::time::Sleep;
 use tower_service::Service;
 use tracing::Span;
 
+use futures_util::future::BoxFuture;
+
+use super::body::ResponseBody;
 use crate::{
-    backend::BoxFuture,
-    guard::RequestGuard,
-    locks::{Holding, Locked},
-    ResponseBody,
+    owner::RequestGuard,
+    request::{Holding, Locked},
 };
 
 pin_project! {
-    /// The future of [`LockService`](crate::LockService).
+    /// The future of [`LockService`](super::LockService).
     ///
     /// Dropping it at any point releases whatever it holds: a client that goes away, a
     /// timeout around it or a panic inside the inner service leaves no lock behind.

@@ -9,12 +9,14 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::{backend::BoxFuture, guard::RequestGuard};
+use futures_util::future::BoxFuture;
+
+use crate::owner::RequestGuard;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pin_project! {
-    /// The body of a [`LockService`](crate::LockService) response: the inner service's
+    /// The body of a [`LockService`](super::LockService) response: the inner service's
     /// body, or the problem document of a refusal (contention, bad input, an unavailable
     /// lock store).
     ///

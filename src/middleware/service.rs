@@ -5,9 +5,10 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::{keys::KeyExtractor, Locks, ResponseBody, ResponseFuture};
+use super::{body::ResponseBody, future::ResponseFuture};
+use crate::{keys::extractor::KeyExtractor, locks::Locks, request};
 
-/// The service [`LockLayer`](crate::LockLayer) wraps around its inner service.
+/// The service [`LockLayer`](super::LockLayer) wraps around its inner service.
 #[derive(Debug, Clone)]
 pub struct LockService<S, E> {
     inner: S,
@@ -48,7 +49,7 @@ where
         );
         let locking = {
             let _entered = span.enter();
-            self.locks.lock(&self.extractor, request, span.clone())
+            request::lock(&self.locks, &self.extractor, request, span.clone())
         };
         // The inner service was made ready by `poll_ready`; the locking happens later, in
         // the future, so move the ready one there and keep a fresh clone here.

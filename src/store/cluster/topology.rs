@@ -10,7 +10,7 @@ use std::{collections::HashMap, sync::Arc};
 
 use redis::{cluster_routing::Slot, Value};
 
-use crate::backend::{redis::RedisBackend, BackendError};
+use crate::store::{error::StoreError, redis::RedisStore};
 
 /// The number of hash slots of a Redis Cluster.
 const SLOTS: u16 = 16384;
@@ -19,8 +19,8 @@ const SLOTS: u16 = 16384;
 #[derive(Debug)]
 pub(super) struct Master {
     /// `host:port`, for pools and logs (never a URL: it may carry a password).
-    pub(super) address: String,
-    pub(super) node: Arc<RedisBackend>,
+    pub(super) address: Arc<str>,
+    pub(super) node: Arc<RedisStore>,
 }
 
 /// The slot map at one moment.
@@ -41,14 +41,21 @@ pub(super) struct Group {
     pub(super) indices: Vec<usize>,
 }
 
+impl Group {
+    /// The group's keys out of the batch `keys`.
+    pub(super) fn keys_of(&self, keys: &[String]) -> Arc<[String]> {
+        self.indices.iter().map(|&i| keys[i].clone()).collect()
+    }
+}
+
 impl Topology {
     /// The map that `CLUSTER SLOTS` answered, with a pool for each master from `pool_for`.
     pub(super) fn from_slots(
         reply: &Value,
         generation: u64,
-        mut pool_for: impl FnMut(&str, u16) -> Result<Arc<RedisBackend>, BackendError>,
-    ) -> Result<Self, BackendError> {
-        let invalid = || BackendError::not_sent("the cluster answered CLUSTER SLOTS oddly");
+        mut pool_for: impl FnMut(&str, u16) -> Result<Arc<RedisStore>, StoreError>,
+    ) -> Result<Self, StoreError> {
+        let invalid = || StoreError::not_sent("the cluster answered CLUSTER SLOTS oddly");
         let Value::Array(ranges) = reply else {
             return Err(invalid());
         };
@@ -76,7 +83,7 @@ impl Topology {
                 None => {
                     let node = pool_for(&host, port)?;
                     topology.masters.push(Master {
-                        address: address.clone(),
+                        address: address.as_str().into(),
                         node,
                     });
                     by_address.insert(address, topology.masters.len() - 1);
@@ -102,16 +109,14 @@ impl Topology {
         &self,
         keys: &[String],
         indices: impl IntoIterator<Item = usize>,
-    ) -> Result<Vec<Group>, BackendError> {
+    ) -> Result<Vec<Group>, StoreError> {
         let mut groups: Vec<Group> = Vec::new();
         let mut group_of = vec![usize::MAX; self.masters.len()];
         for index in indices {
             let master = *self
                 .owners
                 .get(&Slot::for_key(&keys[index]))
-                .ok_or_else(|| {
-                    BackendError::not_sent("a key's slot has no master in the cluster")
-                })?;
+                .ok_or_else(|| StoreError::not_sent("a key's slot has no master in the cluster"))?;
             if group_of[master] == usize::MAX {
                 group_of[master] = groups.len();
                 groups.push(Group {

@@ -11,8 +11,8 @@ use std::sync::Weak;
 
 use redis::{cluster_async::ClusterConnection, PushInfo, PushKind, Value};
 
-use crate::backend::{
-    redis::{slot_list, wake_from_message, RELEASED_CHANNEL},
+use crate::store::{
+    redis::pubsub::{slot_list, wake_from_message, RELEASED_CHANNEL},
     wake::{slots_of, Wakeups},
 };
 

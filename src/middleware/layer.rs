@@ -5,7 +5,8 @@ use std::time::Duration;
 use http::StatusCode;
 use tower_layer::Layer;
 
-use crate::{LockService, Locks, Wait};
+use super::service::LockService;
+use crate::{locks::Locks, wait::Wait};
 
 /// Locks the keys that an extractor reads from each request, all or nothing, around the
 /// inner service.
@@ -33,7 +34,7 @@ impl<E> LockLayer<E> {
         Self::with_locks(Locks::memory(), extractor)
     }
 
-    pub(crate) fn with_locks(locks: Locks, extractor: E) -> Self {
+    fn with_locks(locks: Locks, extractor: E) -> Self {
         Self { locks, extractor }
     }
 
@@ -101,5 +102,12 @@ impl<S, E: Clone> Layer<S> for LockLayer<E> {
 
     fn layer(&self, inner: S) -> Self::Service {
         LockService::new(inner, self.locks.clone(), self.extractor.clone())
+    }
+}
+
+impl Locks {
+    /// A layer that locks the keys `extractor` reads from each request.
+    pub fn layer<E>(&self, extractor: E) -> LockLayer<E> {
+        LockLayer::with_locks(self.clone(), extractor)
     }
 }

@@ -1,0 +1,126 @@
+//! The batches a [`Locks`](crate::Locks) handle's requests hold now, for
+//! [`Locks::held_batches`](crate::Locks::held_batches): listed at the grant, gone when the
+//! release begins.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, PoisonError,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::extract::MatchedPath;
+use http::{HeaderValue, Request};
+
+/// A batch of keys this process holds now: [`Locks::held_batches`](crate::Locks::held_batches)'s answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HeldBatch {
+    route: Option<String>,
+    request_id: Option<String>,
+    age: Duration,
+    keys: usize,
+}
+
+impl HeldBatch {
+    /// The route that took it (axum's [`MatchedPath`], such as `/orders/{id}`), when the
+    /// layer ran inside an axum router.
+    pub fn route(&self) -> Option<&str> {
+        self.route.as_deref()
+    }
+
+    /// The request's `x-request-id` header, when it had one.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+
+    /// How long it has been held.
+    pub fn age(&self) -> Duration {
+        self.age
+    }
+
+    /// How many keys it holds.
+    pub fn key_count(&self) -> usize {
+        self.keys
+    }
+}
+
+/// The batches a [`Locks`](crate::Locks) handle and its clones hold now. Sharded, so that requests on
+/// different cores rarely share a mutex on the way in and out.
+#[derive(Debug, Default)]
+pub(crate) struct Batches {
+    next: AtomicU64,
+    shards: [Mutex<HashMap<u64, Batch>>; BATCH_SHARDS],
+}
+
+const BATCH_SHARDS: usize = 8;
+
+#[derive(Debug)]
+struct Batch {
+    route: Option<MatchedPath>,
+    request_id: Option<HeaderValue>,
+    since: Instant,
+    keys: usize,
+}
+
+impl Batches {
+    /// Lists a batch of `keys` keys granted to `request` now, until the returned
+    /// registration drops.
+    pub(crate) fn register<B>(self: &Arc<Self>, request: &Request<B>, keys: usize) -> Registered {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let batch = Batch {
+            route: request.extensions().get::<MatchedPath>().cloned(),
+            request_id: request.headers().get("x-request-id").cloned(),
+            since: Instant::now(),
+            keys,
+        };
+        self.shard(id).insert(id, batch);
+        Registered {
+            batches: self.clone(),
+            id,
+        }
+    }
+
+    fn shard(&self, id: u64) -> MutexGuard<'_, HashMap<u64, Batch>> {
+        // Every change is one insert or remove: a poisoned map is still whole.
+        self.shards[(id % BATCH_SHARDS as u64) as usize]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn list(&self) -> Vec<HeldBatch> {
+        let now = Instant::now();
+        let mut listed: Vec<(u64, HeldBatch)> = Vec::new();
+        for shard in 0..BATCH_SHARDS as u64 {
+            listed.extend(self.shard(shard).iter().map(|(&id, batch)| {
+                let held = HeldBatch {
+                    route: batch.route.as_ref().map(|r| r.as_str().to_owned()),
+                    request_id: batch
+                        .request_id
+                        .as_ref()
+                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+                    age: now.saturating_duration_since(batch.since),
+                    keys: batch.keys,
+                };
+                (id, held)
+            }));
+        }
+        listed.sort_unstable_by_key(|&(id, _)| id);
+        listed.into_iter().map(|(_, batch)| batch).collect()
+    }
+}
+
+/// A batch's place in [`Batches`]: it leaves the list when this drops.
+#[derive(Debug)]
+pub(crate) struct Registered {
+    batches: Arc<Batches>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.batches.shard(self.id).remove(&self.id);
+    }
+}

@@ -1,0 +1,209 @@
+//! The request path: extract → normalize → acquire → guard, for each request a
+//! [`LockService`](crate::middleware::LockService) sees. The configuration it follows is
+//! [`Locks`]'s; the waiting is [`acquire`]'s.
+
+use std::{fmt, future::Future, sync::Arc, time::Instant};
+
+use axum::{extract::MatchedPath, response::Response};
+use futures_util::future::BoxFuture;
+use http::{Request, StatusCode};
+use tracing::Span;
+
+use crate::{
+    acquire::acquire,
+    keys::{
+        extractor::{Extracted, KeyExtractor},
+        normalize::normalize,
+    },
+    lease::Lease,
+    locks::{Locks, OnLostLease},
+    observe::{self, Layer, Outcome},
+    owner::{ExtraHolds, OwnerExtension, RequestGuard, RequestOwner},
+    rejection::Rejection,
+    store::contract::OwnerToken,
+};
+
+/// Extracts, normalizes and acquires the keys of one request: the work before the inner
+/// service runs. Gives back the request with its guard (none when there are no keys),
+/// or the response that refuses it.
+pub(crate) fn lock<B, E>(
+    locks: &Locks,
+    extractor: &E,
+    request: Request<B>,
+    span: Span,
+) -> BoxFuture<'static, Locked<B>>
+where
+    B: Send + 'static,
+    E: KeyExtractor<B>,
+{
+    // Named before the extractor takes the request: a refused one is counted too.
+    let route = request.extensions().get::<MatchedPath>();
+    let layer = Layer::new(
+        locks.policy.metrics_label.as_ref(),
+        route.map(MatchedPath::as_str),
+    );
+    let extracted = extractor.extract(request);
+    let locks = locks.clone();
+    Box::pin(async move { lock_extracted(locks, extracted, &layer, &span).await })
+}
+
+async fn lock_extracted<B>(
+    locks: Locks,
+    extracted: impl Future<Output = Extracted<B>>,
+    layer: &Layer,
+    span: &Span,
+) -> Locked<B> {
+    let policy = &locks.policy;
+    let rejected = || {
+        span.record("outcome", "rejected");
+        observe::outcome(layer, Outcome::Rejected, None);
+    };
+    let (mut request, keys) = extracted.await.inspect_err(|_| rejected())?;
+    let keys = normalize(keys, &policy.keys).map_err(|rejection| {
+        rejected();
+        locks.refuse(rejection)
+    })?;
+    span.record("keys", keys.len());
+    if keys.is_empty() {
+        if policy.require_keys {
+            rejected();
+            let rejection = Rejection::limit(
+                StatusCode::BAD_REQUEST,
+                "no_keys",
+                "the request does not name a resource to lock".to_owned(),
+            );
+            return Err(locks.refuse(rejection));
+        }
+        span.record("outcome", "unlocked");
+        return Ok((request, None));
+    }
+
+    // One owner per request: an outer layer's, a trusted caller's, or a new one.
+    let existing = request
+        .extensions()
+        .get::<OwnerExtension>()
+        .map(|o| o.0.clone());
+    // An owner from an outer layer or a trusted caller already holds keys.
+    let (owner, made_here, holds_keys) = match existing {
+        Some(owner) => (owner, false, true),
+        None => {
+            let trusted;
+            (request, trusted) = trusted_owner(&locks, request);
+            let token = trusted.unwrap_or_else(OwnerToken::random);
+            let owner = RequestOwner::new(token);
+            request
+                .extensions_mut()
+                .insert(OwnerExtension(owner.clone()));
+            (owner, true, trusted.is_some())
+        }
+    };
+
+    observe::batch(layer, keys.len());
+    let keys: Arc<[String]> = keys.into();
+    let started = Instant::now();
+    let granted = acquire(&locks, &keys, owner.token, holds_keys, Some(layer), span).await;
+    let took = started.elapsed();
+    span.record("acquire_ms", took.as_secs_f64() * 1e3);
+    let outcome = granted
+        .as_ref()
+        .map_or_else(|(_, o)| *o, |_| Outcome::Granted);
+    observe::outcome(layer, outcome, Some(took));
+    let (mut guard, fencing_token) = granted.map_err(|(rejection, _)| locks.refuse(rejection))?;
+    // `max_hold` counts from here: the time spent waiting for the keys is not holding.
+    let granted_at = Instant::now();
+    span.record("outcome", "granted");
+
+    // A handler that asks for its lease takes it from the extensions: built only while
+    // the guard is armed, which a granted one always is.
+    let lease = guard.status().map(|status| {
+        Lease::new(
+            keys.clone(),
+            fencing_token,
+            status,
+            locks.clone(),
+            owner.clone(),
+        )
+    });
+    guard.time_into(locks.holds.clone(), layer.clone());
+    guard.list_in(locks.batches.register(&request, keys.len()));
+    // The response future starts the renewal if the request still holds its keys when
+    // the first extension is due.
+    let renew_at = if policy.renew {
+        let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
+        guard.renew_later(policy.ttl, until)
+    } else {
+        None
+    };
+    if let Some(lease) = &lease {
+        request.extensions_mut().insert(lease.clone());
+    }
+    let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
+        .then_some(lease)
+        .flatten()
+        .map(|lease| {
+            let locks = locks.clone();
+            Box::pin(async move {
+                lease.lost().await;
+                tracing::warn!("lease lost while the handler ran; cancelling it");
+                locks.refuse(Rejection::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the locks of this request were lost before it finished; try again",
+                ))
+            }) as BoxFuture<'static, Response>
+        });
+    // The layer that made the owner gives back the handler's holds too.
+    let extra = made_here.then(|| ExtraHolds(owner));
+    Ok((
+        request,
+        Some(Holding {
+            guard: RequestGuard { guard, extra },
+            cancel_on_loss,
+            until_body_end: policy.hold_until_body_end,
+            renew_at,
+        }),
+    ))
+}
+
+/// The owner token a trusted caller sent, if this service trusts the header and the
+/// caller; and the request back.
+fn trusted_owner<B>(locks: &Locks, request: Request<B>) -> (Request<B>, Option<OwnerToken>) {
+    let Some(header) = &locks.policy.trusted_owner_header else {
+        return (request, None);
+    };
+    let sent = request
+        .headers()
+        .get(&header.name)
+        .and_then(|v| v.to_str().ok());
+    let Some(token) = sent.and_then(OwnerToken::from_hex) else {
+        return (request, None);
+    };
+    let (parts, body) = request.into_parts();
+    let trusted = (header.trusts)(&parts);
+    (Request::from_parts(parts, body), trusted.then_some(token))
+}
+
+/// A granted request's hold on its keys, for the response future.
+pub(crate) struct Holding {
+    pub(crate) guard: RequestGuard,
+    /// When losing the lease cancels the inner service: resolves, once it is lost, to the
+    /// response that replaces the inner service's.
+    pub(crate) cancel_on_loss: Option<BoxFuture<'static, Response>>,
+    /// Whether the keys stay locked until the response body ends.
+    pub(crate) until_body_end: bool,
+    /// When the guard's deferred renewal must start, if the keys are still held then.
+    pub(crate) renew_at: Option<Instant>,
+}
+
+impl fmt::Debug for Holding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Holding")
+            .field("guard", &self.guard)
+            .field("cancel_on_loss", &self.cancel_on_loss.is_some())
+            .field("until_body_end", &self.until_body_end)
+            .field("renew_at", &self.renew_at)
+            .finish()
+    }
+}
+
+/// The request, with the guard of its keys, or the response that refuses it.
+pub(crate) type Locked<B> = Result<(Request<B>, Option<Holding>), Response>;

@@ -1,0 +1,249 @@
+//! One attempt at a batch on one slot map: each master its group, all at once; granted
+//! when every group was, and then counted; otherwise rolled back everywhere.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use futures_util::{stream::FuturesUnordered, StreamExt};
+
+use super::{
+    nodes::Nodes,
+    topology::{Group, Topology},
+};
+use crate::{
+    backoff::Backoff,
+    store::{
+        contract::{Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore},
+        error::StoreError,
+        fanout::NodeFailure,
+    },
+};
+
+/// What one attempt at a batch came to.
+pub(super) enum Attempt {
+    /// The answer for the caller.
+    Done(Result<Acquire, StoreError>),
+    /// A group was refused because the cluster moved under it: nothing of the attempt is
+    /// left anywhere, and it may be made again on a fresh map.
+    Moved(String),
+}
+
+impl Nodes {
+    /// One attempt at `request` on the map `topology`.
+    pub(super) async fn attempt(
+        self: &Arc<Self>,
+        topology: &Topology,
+        request: &AcquireRequest,
+    ) -> Attempt {
+        let AcquireRequest {
+            namespace,
+            keys,
+            holder,
+            report,
+            line,
+            ..
+        } = request;
+        let holder = *holder;
+        let groups = match topology.group(keys, 0..keys.len()) {
+            Ok(groups) => groups,
+            Err(error) => return Attempt::Moved(error.to_string()),
+        };
+        // Registered before anything is sent: the release that the caller's guard sends if
+        // this future is dropped midway raises it, and groups that land after that undo
+        // themselves.
+        let released = self.fanout.register(holder);
+        let mut calls: FuturesUnordered<_> = groups
+            .iter()
+            .enumerate()
+            .map(|(index, group)| {
+                let node = topology.masters[group.master].node.clone();
+                let part = request.of(group.keys_of(keys));
+                let call = self.fanout.acquire_on(node, part, released.clone());
+                self.fanout.spawn(index, call)
+            })
+            .collect();
+        // The groups that granted, and those that may have (no answer in time).
+        let (mut granted, mut unsure) = (Vec::new(), Vec::new());
+        let (mut held, mut moved, mut why_unsure) = (Vec::new(), None, None);
+        while let Some((index, reply)) = calls.next().await {
+            match reply {
+                Ok(Acquire::Granted(_)) => granted.push(index),
+                Ok(Acquire::Held(contention)) => held.push(contention),
+                Err(failure) if !failure.may_have_applied() || cluster_moved(&failure) => {
+                    moved = Some(failure.to_string());
+                }
+                Err(failure) => {
+                    let address = &topology.masters[groups[index].master].address;
+                    self.fanout.report(address, "acquire", &failure);
+                    why_unsure = Some(failure.to_string());
+                    unsure.push(index);
+                }
+            }
+        }
+        if granted.len() == groups.len() {
+            let counted = self.count_grant(namespace).await;
+            if let Ok(fence) = counted {
+                return Attempt::Done(Ok(Acquire::Granted(fence)));
+            }
+            // Nothing was handed out: release it all, and fail.
+            self.roll_back(keys, holder, &released).await;
+            self.fanout.forget(holder);
+            let error = counted.err().map(|e| e.to_string()).unwrap_or_default();
+            return Attempt::Done(Err(StoreError::not_sent(format!(
+                "could not count the grant: {error}"
+            ))));
+        }
+        // Refused: release every group that granted or may have, on wherever its keys are
+        // now, before answering, so that nothing is left behind and a next attempt with
+        // the same holder cannot meet a late release of this one.
+        if !unsure.is_empty() {
+            let late = keys_of_groups(&groups, &unsure, keys);
+            self.release_late_landings(late, holder, Instant::now() + request.ttl);
+        }
+        granted.extend(unsure);
+        let rolled_back = if granted.is_empty() {
+            true
+        } else {
+            let subset = keys_of_groups(&groups, &granted, keys);
+            self.roll_back(&subset, holder, &released).await
+        };
+        self.fanout.forget(holder);
+        // A waiter in line kept out by some groups was granted the others, which were just
+        // rolled back: it keeps its place in line on those keys too, as on one Redis
+        // (the refused groups' scripts reserved theirs).
+        if let (Line::At(ticket), false, false) = (*line, held.is_empty(), granted.is_empty()) {
+            let subset = keys_of_groups(&groups, &granted, keys);
+            let deadline = Instant::now() + self.retry_for;
+            let reserved = self
+                .on_groups(
+                    "reserve",
+                    &subset,
+                    deadline,
+                    None,
+                    |node, keys| async move { node.reserve(&keys, ticket).await },
+                )
+                .await;
+            if let Err(error) = reserved {
+                tracing::debug!(%error, "a waiter's reservations on a rolled-back group failed");
+            }
+        }
+        if let Some(why) = why_unsure {
+            return Attempt::Done(Err(StoreError::not_sent(format!(
+                "a cluster master did not answer in time: {why}"
+            ))));
+        }
+        if !held.is_empty() {
+            return Attempt::Done(Ok(Acquire::Held(Contention::merge(held, *report, false))));
+        }
+        match moved {
+            Some(why) if rolled_back => Attempt::Moved(why),
+            Some(why) => Attempt::Done(Err(StoreError::not_sent(why))),
+            None => Attempt::Done(Err(StoreError::not_sent("the cluster refused the batch"))),
+        }
+    }
+
+    /// Releases `keys` of a refused attempt everywhere. Whether that is certain: it finished
+    /// in time (otherwise it goes on in the background), and no release command of it may
+    /// still land later (one that got no answer in time was sent again; the first could
+    /// then end a next attempt's grant of the same hold).
+    async fn roll_back(
+        self: &Arc<Self>,
+        keys: &Arc<[String]>,
+        holder: Holder,
+        released: &AtomicBool,
+    ) -> bool {
+        released.store(true, Ordering::SeqCst);
+        let unsure = Arc::new(AtomicBool::new(false));
+        let release = self.start_release(keys.clone(), holder, Some(unsure.clone()));
+        let finished = matches!(
+            tokio::time::timeout(self.retry_for, release).await,
+            Ok(Ok(Ok(_)))
+        );
+        finished && !unsure.load(Ordering::SeqCst)
+    }
+
+    /// Releases `keys` again and again, a while after a refused attempt, until `until`: an
+    /// acquisition that got no answer in time (a frozen master) may still run when the
+    /// master thaws, after the attempt's release. The hold is never used again (the caller
+    /// gets an error, and its next attempt has a hold of its own), so these releases can
+    /// end nothing but such a late grant.
+    fn release_late_landings(
+        self: &Arc<Self>,
+        keys: Arc<[String]>,
+        holder: Holder,
+        until: Instant,
+    ) {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(Duration::from_secs(1), Duration::MAX);
+            loop {
+                let pause = backoff.pause();
+                if Instant::now() + pause >= until {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                let deadline = Instant::now() + inner.retry_for;
+                let _ = inner
+                    .on_groups("release", &keys, deadline, None, |node, keys| async move {
+                        node.release(&keys, holder).await
+                    })
+                    .await;
+            }
+        });
+    }
+
+    /// The token of a grant: the next number of the namespace's counter, counted after every
+    /// group was granted (see [`RedisCluster`]'s docs).
+    async fn count_grant(&self, namespace: &str) -> Result<FencingToken, StoreError> {
+        let counted = self
+            .query(redis::cmd("INCR").arg(namespace).to_owned())
+            .await?;
+        Ok(FencingToken::new(counted))
+    }
+}
+
+/// Whether a group's failure says that the map moved under it (the node does not serve a
+/// key's slot any more, or not yet; the cluster is down; a master became a replica): then
+/// the node ran nothing of the call, or undid it (acquire's script undoes what it took
+/// before it fails).
+fn cluster_moved(failure: &NodeFailure) -> bool {
+    let NodeFailure::Failed(error) = failure else {
+        return false;
+    };
+    let Some(redis) = std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<redis::RedisError>())
+    else {
+        return false;
+    };
+    if redis.is_connection_refusal() {
+        return true;
+    }
+    let moved_codes = [
+        "MOVED",
+        "ASK",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "READONLY",
+        "MASTERDOWN",
+        "LOADING",
+    ];
+    if redis.code().is_some_and(|code| moved_codes.contains(&code)) {
+        return true;
+    }
+    // A script that touched a key of a slot this node does not serve: see cluster.lua.
+    let text = redis.to_string();
+    text.contains("non local key") || text.contains("cluster is down")
+}
+
+/// The keys of the groups at `which`, as one batch.
+fn keys_of_groups(groups: &[Group], which: &[usize], keys: &[String]) -> Arc<[String]> {
+    which
+        .iter()
+        .flat_map(|&g| groups[g].indices.iter().map(|&i| keys[i].clone()))
+        .collect()
+}

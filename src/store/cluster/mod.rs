@@ -1,0 +1,162 @@
+//! Locks on a Redis Cluster: each batch grouped by the master that serves its keys' slots,
+//! one script call per master, all at once ([`RedisCluster`] tells the user's side).
+//!
+//! - **acquire** sends each master the keys of the batch it serves, as one call of the
+//!   acquire script in its cluster form (`scripts/cluster.lua`: keys of many slots pass as
+//!   arguments, which `allow-cross-slot-keys` lets the script touch one command at a time).
+//!   Each group is all or nothing on its master; the batch is granted when every group
+//!   was, and then takes its fencing token from the namespace's one counter. Otherwise every
+//!   group that granted or may have is released. A group refused because the map moved
+//!   under it (a slot moved or is migrating, a master failed over, the cluster is down)
+//!   refreshes the map, and the whole attempt is made again, until [`RedisCluster::retry_for`].
+//! - **extend, release, withdraw, inspect, force_release** run on each group the same
+//!   way; a group refused for a moved slot is regrouped on a fresh map and sent again (each
+//!   of these is idempotent). A release finishes in the background if its caller stops
+//!   waiting.
+//!
+//! Every group runs in a task of its own, so that a call nobody waits for any more still
+//! ends (see the fanout, which Redlock shares), and a flag per acquisition,
+//! by holder, lets a group granted after the batch's release undo itself.
+
+use std::{sync::Arc, time::Duration};
+
+use redis::IntoConnectionInfo;
+
+use super::{fanout::NodeUrls, handle::Store};
+use store::ClusterStore;
+
+mod announce;
+mod attempt;
+mod nodes;
+mod store;
+mod topology;
+
+/// How long one master may take to answer one call, unless [`RedisCluster::node_timeout`]
+/// says otherwise.
+const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long a call keeps trying while the cluster moves, unless
+/// [`RedisCluster::retry_for`] says otherwise.
+const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
+
+/// Locks on a Redis Cluster (or a managed cluster-mode Redis or Valkey): every batch is
+/// grouped by the master that serves each key's hash slot, each master gets its group as
+/// one script call, all at once, and the batch is granted when every group was.
+///
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_batch_lock::{store::RedisCluster, Locks};
+///
+/// # fn main() -> Result<(), tower_batch_lock::redis::RedisError> {
+/// // Any of the cluster's nodes: the store reads the slot map from them. Nothing connects
+/// // yet.
+/// let store = RedisCluster::new(["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"])
+///     .node_timeout(Duration::from_millis(200))
+///     .retry_for(Duration::from_millis(1500))
+///     .build()?;
+/// let locks = Locks::new(store).ttl(Duration::from_secs(10));
+///
+/// assert!(RedisCluster::new(Vec::<String>::new()).build().is_err());
+/// # drop(locks);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # What it guarantees
+///
+/// The same as one Redis ([`Redis`](super::Redis)), batch by batch: all or nothing (a batch
+/// refused on one master is released on every master that granted its group, and a group
+/// that lands after its batch was released undoes itself), owner-only release, re-entry,
+/// TTLs and renewal, fair waiting (each key keeps its waiters' reservations where it lives),
+/// release on drop.
+///
+/// - **Fencing tokens.** Masters cannot share a counter, and a counter per master would
+///   move with its slot during a resharding (or give different masters different counts,
+///   as Redlock's do). So a grant takes its token from the namespace's one counter (the
+///   key named by the prefix, on whichever master serves its slot), with `INCR`, *after*
+///   every group was granted: any later grant of a shared key was granted its group after
+///   this one's release, so after this `INCR`, and counts a larger number. Tokens strictly
+///   increase across every grant of the namespace, as on one Redis. The cost: one more
+///   round trip per acquisition, to that master (a few microseconds of its time).
+/// - **Resharding.** While a slot migrates, a group with keys of it is refused by its node
+///   (`ASK` or `TRYAGAIN`: a script over several keys cannot follow an `ASK`, since the
+///   importing node serves a multi-key call only when it has every key already); the
+///   attempt is released and made again after a pause, on a fresh map once the slot has
+///   moved (`MOVED`), until [`retry_for`](Self::retry_for) runs out (then 503). A lock
+///   value migrates with its ttl like any key, so a held key stays held where it goes.
+/// - **The counter's master.** While the master that serves the counter's slot is down,
+///   no batch can be granted (503) until its replica takes over.
+/// - **Failover.** A master that dies makes the calls for its keys fail (after the node
+///   timeout when it is frozen): those requests get 503 until a replica takes over and
+///   the map shows it. Replication is asynchronous: a lock granted just before its master
+///   died may be missing on the replica that replaces it, so another request can be granted
+///   the same keys while the first still runs, and the namespace's counter can go back by
+///   the increments the replica missed. See the README's Redis Cluster section for what to
+///   do about it (`WAIT`, `min-replicas-to-write`, fencing checks at the resource).
+///
+/// # Requirements
+///
+/// Redis 7.0 or later (or Valkey): the scripts carry the `allow-cross-slot-keys` flag, and
+/// wake-ups use sharded pub/sub. The user needs `EVALSHA`, `SCRIPT LOAD`, `INCR`, `SET`,
+/// `GET`, `DEL`, `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE`
+/// on the prefix's keys and on the channel `tower-batch-lock:released`.
+#[derive(Clone, Debug)]
+pub struct RedisCluster {
+    seeds: NodeUrls,
+    retry_for: Duration,
+}
+
+impl RedisCluster {
+    /// A cluster store that learns the cluster from any of the nodes at `urls`
+    /// (`redis://host:port`, or `rediss://` for TLS; credentials go in the URL, and every
+    /// node takes the first URL's). [`build`](Self::build) checks them.
+    pub fn new<I>(urls: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        Self {
+            seeds: NodeUrls::new(urls, DEFAULT_NODE_TIMEOUT),
+            retry_for: DEFAULT_RETRY_FOR,
+        }
+    }
+
+    /// How long one master may take to answer one call (getting a connection included)
+    /// before the call counts as failed. Default 500 ms: a 3,000-key batch keeps a master
+    /// busy for a few milliseconds; a frozen master costs this much before its requests get
+    /// 503.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is zero.
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.seeds.set_node_timeout(timeout);
+        self
+    }
+
+    /// How long a call keeps trying again while the cluster moves under it (a slot
+    /// migrating, a failover, `CLUSTERDOWN`), before it fails (503). Default 1 s. An
+    /// acquisition may take up to about twice this, plus a few node timeouts, since each
+    /// refused attempt is rolled back (bounded by this too) before the next; keep it below
+    /// half of [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by default), which bounds every call anyway.
+    pub fn retry_for(mut self, duration: Duration) -> Self {
+        self.retry_for = duration;
+        self
+    }
+
+    /// The store, for [`Locks::new`](crate::Locks::new).
+    ///
+    /// # Errors
+    ///
+    /// When there is no URL, or one is not a valid Redis URL. Nothing connects yet.
+    pub fn build(self) -> Result<Store, redis::RedisError> {
+        let NodeUrls { urls, node_timeout } = self.seeds;
+        let seeds = urls
+            .iter()
+            .map(|url| url.as_str().into_connection_info())
+            .collect::<Result<Vec<_>, _>>()?;
+        let store = ClusterStore::new(seeds, node_timeout, self.retry_for)?;
+        Ok(Store::of(Arc::new(store)))
+    }
+}

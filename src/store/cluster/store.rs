@@ -1,0 +1,319 @@
+//! The cluster store: each call of the contract on the groups of its keys, made again
+//! while the cluster moves.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex, OnceLock, RwLock},
+    time::{Duration, Instant},
+};
+
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+use redis::{cluster::ClusterClient, ConnectionInfo, ProtocolVersion};
+use tokio::sync::OnceCell;
+
+use super::{
+    announce,
+    attempt::Attempt,
+    nodes::{moving_backoff, Nodes},
+};
+use crate::store::{
+    contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Reply, Ticket},
+    error::StoreError,
+    fanout::{bounded, clock_drift, Fanout},
+    redis::pubsub::{reconnect_backoff, RELEASED_CHANNEL},
+    wake::Wakeups,
+};
+#[cfg(feature = "idempotency")]
+use crate::store::{
+    contract::{AnswerStore, StoredAnswer},
+    redis::store_answer_command,
+};
+
+pub(crate) struct ClusterStore {
+    inner: Arc<Nodes>,
+    /// The client of the subscription to other processes' releases.
+    subscriber: ClusterClient,
+    subscribed: OnceLock<()>,
+}
+
+impl fmt::Debug for ClusterStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let topology = self.inner.current();
+        let masters: Vec<&str> = topology.masters.iter().map(|m| &*m.address).collect();
+        f.debug_struct("ClusterStore")
+            .field("masters", &masters)
+            .field("fanout", &self.inner.fanout)
+            .field("retry_for", &self.inner.retry_for)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterStore {
+    /// A store that learns the cluster from the nodes at `seeds`; nothing connects yet.
+    pub(super) fn new(
+        seeds: Vec<ConnectionInfo>,
+        node_timeout: Duration,
+        retry_for: Duration,
+    ) -> Result<Self, redis::RedisError> {
+        let Some(seed) = seeds.first().cloned() else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "invalid Redis Cluster configuration",
+                "no node URL".to_owned(),
+            )));
+        };
+        let wakeups = Arc::new(Wakeups::new());
+        let client = |push: bool| {
+            let builder = ClusterClient::builder(seeds.clone())
+                .connection_timeout(node_timeout)
+                .response_timeout(node_timeout);
+            if push {
+                builder
+                    .use_protocol(ProtocolVersion::RESP3)
+                    .push_sender(announce::relay(Arc::downgrade(&wakeups)))
+                    .build()
+            } else {
+                builder.build()
+            }
+        };
+        let (control_client, subscriber) = (client(false)?, client(true)?);
+        let inner = Nodes {
+            seed,
+            control_client,
+            control: OnceCell::new(),
+            topology: RwLock::default(),
+            refreshing: tokio::sync::Mutex::new(()),
+            pools: Mutex::default(),
+            retry_for,
+            fanout: Arc::new(Fanout::new("cluster", node_timeout)),
+            wakeups,
+        };
+        let store = Self {
+            inner: Arc::new(inner),
+            subscriber,
+            subscribed: OnceLock::new(),
+        };
+        // Built inside a runtime (the usual case), subscribe now, so that the first waiter
+        // already hears of releases; otherwise on first use.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            store.listen_for_releases();
+        }
+        Ok(store)
+    }
+
+    /// Starts relaying other processes' releases to this process's waiters, once.
+    fn listen_for_releases(&self) {
+        self.subscribed.get_or_init(|| {
+            let (client, wakeups) = (self.subscriber.clone(), Arc::downgrade(&self.inner.wakeups));
+            tokio::spawn(async move {
+                let mut backoff = reconnect_backoff();
+                while wakeups.strong_count() > 0 {
+                    match client.get_async_connection().await {
+                        Ok(mut connection) => match connection.ssubscribe(RELEASED_CHANNEL).await {
+                            // redis-rs subscribes again after a reconnection or a move of
+                            // the channel's slot; hold the connection while the store lives.
+                            Ok(()) => {
+                                while wakeups.strong_count() > 0 {
+                                    tokio::time::sleep(Duration::from_secs(1)).await;
+                                }
+                                return;
+                            }
+                            Err(error) => tracing::warn!(%error, "could not subscribe to lock releases on the cluster; waiters poll"),
+                        },
+                        Err(error) => tracing::warn!(%error, "could not subscribe to lock releases on the cluster; waiters poll"),
+                    }
+                    tokio::time::sleep(backoff.pause()).await;
+                }
+            });
+        });
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.inner.retry_for
+    }
+}
+
+impl LockStore for ClusterStore {
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            let inner = &self.inner;
+            inner.fanout.note_ttl(request.ttl);
+            let until = self.deadline();
+            let mut backoff = moving_backoff();
+            loop {
+                let topology = inner.topology().await;
+                let moved = match &topology {
+                    Ok(topology) => match inner.attempt(topology, request).await {
+                        Attempt::Done(answer) => return answer,
+                        Attempt::Moved(why) => why,
+                    },
+                    Err(error) => error.to_string(),
+                };
+                let pause = backoff.pause();
+                if Instant::now() + pause >= until {
+                    return Err(StoreError::not_sent(format!(
+                        "the cluster kept moving for {} ms: {moved}",
+                        inner.retry_for.as_millis()
+                    )));
+                }
+                tracing::debug!(moved, "the cluster moved under a batch; trying again");
+                tokio::time::sleep(pause).await;
+                if let Ok(topology) = topology {
+                    let _ = inner.refresh(topology.generation).await;
+                }
+            }
+        })
+    }
+
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
+        Box::pin(async move {
+            self.inner.fanout.note_ttl(ttl);
+            let answers = self
+                .inner
+                .on_groups(
+                    "extend",
+                    keys,
+                    self.deadline(),
+                    None,
+                    |node, keys| async move { node.extend(&keys, holder, ttl).await },
+                )
+                .await?;
+            Ok(answers.iter().all(|(_, kept)| *kept))
+        })
+    }
+
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
+        Box::pin(async move {
+            self.inner.fanout.mark_released(holder);
+            // In a task of its own: it finishes even if the caller stops waiting.
+            self.inner
+                .start_release(keys.clone(), holder, None)
+                .await
+                .unwrap_or_else(|error| Err(StoreError::unknown(error)))
+        })
+    }
+
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let answers = self
+                .inner
+                .on_groups(
+                    "withdraw",
+                    keys,
+                    self.deadline(),
+                    None,
+                    |node, keys| async move { node.withdraw(&keys, ticket).await },
+                )
+                .await?;
+            let withdrawn = answers.iter().map(|(_, count)| count).sum();
+            // Nothing freed wakes nobody, here or elsewhere.
+            if withdrawn > 0 {
+                self.inner.freed(keys).await;
+            }
+            Ok(withdrawn)
+        })
+    }
+
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
+        Box::pin(async move {
+            let answers = self
+                .inner
+                .on_groups(
+                    "inspect",
+                    keys,
+                    self.deadline(),
+                    None,
+                    |node, keys| async move { node.inspect(&keys).await },
+                )
+                .await?;
+            let mut views = vec![KeyView::FREE; keys.len()];
+            for (indices, group_views) in answers {
+                for (index, view) in indices.into_iter().zip(group_views) {
+                    views[index] = view;
+                }
+            }
+            Ok(views)
+        })
+    }
+
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let answers = self
+                .inner
+                .on_groups(
+                    "force_release",
+                    keys,
+                    self.deadline(),
+                    None,
+                    |node, keys| async move { node.force_release(&keys).await },
+                )
+                .await?;
+            let released = answers.iter().map(|(_, count)| count).sum();
+            if released > 0 {
+                self.inner.freed(keys).await;
+            }
+            Ok(released)
+        })
+    }
+
+    /// The cluster answers with a map that serves every slot, and every master passes the
+    /// single store's check (Redis 7.0 or later, the scripts load).
+    fn check(&self) -> Reply<'_, ()> {
+        Box::pin(async move {
+            let seen = self.inner.current().generation;
+            let topology = self.inner.refresh(seen).await?;
+            if !topology.serves_every_slot() {
+                return Err(StoreError::not_sent(
+                    "the cluster leaves hash slots without a master",
+                ));
+            }
+            let checks = topology.masters.iter().map(|master| async move {
+                bounded(self.inner.fanout.node_timeout(), master.node.check())
+                    .await
+                    .map_err(|failure| format!("{}: {failure}", master.address))
+            });
+            let failures: Vec<String> = futures_util::future::join_all(checks)
+                .await
+                .into_iter()
+                .filter_map(Result::err)
+                .collect();
+            if failures.is_empty() {
+                Ok(())
+            } else {
+                Err(StoreError::not_sent(failures.join("; ")))
+            }
+        })
+    }
+
+    fn drift(&self, ttl: Duration) -> Duration {
+        // Keys of one batch expire by the clocks of several masters.
+        clock_drift(ttl)
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        self.listen_for_releases();
+        &self.inner.wakeups
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl AnswerStore for ClusterStore {
+    /// One `GET`, which redis-rs routes to the key's master.
+    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
+        Box::pin(async move {
+            let get = redis::cmd("GET").arg(key).to_owned();
+            let answer: Option<Vec<u8>> = self.inner.query(get).await?;
+            Ok(answer.map(Bytes::from))
+        })
+    }
+
+    /// One `SET ... NX`, which redis-rs routes to the key's master.
+    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
+        Box::pin(async move {
+            let set = store_answer_command(answer);
+            let stored: Option<String> = self.inner.query(set).await?;
+            Ok(stored.is_some())
+        })
+    }
+}

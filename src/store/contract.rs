@@ -1,0 +1,462 @@
+//! The store contract: what the request path asks of a lock store, and what it answers.
+//!
+//! A store locks a whole batch or nothing, and releases only the keys that still hold the
+//! caller's hold. Keys arrive normalized (prefixed, sorted, deduplicated), so a store never
+//! parses or namespaces them itself. Every call takes the whole batch, so that each costs
+//! one round trip on a single store.
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use uuid::Uuid;
+
+use super::{error::StoreError, wake::Wakeups};
+
+/// A batch of normalized keys, shared by the calls on it.
+pub(crate) type Keys = Arc<[String]>;
+
+/// What a store's call gives back, in time: its answer, or why the store failed.
+pub(crate) type Reply<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+
+/// How long a waiter's reservation lasts unless its next attempt renews it: long enough
+/// to outlast the pauses between attempts, short enough that the reservations of a waiter
+/// whose process died stop keeping others out soon.
+pub(crate) const RESERVATION_TTL: Duration = Duration::from_secs(1);
+
+/// Who holds a lock: 128 random bits, one per request (nested layers on a request share
+/// it, and so may a trusted downstream service). They come from uuid's v4 with rand's
+/// thread-local ChaCha generator, seeded and reseeded from the OS: unguessable, without a
+/// system call per request.
+///
+/// It is a capability (whoever knows it can re-enter the keys), so it never leaves the
+/// process except to the lock store and to services the user chose to trust, and it is
+/// never derived from a thread or process id.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OwnerToken(Uuid);
+
+impl OwnerToken {
+    pub(crate) fn random() -> Self {
+        Self(Uuid::new_v4())
+    }
+
+    /// The token as the lock store keeps it: 32 lowercase hex digits.
+    pub(crate) fn as_hex(&self) -> String {
+        self.0.simple().to_string()
+    }
+
+    /// A token in the form [`as_hex`](Self::as_hex) gives, from a trusted caller.
+    pub(crate) fn from_hex(hex: &str) -> Option<Self> {
+        (hex.len() == 32)
+            .then(|| Uuid::try_parse(hex).ok())
+            .flatten()
+            .map(Self)
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    // The token is a secret: debug output must not leak it into logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnerToken(..)")
+    }
+}
+
+/// One acquisition by an owner: the owner, and a random id of this hold.
+///
+/// An owner may hold a key several times over (nested layers, a handler locking more):
+/// each hold is released on its own, and the key is free once its last hold is gone.
+/// Releasing one hold twice is harmless, which a count of re-entries could not promise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Holder {
+    pub(crate) owner: OwnerToken,
+    pub(crate) hold: u64,
+}
+
+impl Holder {
+    /// A new hold of `owner`.
+    pub(crate) fn new(owner: OwnerToken) -> Self {
+        Self {
+            owner,
+            hold: fastrand::u64(..),
+        }
+    }
+
+    /// The hold id as the lock store keeps it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn hold_hex(&self) -> String {
+        format!("{:016x}", self.hold)
+    }
+}
+
+/// A waiter's place in line: smaller is earlier. Reservations of a waiter keep out every
+/// request with a larger ticket, and every request that waits in no line at all.
+///
+/// Tickets are milliseconds of the wall clock (since 2025, so that they stay exact in the
+/// doubles of Redis's Lua) with 10 random bits below them, and strictly increase within a
+/// process. Across processes they order waiters by arrival as far as the machines' clocks
+/// agree; a skew only reorders waiters that arrived that close together, and since a
+/// waiter keeps its ticket, every waiter is eventually the earliest: none starves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Ticket(u64);
+
+impl Ticket {
+    /// The ticket of a waiter that arrives now.
+    pub(crate) fn take() -> Self {
+        /// 2025-01-01T00:00:00Z.
+        const EPOCH_SECS: u64 = 1_735_689_600;
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+            .saturating_sub(EPOCH_SECS * 1000);
+        let drawn = (ms << 10) | fastrand::u64(..1024);
+        let previous = LAST
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                Some(drawn.max(last + 1))
+            })
+            .unwrap_or_default();
+        Self(drawn.max(previous + 1))
+    }
+
+    /// The ticket as the lock store compares it.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Where an acquisition stands with respect to waiters' reservations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Line {
+    /// In no line (a request that does not wait, or waits without fairness): kept out by
+    /// every live reservation, and reserves nothing.
+    Outside,
+    /// A waiter in line: kept out by the reservations of earlier tickets, and, when kept
+    /// out, reserves its whole batch.
+    At(Ticket),
+    /// An owner that already holds keys (a nested layer, a handler's `Lease::lock`, a
+    /// trusted caller's owner): kept out by no reservation, and reserves nothing. It came
+    /// before every waiter that its holds keep waiting, and making it wait for them would
+    /// deadlock.
+    Holder,
+}
+
+impl Line {
+    /// Whether a live reservation with `ticket` keeps this acquisition out.
+    pub(crate) fn kept_out_by(self, ticket: Ticket) -> bool {
+        match self {
+            Self::Outside => true,
+            Self::At(mine) => ticket < mine,
+            Self::Holder => false,
+        }
+    }
+}
+
+/// A number that grows with every grant: give it to the resource you write, and let the
+/// resource refuse writes that carry a smaller one than it has seen.
+///
+/// A lease protects a critical section only while its holder runs on time. A holder that
+/// stalls (a long GC or VM pause, a slow disk, a lost network) can wake up after its lease
+/// expired and another request got the same keys, and still write. Neither holder can tell
+/// from the clock alone; the resource can, by comparing tokens:
+///
+/// ```
+/// use tower_batch_lock::FencingToken;
+///
+/// /// A record that remembers the largest token that wrote it.
+/// struct Record { value: u64, fence: Option<FencingToken> }
+///
+/// impl Record {
+///     /// Check-and-set: a write fenced below the last one is stale, and refused.
+///     fn write(&mut self, value: u64, fence: FencingToken) -> Result<(), &'static str> {
+///         if self.fence.is_some_and(|seen| fence < seen) {
+///             return Err("a newer lock holder has written since");
+///         }
+///         (self.value, self.fence) = (value, Some(fence));
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// In SQL the same check is `UPDATE … SET value = $1, fence = $2 WHERE id = $3 AND fence <= $2`.
+///
+/// Tokens strictly increase across every grant that shares any key: with Redis there is one
+/// counter per key namespace (the prefix), in memory one per store. With Redlock they do
+/// as long as no master loses its counter; [`Redlock`](crate::store::Redlock) says why and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FencingToken(u64);
+
+impl FencingToken {
+    pub(crate) fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    /// The token as a number, to store beside the data it guards.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Whether a key is locked, as [`Locks::inspect`](crate::Locks::inspect) sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KeyStatus {
+    /// Nobody holds the key (waiters may still have it reserved).
+    Free,
+    /// A request holds the key.
+    Held,
+    /// The store keeps something under the key that this crate did not write (another
+    /// program's value, an older version's lock). It keeps every request out, and
+    /// [`Locks::force_release`](crate::Locks::force_release) leaves it alone.
+    Foreign,
+}
+
+impl KeyStatus {
+    /// `"free"`, `"held"` or `"foreign"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Free => "free",
+            Self::Held => "held",
+            Self::Foreign => "foreign",
+        }
+    }
+}
+
+impl fmt::Display for KeyStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One acquisition of a batch, as a store receives it: cheap to clone into the tasks of a
+/// store that sends it to several nodes.
+#[derive(Debug, Clone)]
+pub(crate) struct AcquireRequest {
+    /// The key prefix: the namespace of the fencing counter (the memory store has one
+    /// counter for all).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) namespace: Arc<str>,
+    pub(crate) keys: Arc<[String]>,
+    /// The new hold the batch is acquired under.
+    pub(crate) holder: Holder,
+    /// How long the keys live unless extended.
+    pub(crate) ttl: Duration,
+    /// How many conflicting keys a [`Contention`] names at most.
+    pub(crate) report: usize,
+    /// Where the acquisition stands with respect to waiters' reservations.
+    pub(crate) line: Line,
+}
+
+impl AcquireRequest {
+    /// The same acquisition, of a part of the batch: one node's group.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn of(&self, keys: Arc<[String]>) -> Self {
+        Self {
+            keys,
+            ..self.clone()
+        }
+    }
+}
+
+/// What an acquisition found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Acquire {
+    /// Every key of the batch now holds the caller's token, and the caller's reservations
+    /// on them are gone.
+    Granted(FencingToken),
+    /// At least one key is held by another owner, or reserved by an earlier waiter. No key
+    /// was locked; a caller with a ticket now has its reservation on every key of the batch.
+    Held(Contention),
+}
+
+/// The keys that stopped a batch.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Contention {
+    /// Up to the requested number of conflicting keys, as stored (with the prefix): held by
+    /// another owner, or reserved by an earlier waiter.
+    pub(crate) keys: Vec<String>,
+    /// How many keys of the batch are held by others in all.
+    pub(crate) total: usize,
+    /// Time until the earliest of the conflicting keys expires, when the store knows it.
+    pub(crate) earliest_expiry: Option<Duration>,
+}
+
+impl Contention {
+    /// One contention out of the refusals of several nodes, naming at most `report` keys.
+    /// With `same_batch` (every node was asked the whole batch, as Redlock's masters are)
+    /// the keys held in all are the most any node counted; otherwise (each node was asked
+    /// its own part) they add up.
+    #[cfg(feature = "redis")]
+    pub(crate) fn merge(held: Vec<Self>, report: usize, same_batch: bool) -> Self {
+        let counts = held.iter().map(|c| c.total);
+        let total = if same_batch {
+            counts.max().unwrap_or(1)
+        } else {
+            counts.sum()
+        };
+        let earliest_expiry = held.iter().filter_map(|c| c.earliest_expiry).min();
+        let mut keys: Vec<String> = held.into_iter().flat_map(|c| c.keys).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.truncate(report);
+        Self {
+            keys,
+            total,
+            earliest_expiry,
+        }
+    }
+}
+
+/// What a store knows of one key, for an operator ([`LockStore::inspect`]): never who holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyView {
+    pub(crate) status: KeyStatus,
+    /// Time left on the key's holds (or on a foreign value's ttl), when held.
+    pub(crate) ttl: Option<Duration>,
+    /// How many holds the key has: more than one when its owner re-entered it.
+    pub(crate) holds: usize,
+    /// How many live reservations of waiters in line are on the key.
+    pub(crate) waiters: usize,
+}
+
+impl KeyView {
+    /// A key nobody holds or reserves.
+    pub(crate) const FREE: Self = Self {
+        status: KeyStatus::Free,
+        ttl: None,
+        holds: 0,
+        waiters: 0,
+    };
+}
+
+/// A lock store.
+pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
+    /// Locks every key of `request` for its ttl under its new hold, or none of them: a key
+    /// held only by the holder's owner is entered again, and keeps the longer of its ttl
+    /// and the request's.
+    ///
+    /// A key that nobody holds but a waiter reserved conflicts as the request's line says
+    /// ([`Line::kept_out_by`]); a key that the holder's owner holds never does. When the
+    /// batch conflicts and the caller waits in line ([`Line::At`]), its reservation is put
+    /// on (or renewed on) every key of the batch, for [`RESERVATION_TTL`]; when it is
+    /// granted, its reservations on the batch are gone.
+    ///
+    /// A grant carries a fencing token larger than that of every earlier grant in the
+    /// same namespace (the key prefix), so larger than every earlier grant of any of
+    /// these keys. (Redlock promises less: larger than every earlier grant that shares a
+    /// key, while no master loses its counter; see `Redlock`.)
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
+
+    /// Extends every key to at least `ttl` from now if every key still has `holder`'s
+    /// hold; otherwise changes nothing and returns `false`: the lease is lost.
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool>;
+
+    /// Ends `holder`'s hold on the keys that still have it, and returns how many had it.
+    /// A key is deleted with its last hold; keys that expired or that another owner took
+    /// since are left alone.
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize>;
+
+    /// Takes the reservations of the waiter with `ticket` off the keys, and wakes the
+    /// waiters they held up. Returns how many keys had one.
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize>;
+
+    /// What the store knows of each key, in the order given, without changing anything.
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>>;
+
+    /// Ends every hold on the keys, whoever has it, and wakes the waiters they kept out;
+    /// waiters' reservations stay. Foreign values are left alone. Returns how many keys
+    /// were held. For [`Locks::force_release`](crate::Locks::force_release) only: it takes
+    /// the keys from under their holders.
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize>;
+
+    /// Whether the store can serve locks: it answers, and has what the locks need.
+    fn check(&self) -> Reply<'_, ()>;
+
+    /// How much sooner than `ttl` after an acquisition or extension was sent its lease must
+    /// be taken as over: an allowance for the stores' clocks running at different rates.
+    /// None for a single store, whose own clock is the only one that counts.
+    fn drift(&self, _ttl: Duration) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Where waiters learn of releases: this process's own, and, where the store can tell,
+    /// other processes' too.
+    fn wakeups(&self) -> &Wakeups;
+}
+
+/// Where the idempotency layer keeps its answers: on the same store as the locks, apart
+/// from them (the keys are whole store keys, namespaced by the layer, never lock keys).
+#[cfg(feature = "idempotency")]
+pub(crate) trait AnswerStore: fmt::Debug + Send + Sync + 'static {
+    /// The answer that [`store_answer`](Self::store_answer) keeps under `key`, if it is
+    /// still there.
+    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>>;
+
+    /// Keeps `answer` unless an answer is there already: the first answer stays. Returns
+    /// whether this one is now the stored answer.
+    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool>;
+}
+
+/// An answer for the idempotency layer to keep: under `key`, a whole store key, for
+/// `retention`. Cheap to clone into the tasks of a store of several nodes.
+#[cfg(feature = "idempotency")]
+#[derive(Debug, Clone)]
+pub(crate) struct StoredAnswer {
+    pub(crate) key: Arc<str>,
+    pub(crate) bytes: Bytes,
+    pub(crate) retention: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_strictly_increase_and_stay_exact_in_luas_doubles() {
+        let tickets: Vec<Ticket> = (0..10_000).map(|_| Ticket::take()).collect();
+        assert!(tickets.windows(2).all(|w| w[0] < w[1]));
+        // Redis's Lua compares them as doubles: exact below 2^53.
+        assert!(tickets.iter().all(|t| t.get() > 0 && t.get() < 1 << 53));
+    }
+
+    #[cfg(feature = "redis")]
+    fn contention(keys: &[&str], total: usize, earliest: Option<u64>) -> Contention {
+        Contention {
+            keys: keys.iter().map(|&k| k.to_owned()).collect(),
+            total,
+            earliest_expiry: earliest.map(Duration::from_millis),
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn refusals_merge_into_one_contention() {
+        let refusals = || {
+            vec![
+                contention(&["lock:b", "lock:c"], 2, Some(900)),
+                contention(&["lock:a", "lock:b"], 3, None),
+                contention(&["lock:d"], 1, Some(400)),
+            ]
+        };
+        let merged = Contention::merge(refusals(), 3, true);
+        assert_eq!(merged.keys, ["lock:a", "lock:b", "lock:c"]);
+        assert_eq!(merged.total, 3);
+        assert_eq!(merged.earliest_expiry, Some(Duration::from_millis(400)));
+        // Parts of one batch: each counted its own keys.
+        assert_eq!(Contention::merge(refusals(), 3, false).total, 6);
+    }
+}

@@ -1,0 +1,460 @@
+//! Locks in this process's memory, with the same semantics as the Redis backend.
+
+use std::{
+    collections::HashMap,
+    hash::BuildHasher,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex, MutexGuard, PoisonError,
+    },
+    time::{Duration, Instant},
+};
+
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+
+#[cfg(feature = "idempotency")]
+use super::contract::{AnswerStore, StoredAnswer};
+use super::{
+    contract::{
+        Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
+        LockStore, OwnerToken, Reply, Ticket, RESERVATION_TTL,
+    },
+    wake::{slots_of, Wakeups},
+};
+#[cfg(feature = "idempotency")]
+use answers::Answers;
+
+#[cfg(feature = "idempotency")]
+mod answers;
+
+/// Enough shards that small batches on different keys rarely share a mutex on two cores
+/// or twenty, few enough that a batch of thousands locks them all cheaply.
+const SHARDS: usize = 64;
+
+/// A shard sweeps its expired entries when it has grown to this many, and then again
+/// whenever it has doubled since the last sweep, so sweeping stays amortized O(1).
+const FIRST_SWEEP_AT: usize = 1024;
+
+pub(crate) struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: std::hash::RandomState,
+    /// The last fencing token granted. One counter for the whole store: strictly
+    /// increasing across all grants, so across every grant that shares a key.
+    fence: AtomicU64,
+    wakeups: Wakeups,
+    /// The idempotency layer's stored answers.
+    #[cfg(feature = "idempotency")]
+    answers: Mutex<Answers>,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    entries: HashMap<String, Entry>,
+    sweep_at: usize,
+}
+
+/// A key's holds, and the reservations of the waiters that want it.
+#[derive(Debug, Default)]
+struct Entry {
+    holds: Option<Holds>,
+    /// Waiters' reservations, earliest ticket first.
+    queue: Vec<Reservation>,
+}
+
+#[derive(Debug)]
+struct Holds {
+    owner: OwnerToken,
+    /// The owner's holds on the key: it is free when the last one is released.
+    holds: Vec<u64>,
+    expires_at: Instant,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Reservation {
+    ticket: Ticket,
+    until: Instant,
+}
+
+impl Entry {
+    /// The live holds, if any.
+    fn live(&self, now: Instant) -> Option<&Holds> {
+        self.holds.as_ref().filter(|h| h.expires_at > now)
+    }
+
+    /// Whether the key keeps out `owner`, standing in `line`: held by someone else, or,
+    /// unless `owner` holds it, reserved by a waiter that `line` must let go first.
+    fn blocks(&self, owner: OwnerToken, line: Line, now: Instant) -> bool {
+        match self.live(now) {
+            Some(holds) => holds.owner != owner,
+            None => self
+                .queue
+                .iter()
+                .any(|r| r.until > now && line.kept_out_by(r.ticket)),
+        }
+    }
+
+    /// Still held, by this hold.
+    fn held_by(&self, holder: Holder, now: Instant) -> bool {
+        self.live(now)
+            .is_some_and(|h| h.owner == holder.owner && h.holds.contains(&holder.hold))
+    }
+
+    /// Puts `ticket`'s reservation in line (or renews it), dropping expired ones.
+    fn reserve(&mut self, ticket: Ticket, until: Instant, now: Instant) {
+        self.queue.retain(|r| r.until > now && r.ticket != ticket);
+        let at = self.queue.partition_point(|r| r.ticket < ticket);
+        self.queue.insert(at, Reservation { ticket, until });
+    }
+
+    /// Takes `ticket`'s reservation out of line; whether it was there.
+    fn withdraw(&mut self, ticket: Ticket, now: Instant) -> bool {
+        let had = self.queue.iter().any(|r| r.ticket == ticket);
+        self.queue.retain(|r| r.until > now && r.ticket != ticket);
+        had
+    }
+
+    /// Whether the entry still means anything: a live hold or a live reservation.
+    fn in_use(&self, now: Instant) -> bool {
+        self.live(now).is_some() || self.queue.iter().any(|r| r.until > now)
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    // By hand: the derived form would print every lock held.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore {
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: std::hash::RandomState::new(),
+            fence: AtomicU64::new(0),
+            wakeups: Wakeups::new(),
+            #[cfg(feature = "idempotency")]
+            answers: Mutex::default(),
+        }
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    }
+
+    /// Locks the shards of `slots` in ascending order (every batch takes them in the same
+    /// order, so two batches never wait on each other), indexed by shard number.
+    fn lock_shards(&self, slots: &[usize]) -> Vec<Option<MutexGuard<'_, Shard>>> {
+        let mut wanted = [false; SHARDS];
+        for &slot in slots {
+            wanted[slot] = true;
+        }
+        (0..SHARDS)
+            // A panic cannot leave a shard half-written (every write is one insert or
+            // remove), so a poisoned shard is still consistent.
+            .map(|i| {
+                wanted[i].then(|| {
+                    self.shards[i]
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                })
+            })
+            .collect()
+    }
+
+    fn try_acquire(
+        &self,
+        keys: &[String],
+        holder: Holder,
+        ttl: Duration,
+        report: usize,
+        line: Line,
+    ) -> Acquire {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        // Check every key before writing any, so a refused batch locks nothing.
+        let mut contention = Contention {
+            keys: Vec::new(),
+            total: 0,
+            earliest_expiry: None,
+        };
+        for (key, &slot) in keys.iter().zip(&slots) {
+            let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+                continue;
+            };
+            if entry.blocks(holder.owner, line, now) {
+                contention.total += 1;
+                if contention.keys.len() < report {
+                    contention.keys.push(key.clone());
+                }
+                if let Some(holds) = entry.live(now) {
+                    let left = holds.expires_at - now;
+                    contention.earliest_expiry =
+                        Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
+                }
+            }
+        }
+        if contention.total > 0 {
+            // A waiter in line reserves the whole batch against later arrivals.
+            if let Line::At(ticket) = line {
+                let until = now + RESERVATION_TTL;
+                for (key, &slot) in keys.iter().zip(&slots) {
+                    let entries = &mut locked(&mut shards, slot).entries;
+                    entries
+                        .entry(key.clone())
+                        .or_default()
+                        .reserve(ticket, until, now);
+                }
+            }
+            return Acquire::Held(contention);
+        }
+
+        let expires_at = now + ttl;
+        for (key, &slot) in keys.iter().zip(&slots) {
+            let entry = locked(&mut shards, slot)
+                .entries
+                .entry(key.clone())
+                .or_default();
+            if let Line::At(ticket) = line {
+                entry.withdraw(ticket, now);
+            }
+            match &mut entry.holds {
+                // The owner's own, still live: enter it again, never shortening it.
+                Some(holds) if holds.expires_at > now => {
+                    holds.holds.push(holder.hold);
+                    holds.expires_at = holds.expires_at.max(expires_at);
+                }
+                _ => {
+                    entry.holds = Some(Holds {
+                        owner: holder.owner,
+                        holds: vec![holder.hold],
+                        expires_at,
+                    });
+                }
+            }
+        }
+        for shard in shards.iter_mut().flatten() {
+            shard.sweep_if_grown(now);
+        }
+        // Taken while the shards are still locked, so a later grant of any of these keys,
+        // which must wait for the shards, gets a larger token.
+        Acquire::Granted(FencingToken::new(
+            self.fence.fetch_add(1, Ordering::SeqCst) + 1,
+        ))
+    }
+
+    fn try_extend(&self, keys: &[String], holder: Holder, ttl: Duration) -> bool {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        let held = keys.iter().zip(&slots).all(|(key, &slot)| {
+            locked(&mut shards, slot)
+                .entries
+                .get(key.as_str())
+                .is_some_and(|e| e.held_by(holder, now))
+        });
+        if held {
+            for (key, &slot) in keys.iter().zip(&slots) {
+                let entry = locked(&mut shards, slot).entries.get_mut(key.as_str());
+                if let Some(holds) = entry.and_then(|e| e.holds.as_mut()) {
+                    holds.expires_at = holds.expires_at.max(now + ttl);
+                }
+            }
+        }
+        held
+    }
+
+    fn release_owned(&self, keys: &[String], holder: Holder) -> usize {
+        // Release needs no cross-shard atomicity: a competitor that sees some keys free
+        // and others still held is refused, which is what it would see a moment earlier.
+        let now = Instant::now();
+        let released = self.each_entry(keys, now, |entry| {
+            let Some(holds) = entry.holds.as_mut().filter(|h| h.owner == holder.owner) else {
+                return false;
+            };
+            let Some(at) = holds.holds.iter().position(|&h| h == holder.hold) else {
+                return false;
+            };
+            holds.holds.swap_remove(at);
+            if holds.holds.is_empty() {
+                entry.holds = None;
+            }
+            true
+        });
+        self.wakeups.wake_slots(slots_of(keys));
+        released
+    }
+
+    fn withdraw_reservations(&self, keys: &[String], ticket: Ticket) -> usize {
+        let now = Instant::now();
+        let withdrawn = self.each_entry(keys, now, |entry| entry.withdraw(ticket, now));
+        // Requests that only this waiter kept out may go now.
+        self.wakeups.wake_slots(slots_of(keys));
+        withdrawn
+    }
+
+    /// What each key looks like now, seen all at once (every shard of the batch locked).
+    fn view(&self, keys: &[String]) -> Vec<KeyView> {
+        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
+        let mut shards = self.lock_shards(&slots);
+        let now = Instant::now();
+        keys.iter()
+            .zip(&slots)
+            .map(|(key, &slot)| {
+                let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+                    return KeyView::FREE;
+                };
+                let waiters = entry.queue.iter().filter(|r| r.until > now).count();
+                match entry.live(now) {
+                    Some(holds) => KeyView {
+                        status: KeyStatus::Held,
+                        ttl: Some(holds.expires_at - now),
+                        holds: holds.holds.len(),
+                        waiters,
+                    },
+                    None => KeyView {
+                        waiters,
+                        ..KeyView::FREE
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Ends every live hold on the keys, and wakes the waiters they kept out.
+    fn release_all(&self, keys: &[String]) -> usize {
+        let now = Instant::now();
+        let released = self.each_entry(keys, now, |entry| {
+            let held = entry.live(now).is_some();
+            entry.holds = None;
+            held
+        });
+        self.wakeups.wake_slots(slots_of(keys));
+        released
+    }
+
+    /// Changes the entry of each key that has one, shard by shard, dropping entries left
+    /// with neither a live hold nor a live reservation; counts the changes that `change`
+    /// reports.
+    fn each_entry(
+        &self,
+        keys: &[String],
+        now: Instant,
+        mut change: impl FnMut(&mut Entry) -> bool,
+    ) -> usize {
+        let mut changed = 0;
+        for key in keys {
+            let mut shard = self.shards[self.shard_of(key)]
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let Some(entry) = shard.entries.get_mut(key.as_str()) else {
+                continue;
+            };
+            if change(entry) {
+                changed += 1;
+            }
+            if !entry.in_use(now) {
+                shard.entries.remove(key.as_str());
+            }
+        }
+        changed
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                s.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entries
+                    .len()
+            })
+            .sum()
+    }
+}
+
+/// The shard `slot` out of the shards [`MemoryStore::lock_shards`] locked for a batch.
+fn locked<'s, 'g>(shards: &'s mut [Option<MutexGuard<'g, Shard>>], slot: usize) -> &'s mut Shard {
+    shards[slot]
+        .as_deref_mut()
+        .expect("every shard of the batch is locked")
+}
+
+impl Shard {
+    /// Drops expired entries that nobody released or withdrew (their holder or waiter
+    /// crashed, or its release was lost), so that the map does not grow without bound.
+    fn sweep_if_grown(&mut self, now: Instant) {
+        if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
+            self.entries.retain(|_, e| e.in_use(now));
+            self.sweep_at = self.entries.len() * 2;
+        }
+    }
+}
+
+impl LockStore for MemoryStore {
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+        let r = request;
+        let outcome = self.try_acquire(&r.keys, r.holder, r.ttl, r.report, r.line);
+        Box::pin(std::future::ready(Ok(outcome)))
+    }
+
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
+        Box::pin(std::future::ready(Ok(self.try_extend(keys, holder, ttl))))
+    }
+
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
+        Box::pin(std::future::ready(Ok(self.release_owned(keys, holder))))
+    }
+
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
+        let withdrawn = self.withdraw_reservations(keys, ticket);
+        Box::pin(std::future::ready(Ok(withdrawn)))
+    }
+
+    fn check(&self) -> Reply<'_, ()> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
+        Box::pin(std::future::ready(Ok(self.view(keys))))
+    }
+
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
+        Box::pin(std::future::ready(Ok(self.release_all(keys))))
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl AnswerStore for MemoryStore {
+    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
+        let answer = self.answers().load(key, Instant::now());
+        Box::pin(std::future::ready(Ok(answer)))
+    }
+
+    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
+        let now = Instant::now();
+        let stored =
+            (self.answers()).store(&answer.key, answer.bytes.clone(), answer.retention, now);
+        Box::pin(std::future::ready(Ok(stored)))
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl MemoryStore {
+    fn answers(&self) -> MutexGuard<'_, Answers> {
+        // Every change is one map operation: a poisoned table is still whole.
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,45 @@
+//! Where locks live: in this process's memory, in one Redis, on several independent Redis
+//! masters (Redlock), or on a Redis Cluster.
+//!
+//! Each store is built one way, and [`Locks::new`](crate::Locks::new) takes it:
+//!
+//! | store | built with | for |
+//! | --- | --- | --- |
+//! | the process-wide memory store | [`Locks::memory`](crate::Locks::memory) | one process; what [`LockLayer::new`](crate::LockLayer::new) uses |
+//! | a memory store of its own | [`Store::isolated_memory`] | tests that must not see each other's locks |
+//! | one Redis | [`Redis`] (feature `redis`) | every process that shares a Redis |
+//! | several independent masters | [`Redlock`] (feature `redis`) | locks that outlive the loss of any minority of the masters |
+//! | a Redis Cluster | `RedisCluster` (feature `cluster`) | every process that shares a cluster, each batch spread over the masters of its keys |
+//!
+//! ```
+//! use tower_batch_lock::{store::Store, Locks};
+//!
+//! let locks = Locks::new(Store::isolated_memory());
+//! # drop(locks);
+//! ```
+//!
+//! Every store has the same semantics (all or nothing, owner-only release, re-entry,
+//! TTLs, fair waiting, fencing tokens); the builders' docs say what each adds or assumes.
+
+#[cfg(feature = "cluster")]
+mod cluster;
+pub(crate) mod contract;
+pub(crate) mod error;
+#[cfg(feature = "redis")]
+mod fanout;
+pub(crate) mod handle;
+pub(crate) mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+mod redlock;
+pub(crate) mod wake;
+
+#[cfg(feature = "cluster")]
+pub use cluster::RedisCluster;
+pub use error::StoreError;
+pub use handle::Store;
+#[cfg(feature = "redis")]
+pub use redis::Redis;
+#[cfg(feature = "redis")]
+pub use redlock::Redlock;

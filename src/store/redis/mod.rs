@@ -1,0 +1,470 @@
+//! One Redis: the public builder, and the store that one Redis, each Redlock master and
+//! each cluster master run (the scripts in their topology's form).
+//!
+//! `redis::Script` sends `EVALSHA` and falls back to loading the script when the server
+//! answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`).
+
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+use deadpool_redis::Pool;
+use redis::{FromRedisValue, RedisResult, ScriptInvocation};
+
+#[cfg(feature = "idempotency")]
+use super::contract::{AnswerStore, StoredAnswer};
+use super::{
+    contract::{
+        Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
+        LockStore, Reply, Ticket, RESERVATION_TTL,
+    },
+    error::StoreError,
+    handle::Store,
+    wake::{slots_of, Wakeups},
+};
+use connection::{Command, SharedConnection};
+use pubsub::{listen_for_releases, slot_list, RELEASED_CHANNEL};
+#[cfg(feature = "cluster")]
+use scripts::CLUSTER;
+use scripts::{Scripts, RAISE_FENCE, SINGLE};
+
+mod connection;
+pub(super) mod pubsub;
+mod scripts;
+
+/// Locks in one Redis, shared by every process that uses it with the same
+/// [prefix](crate::Locks::prefix): built from a URL (a pool of its own) or from your
+/// deadpool-redis pool.
+///
+/// ```
+/// use tower_batch_lock::{deadpool_redis, store::Redis, Locks};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let url = "redis://127.0.0.1/";
+/// // A pool of its own, and waiting requests woken by every process's releases.
+/// let locks = Locks::new(Redis::url(url).build()?);
+///
+/// // Or your pool; `wakeups` subscribes at the same Redis for other processes' releases.
+/// let pool = deadpool_redis::Config::from_url(url)
+///     .create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+/// let shared = Locks::new(Redis::pool(pool).wakeups(url).build()?);
+/// # drop((locks, shared));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Nothing connects until the first request (or [`Locks::check`](crate::Locks::check)).
+///
+/// # Data model
+///
+/// One string per resource, `{prefix}{key}`, holding the owner token and its hold ids,
+/// then the reservations of waiters in line, with a `PX` ttl; the prefix itself (never a
+/// lock key: empty keys are refused) holds the namespace's fencing counter. One Lua script
+/// acquires a whole batch, one extends it, one releases it and one withdraws a waiter's
+/// reservations, so a batch of any size costs one round trip each. A release publishes
+/// the wake-up slots of its keys on the channel `tower-batch-lock:released`.
+///
+/// # Requirements
+///
+/// Redis 7.0 or later, or a compatible server such as Valkey: the scripts use
+/// `SET ... NX GET` and `PEXPIRE ... GT`. The user needs `EVALSHA`, `SCRIPT LOAD`, `INFO`
+/// and `PUBLISH` / `SUBSCRIBE` on that channel; with the idempotency layer, `GET` and
+/// `SET` on its keys.
+#[derive(Clone)]
+pub struct Redis {
+    source: Source,
+    /// Where to subscribe to other processes' releases.
+    wakeups: Option<String>,
+}
+
+#[derive(Clone)]
+enum Source {
+    Url(String),
+    Pool(Pool),
+}
+
+impl fmt::Debug for Redis {
+    // By hand: URLs may carry passwords.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match self.source {
+            Source::Url(_) => "url",
+            Source::Pool(_) => "pool",
+        };
+        f.debug_struct("Redis")
+            .field("source", &source)
+            .field("wakeups", &self.wakeups.is_some())
+            .finish()
+    }
+}
+
+impl Redis {
+    /// The Redis at `url` (`redis://host:port/db`, or `rediss://` for TLS; credentials go
+    /// in the URL), with a pool of its own, and a subscription at the same URL that wakes
+    /// waiting requests when any process releases their keys.
+    pub fn url(url: impl Into<String>) -> Self {
+        let url = url.into();
+        Self {
+            wakeups: Some(url.clone()),
+            source: Source::Url(url),
+        }
+    }
+
+    /// The Redis behind `pool`. The locks take one connection out of it for good and share
+    /// it (redis-rs pipelines concurrent commands over one connection, and a checkout from
+    /// a deadpool-redis pool costs a `PING` round trip); after a connection error they take
+    /// another. Without [`wakeups`](Self::wakeups), waiting requests wake at once for this
+    /// process's releases and poll (every 5 to 100 ms) for other processes'.
+    pub fn pool(pool: Pool) -> Self {
+        Self {
+            source: Source::Pool(pool),
+            wakeups: None,
+        }
+    }
+
+    /// Subscribes at `url` (the same Redis) to every process's releases, to wake waiting
+    /// requests at once.
+    pub fn wakeups(mut self, url: impl Into<String>) -> Self {
+        self.wakeups = Some(url.into());
+        self
+    }
+
+    /// The store. The subscription opens at once when this is called inside a Tokio
+    /// runtime, and otherwise when the first request waits.
+    ///
+    /// # Errors
+    ///
+    /// When a URL is not a valid Redis URL. Nothing connects yet.
+    pub fn build(self) -> Result<Store, redis::RedisError> {
+        let pool = match self.source {
+            Source::Pool(pool) => pool,
+            Source::Url(url) => deadpool_redis::Config::from_url(url)
+                .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                .map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "could not create a Redis pool",
+                        e.to_string(),
+                    ))
+                })?,
+        };
+        let subscriber = self
+            .wakeups
+            .map(|url| redis::Client::open(url.as_str()))
+            .transpose()?;
+        Ok(Store::of(Arc::new(RedisStore::new(pool, subscriber))))
+    }
+}
+
+/// One Redis, or one node of a Redlock or a cluster.
+pub(crate) struct RedisStore {
+    connection: SharedConnection,
+    wakeups: Arc<Wakeups>,
+    /// The scripts' form: for one Redis, or for a cluster node.
+    scripts: &'static Scripts,
+    /// Where to open the subscription to other processes' releases, if anywhere.
+    subscriber: Option<redis::Client>,
+    subscribed: OnceLock<()>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("pool", &self.connection.status())
+            .field("subscribes", &self.subscriber.is_some())
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// `subscriber`: the Redis to listen on for other processes' releases; without it,
+    /// waiters wake on this process's releases and otherwise poll.
+    pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
+        Self::with_scripts(pool, subscriber, &SINGLE)
+    }
+
+    /// A master of a Redis Cluster, which gets the keys of a batch that it serves, of many
+    /// slots ([`CLUSTER`]). Its acquisitions count no grant (the cluster store takes the
+    /// token from one counter) and its releases announce nothing (the cluster store does).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn cluster_node(pool: Pool) -> Self {
+        Self::with_scripts(pool, None, &CLUSTER)
+    }
+
+    fn with_scripts(
+        pool: Pool,
+        subscriber: Option<redis::Client>,
+        scripts: &'static Scripts,
+    ) -> Self {
+        let store = Self {
+            connection: SharedConnection::new(pool),
+            wakeups: Arc::new(Wakeups::new()),
+            scripts,
+            subscriber,
+            subscribed: OnceLock::new(),
+        };
+        // Built inside a runtime (the usual case), subscribe now, so that the first waiter
+        // already hears of releases; otherwise on first use.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            store.listen_for_releases();
+        }
+        store
+    }
+
+    /// Starts relaying other processes' releases to this process's waiters, once.
+    fn listen_for_releases(&self) {
+        if let Some(client) = &self.subscriber {
+            self.subscribed.get_or_init(|| {
+                let (client, wakeups) = (client.clone(), Arc::downgrade(&self.wakeups));
+                tokio::spawn(listen_for_releases(client, wakeups));
+            });
+        }
+    }
+
+    /// Runs a script on the shared connection (see [`SharedConnection::send`]).
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        self.connection.send(Command::Script(script)).await
+    }
+
+    /// Runs a script that frees `keys` for others (a release, a withdrawal) and announces
+    /// it: the channel and the keys' wake-up slots go last among its arguments, for it to
+    /// publish; this process's waiters are woken at once, without waiting for the message
+    /// to come back. Returns the script's count.
+    async fn invoke_announcing(
+        &self,
+        mut script: ScriptInvocation<'_>,
+        keys: &[String],
+    ) -> Result<usize, StoreError> {
+        let slots = slots_of(keys);
+        script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+        let count = self.invoke(&script).await?;
+        self.wakeups.wake_slots(slots);
+        Ok(count)
+    }
+
+    /// Puts the reservation of the waiter with `ticket` on `keys`, for
+    /// [`RESERVATION_TTL`]: the part of a batch that the cluster store granted and
+    /// rolled back, when another part kept the waiter out.
+    #[cfg(feature = "cluster")]
+    pub(crate) async fn reserve(&self, keys: &[String], ticket: Ticket) -> Result<(), StoreError> {
+        let mut script = self.scripts.prepare(&self.scripts.reserve, keys);
+        script.arg(ticket.get()).arg(millis(RESERVATION_TTL));
+        self.invoke::<i64>(&script).await?;
+        Ok(())
+    }
+
+    /// Raises the fencing counter of `namespace` to at least `floor`.
+    pub(crate) async fn raise_fence(&self, namespace: &str, floor: u64) -> Result<(), StoreError> {
+        let mut script = RAISE_FENCE.prepare_invoke();
+        script.key(namespace).arg(floor);
+        self.invoke::<i64>(&script).await?;
+        Ok(())
+    }
+}
+
+/// The acquire script's reply.
+type AcquireReply = (i64, i64, i64, Vec<String>);
+
+impl LockStore for RedisStore {
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            let (keys, line) = (&*request.keys, request.line);
+            let mut script = self.scripts.acquire.prepare_invoke();
+            if self.scripts.keys_as_args {
+                // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
+                script.arg(keys.len() + 1).arg("").arg(keys);
+            } else {
+                script.key(&*request.namespace).key(keys);
+            }
+            script
+                .arg(request.holder.owner.as_hex())
+                .arg(request.holder.hold_hex())
+                .arg(millis(request.ttl))
+                .arg(request.report)
+                .arg(match line {
+                    Line::Outside => String::new(),
+                    Line::At(ticket) => ticket.get().to_string(),
+                    // Earlier than every ticket: no reservation keeps it out.
+                    Line::Holder => "0".to_owned(),
+                })
+                .arg(match line {
+                    Line::At(_) => millis(RESERVATION_TTL),
+                    Line::Outside | Line::Holder => 0,
+                });
+            let (granted, count, earliest, named): AcquireReply = self.invoke(&script).await?;
+            if granted == 1 {
+                let fence = u64::try_from(count).map_err(|_| {
+                    let counter = &request.namespace;
+                    StoreError::unknown(format!("the fencing counter {counter:?} is negative"))
+                })?;
+                return Ok(Acquire::Granted(FencingToken::new(fence)));
+            }
+            Ok(Acquire::Held(Contention {
+                keys: named,
+                total: usize::try_from(count).unwrap_or(1),
+                // -1: no conflicting key had a ttl the script could read.
+                earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
+            }))
+        })
+    }
+
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
+        Box::pin(async move {
+            let mut script = self.scripts.prepare(&self.scripts.extend, keys);
+            script
+                .arg(holder.owner.as_hex())
+                .arg(holder.hold_hex())
+                .arg(millis(ttl));
+            Ok(self.invoke::<i64>(&script).await? == 1)
+        })
+    }
+
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let mut script = self.scripts.prepare(&self.scripts.release, keys);
+            script.arg(holder.owner.as_hex()).arg(holder.hold_hex());
+            self.invoke_announcing(script, keys).await
+        })
+    }
+
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let mut script = self.scripts.prepare(&self.scripts.withdraw, keys);
+            script.arg(ticket.get());
+            self.invoke_announcing(script, keys).await
+        })
+    }
+
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
+        Box::pin(async move {
+            let script = self.scripts.prepare(&self.scripts.inspect, keys);
+            let reply: Vec<i64> = self.invoke(&script).await?;
+            if reply.len() != keys.len() * 4 {
+                return Err(StoreError::unknown(format!(
+                    "the inspect script answered {} numbers for {} keys",
+                    reply.len(),
+                    keys.len()
+                )));
+            }
+            Ok(reply.chunks_exact(4).map(key_view).collect())
+        })
+    }
+
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let script = self.scripts.prepare(&self.scripts.force_release, keys);
+            self.invoke_announcing(script, keys).await
+        })
+    }
+
+    /// Redis 7.0 or later (the scripts need it), and every script loads.
+    fn check(&self) -> Reply<'_, ()> {
+        Box::pin(async move {
+            let mut call = self.connection.call().await?;
+            let info: RedisResult<String> = redis::cmd("INFO")
+                .arg("server")
+                .query_async(&mut call.connection)
+                .await;
+            let version = match info {
+                Ok(info) => server_version(&info),
+                Err(error) => return call.end::<()>(Err(error)),
+            };
+            if version.is_some_and(|(major, _)| major < 7) {
+                let (major, minor) = version.unwrap_or_default();
+                return Err(StoreError::not_sent(format!(
+                    "the lock store needs Redis 7.0 or later; this server is {major}.{minor}"
+                )));
+            }
+            let own = &self.scripts;
+            let mut scripts = vec![&own.acquire, &own.extend, &own.release, &own.withdraw];
+            // Redlock raises fences; a cluster node keeps no counter.
+            if !own.keys_as_args {
+                scripts.push(&*RAISE_FENCE);
+            }
+            // Inspect and force_release are an operator's: they load when first used.
+            for script in scripts {
+                let loaded = script.load_async(&mut call.connection).await;
+                if loaded.is_err() {
+                    return call.end(loaded).map(drop);
+                }
+            }
+            call.end(Ok(()))
+        })
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        self.listen_for_releases();
+        &self.wakeups
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl AnswerStore for RedisStore {
+    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
+        Box::pin(async move {
+            let answer: Option<Vec<u8>> = self
+                .connection
+                .send(Command::Plain(redis::cmd("GET").arg(key)))
+                .await?;
+            Ok(answer.map(Bytes::from))
+        })
+    }
+
+    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
+        Box::pin(async move {
+            let set = store_answer_command(answer);
+            let stored: Option<String> = self.connection.send(Command::Plain(&set)).await?;
+            Ok(stored.is_some())
+        })
+    }
+}
+
+/// One key's four numbers from the inspect script.
+fn key_view(numbers: &[i64]) -> KeyView {
+    let count = |n: i64| usize::try_from(n).unwrap_or(0);
+    let status = match numbers[0] {
+        0 => KeyStatus::Free,
+        1 => KeyStatus::Held,
+        _ => KeyStatus::Foreign,
+    };
+    KeyView {
+        status,
+        // -1: no ttl; -2: gone since (it cannot be, inside a script).
+        ttl: u64::try_from(numbers[1]).ok().map(Duration::from_millis),
+        holds: count(numbers[2]),
+        waiters: count(numbers[3]),
+    }
+}
+
+/// `SET key answer PX retention NX`: keeps an idempotent answer unless one is there.
+#[cfg(feature = "idempotency")]
+pub(crate) fn store_answer_command(answer: &StoredAnswer) -> redis::Cmd {
+    let mut set = redis::cmd("SET");
+    set.arg(&*answer.key)
+        .arg(&answer.bytes[..])
+        .arg("PX")
+        .arg(millis(answer.retention))
+        .arg("NX");
+    set
+}
+
+pub(crate) fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// The major and minor version in the answer to `INFO server`.
+fn server_version(info: &str) -> Option<(u32, u32)> {
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))?;
+    let mut parts = version.trim().split('.').map(|p| p.parse().ok());
+    Some((parts.next()??, parts.next()??))
+}

@@ -1,0 +1,102 @@
+//! How a majority of the masters decides: an acquisition's tally, and what a majority
+//! sees of a key.
+
+use crate::store::{
+    contract::{Acquire, Contention, KeyStatus, KeyView},
+    fanout::{NodeFailure, NodeReply},
+};
+
+/// What the masters answered an acquisition, so far.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    /// The masters that granted the batch, with their fencing counters.
+    pub(super) granted: Vec<(usize, u64)>,
+    pub(super) held: Vec<Contention>,
+    /// The masters that gave no answer in time: their acquisition may still run.
+    pub(super) timed_out: Vec<usize>,
+    /// Masters that gave no answer, for whatever reason.
+    pub(super) failed: usize,
+}
+
+impl Tally {
+    pub(super) fn record(&mut self, node: usize, reply: NodeReply<Acquire>) {
+        match reply {
+            Ok(Acquire::Granted(fence)) => self.granted.push((node, fence.get())),
+            Ok(Acquire::Held(contention)) => self.held.push(contention),
+            Err(failure) => {
+                self.failed += 1;
+                if matches!(failure, NodeFailure::TimedOut) {
+                    self.timed_out.push(node);
+                }
+            }
+        }
+    }
+}
+
+/// The `quorum`-th largest of `values`: the most that `quorum` of them reach.
+fn reached_by<T: Ord + Copy>(mut values: Vec<T>, quorum: usize) -> Option<T> {
+    values.sort_unstable_by(|a, b| b.cmp(a));
+    values.get(quorum.checked_sub(1)?).copied()
+}
+
+/// One key as a majority of the masters that answered see it: held when `quorum` of them
+/// hold it (then no acquisition can get a majority), with the time left and the holds that
+/// `quorum` of them still have; foreign when `quorum` of them are kept out by something
+/// else; free otherwise, even if a minority still holds it (what is left there expires,
+/// and keeps nobody out). The waiters that `quorum` of them have in line.
+pub(super) fn majority_view(views: &[KeyView], quorum: usize) -> KeyView {
+    let held: Vec<&KeyView> = views
+        .iter()
+        .filter(|v| v.status == KeyStatus::Held)
+        .collect();
+    let blocked: Vec<&KeyView> = views
+        .iter()
+        .filter(|v| v.status != KeyStatus::Free)
+        .collect();
+    let waiters = reached_by(views.iter().map(|v| v.waiters).collect(), quorum).unwrap_or(0);
+    let (status, seen) = if held.len() >= quorum {
+        (KeyStatus::Held, held)
+    } else if blocked.len() >= quorum {
+        (KeyStatus::Foreign, blocked)
+    } else {
+        return KeyView {
+            waiters,
+            ..KeyView::FREE
+        };
+    };
+    KeyView {
+        status,
+        ttl: reached_by(seen.iter().filter_map(|v| v.ttl).collect(), quorum),
+        holds: reached_by(seen.iter().map(|v| v.holds).collect(), quorum).unwrap_or(0),
+        waiters,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_key_is_held_when_a_majority_holds_it() {
+        let held = |ttl: u64, holds: usize, waiters: usize| KeyView {
+            status: KeyStatus::Held,
+            ttl: Some(Duration::from_millis(ttl)),
+            holds,
+            waiters,
+        };
+        let free = |waiters: usize| KeyView {
+            waiters,
+            ..KeyView::FREE
+        };
+        let view = majority_view(&[held(900, 2, 1), held(500, 1, 0), free(3)], 2);
+        assert_eq!(view.status, KeyStatus::Held);
+        // Two masters still hold it for 500 ms, with one hold each; one waiter on two.
+        assert_eq!(view.ttl, Some(Duration::from_millis(500)));
+        assert_eq!((view.holds, view.waiters), (1, 1));
+        // A leftover on one master keeps nobody out.
+        let view = majority_view(&[held(900, 1, 0), free(0), free(0)], 2);
+        assert_eq!(view, KeyView::FREE);
+    }
+}
