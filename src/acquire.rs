@@ -14,12 +14,14 @@ use crate::{
     guard::LockGuard,
     locks::Locks,
     observe::{Layer, Outcome, Waiting},
+    outage::OutageLog,
     rejection::Rejection,
     store::{
         contract::{
             Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore, OwnerToken,
             Ticket,
         },
+        error::StoreError,
         wake::any_released,
     },
     wait::Wait,
@@ -56,6 +58,7 @@ pub(crate) async fn acquire(
         report,
         holds_keys,
         layer,
+        outage: &locks.outage,
     };
     acquisition
         .run(owner)
@@ -113,6 +116,8 @@ struct Acquisition<'a> {
     holds_keys: bool,
     /// The metrics label of a request's acquisition (not of a handler's `Lease::lock`).
     layer: Option<&'a Layer>,
+    /// Where a failed store is logged.
+    outage: &'a OutageLog,
 }
 
 /// Why a batch was not granted.
@@ -167,6 +172,9 @@ impl Acquisition<'_> {
                 line,
             };
             let outcome = tokio::time::timeout(self.timeout, self.store.acquire(&request)).await;
+            if matches!(outcome, Ok(Ok(_))) {
+                self.outage.answered();
+            }
             let contention = match outcome {
                 Ok(Ok(Acquire::Granted(fence))) => {
                     // The grant took the reservations off the batch.
@@ -181,7 +189,7 @@ impl Acquisition<'_> {
                     contention
                 }
                 Ok(Err(error)) => {
-                    tracing::error!(%error, keys = self.keys.len(), "could not acquire locks");
+                    self.outage.failed(&error, self.keys.len());
                     if !error.may_have_applied() {
                         guard.disarm();
                     }
@@ -190,11 +198,8 @@ impl Acquisition<'_> {
                     return Err(Refusal::Unavailable);
                 }
                 Err(_elapsed) => {
-                    tracing::error!(
-                        timeout_ms = self.timeout.as_millis() as u64,
-                        keys = self.keys.len(),
-                        "acquiring locks timed out"
-                    );
+                    let why = StoreError::timed_out(self.timeout);
+                    self.outage.failed(&why, self.keys.len());
                     return Err(Refusal::Unavailable);
                 }
             };

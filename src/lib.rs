@@ -105,6 +105,7 @@ mod lease;
 mod locks;
 mod middleware;
 mod observe;
+mod outage;
 mod owner;
 mod registry;
 mod rejection;

@@ -11,6 +11,7 @@ use http::{request::Parts, HeaderName, StatusCode};
 
 use crate::{
     keys::normalize::KeyPolicy,
+    outage::OutageLog,
     registry::Batches,
     rejection::Rejection,
     retry_after::{HoldTimes, RetryAfter},
@@ -46,6 +47,8 @@ pub struct Locks {
     pub(crate) holds: Arc<HoldTimes>,
     /// The batches this handle's requests hold now, for [`Locks::held_batches`].
     pub(crate) batches: Arc<Batches>,
+    /// The store's outage, logged once rather than once per request.
+    pub(crate) outage: Arc<OutageLog>,
 }
 
 /// The rules, as the request path reads them: each is set by the builder method of its
@@ -125,7 +128,7 @@ impl Default for Policy {
             contention_status: StatusCode::CONFLICT,
             max_named_conflicts: 20,
             store_timeout: Duration::from_secs(2),
-            require_keys: false,
+            require_keys: true,
             wait: Wait::none(),
             renew: true,
             max_hold: Some(DEFAULT_MAX_HOLD),
@@ -168,6 +171,7 @@ impl Locks {
             policy: Arc::new(Policy::default()),
             holds: Arc::default(),
             batches: Arc::default(),
+            outage: Arc::default(),
         }
     }
 
@@ -250,8 +254,14 @@ impl Locks {
         self.tune(|p| p.store_timeout = timeout)
     }
 
-    /// Whether a request whose extractor finds no keys is refused with 400 (`true`) or
-    /// passes through unlocked (`false`, the default).
+    /// Whether a request whose extractor finds no keys is refused with a 400 problem+json
+    /// whose `limit` is `no_keys` (`true`, the default), or passes through unlocked
+    /// (`false`).
+    ///
+    /// Refused by default because a handler that needs its locks must not run without
+    /// them: an order with no lines, a missing header. Turn it off for a route whose keys
+    /// are optional (an extractor that finds none on some requests on purpose), and take
+    /// `Option<Lease>` in its handler.
     pub fn require_keys(self, require: bool) -> Self {
         self.tune(|p| p.require_keys = require)
     }

@@ -19,7 +19,7 @@ use crate::{
     locks::{Locks, OnLostLease},
     observe::{self, Layer, Outcome},
     owner::{ExtraHolds, OwnerExtension, RequestGuard, RequestOwner},
-    rejection::Rejection,
+    rejection::{Refused, Rejection},
     store::contract::OwnerToken,
 };
 
@@ -58,7 +58,15 @@ async fn lock_extracted<B>(
         span.record("outcome", "rejected");
         observe::outcome(layer, Outcome::Rejected, None);
     };
-    let (mut request, keys) = extracted.await.inspect_err(|_| rejected())?;
+    let (mut request, keys) = extracted.await.map_err(|mut refusal| {
+        rejected();
+        // The extractor refused the request before it ran: a layer around this one (the
+        // idempotency layer) must not keep the answer, so that the corrected request runs.
+        refusal
+            .extensions_mut()
+            .insert(Refused { contended: false });
+        refusal
+    })?;
     let keys = normalize(keys, &policy.keys).map_err(|rejection| {
         rejected();
         locks.refuse(rejection)

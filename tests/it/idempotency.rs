@@ -20,7 +20,7 @@ use axum::{
     Router,
 };
 use bytes::Bytes;
-use tower_batch_lock::{idempotency::Idempotency, Locks, Wait};
+use tower_batch_lock::{idempotency::Idempotency, keys, Locks, Wait};
 
 use crate::support::{
     handlers::{gated_handler, Gate},
@@ -859,4 +859,59 @@ async fn a_killed_processs_key_is_free_again_after_its_ttl() {
     assert!(ran.headers.get("idempotent-replayed").is_none());
     assert_eq!(orders.created.load(Ordering::SeqCst), 1);
     store.assert_no_run_left();
+}
+
+/// A body the lock layer's extractor refuses (400) is not kept by the idempotency layer
+/// around it: the corrected request, with the same key, runs.
+#[tokio::test]
+async fn a_request_the_lock_layers_extractor_refuses_is_not_stored_and_its_correction_runs() {
+    #[derive(serde::Deserialize)]
+    struct NewOrder {
+        skus: Vec<String>,
+    }
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory());
+    let orders = Arc::new(Orders::default());
+    let sku_keys =
+        keys::json(|order: NewOrder| order.skus.into_iter().map(|sku| format!("sku:{sku}")));
+    let create = create_order(&orders, None)
+        .layer::<_, Infallible>(locks.layer(sku_keys))
+        .layer(locks.idempotency());
+    let app = Router::new().route("/orders", create);
+
+    let malformed = send(&app, order(Some("po-8"), r#"{"skus": ["a", 7]}"#)).await;
+    assert_eq!(malformed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(orders.created.load(Ordering::SeqCst), 0);
+    let corrected = send(&app, order(Some("po-8"), r#"{"skus": ["a", "b"]}"#)).await;
+    assert_eq!(
+        corrected.status,
+        StatusCode::CREATED,
+        "{}",
+        corrected.text()
+    );
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    // And that answer is the one kept: its retry is replayed, not run again.
+    let retry = send(&app, order(Some("po-8"), r#"{"skus": ["a", "b"]}"#)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+}
+
+/// A request whose extractor finds no key gets a 400 problem by default, and the
+/// idempotency layer around it keeps nothing: the request with the key added runs.
+#[tokio::test]
+async fn a_request_that_names_no_resource_gets_400_and_is_not_stored() {
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory());
+    let orders = Arc::new(Orders::default());
+    let create = create_order(&orders, None)
+        .layer::<_, Infallible>(locks.layer(keys::header("x-sku", "sku")))
+        .layer(locks.idempotency());
+    let app = Router::new().route("/orders", create);
+
+    let unnamed = send(&app, order(Some("po-9"), "{}")).await;
+    assert_eq!(unnamed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(unnamed.problem()["limit"], "no_keys");
+    let mut named = order(Some("po-9"), "{}");
+    named.headers_mut().insert("x-sku", "a".parse().unwrap());
+    assert_eq!(send(&app, named).await.status, StatusCode::CREATED);
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
 }

@@ -120,19 +120,25 @@ async fn contention_status_and_naming_are_configurable() {
 }
 
 #[tokio::test]
-async fn requests_without_keys_pass_unlocked_unless_keys_are_required() {
+async fn requests_without_keys_are_refused_unless_the_route_lets_them_pass_unlocked() {
+    // The default: a handler that needs its locks never runs without them.
     let response = quick(&Locks::new(Store::isolated_memory()))
         .oneshot(request(""))
         .await
         .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let problem = problem(response).await;
+    assert_eq!(problem["limit"], "no_keys");
+    assert_eq!(
+        problem["detail"],
+        "the request does not name a resource to lock"
+    );
 
-    let response = quick(&Locks::new(Store::isolated_memory()).require_keys(true))
+    let response = quick(&Locks::new(Store::isolated_memory()).require_keys(false))
         .oneshot(request(""))
         .await
         .unwrap();
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
-    assert_eq!(problem(response).await["limit"], "no_keys");
+    assert_eq!(response.status(), StatusCode::OK);
 }
 
 #[tokio::test]
@@ -502,8 +508,10 @@ impl Service<Request<Body>> for MustBeReady {
 
 #[tokio::test]
 async fn the_ready_inner_service_is_the_one_called() {
+    // Requests without keys pass unlocked here, so that every kind of request reaches it.
+    let locks = Locks::new(Store::isolated_memory()).require_keys(false);
     let mut service = ServiceBuilder::new()
-        .layer(Locks::new(Store::isolated_memory()).layer(header_keys))
+        .layer(locks.layer(header_keys))
         .service(MustBeReady::default());
     for keys in ["a", "", "a,b"] {
         let response = service
