@@ -1464,3 +1464,43 @@ async fn a_slow_script_is_bounded_by_the_backend_timeout_not_by_the_clients_defa
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
+
+/// While the store is down, every request gets its 503, and the log gets one error when
+/// the outage starts, not one per request (a summary follows every 10 s, and a line when
+/// the store answers again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_is_logged_once_not_once_per_request() {
+    crate::support::logs::errors_logged();
+    let mut server = RedisServer::start();
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap())
+        .store_timeout(Duration::from_millis(300));
+    let app = batch_router(&locks, || async { "ok" });
+    // Thirteen keys: a count no other test uses, to find this test's lines in the log.
+    let keys: Vec<String> = (0..13).map(|i| format!("outage-{i}")).collect();
+    assert_eq!(send(&app, batch(&keys)).await.status, StatusCode::OK);
+
+    server.kill();
+    for _ in 0..20 {
+        let refused = send(&app, batch(&keys)).await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(refused.retry_after() >= 1);
+    }
+    let logged = crate::support::logs::errors_logged();
+    let started = logged
+        .lines()
+        .filter(|l| l.contains("the lock store failed") && l.contains("keys=13"))
+        .count();
+    assert_eq!(started, 1, "{logged}");
+
+    server.restart();
+    // The pool reconnects on its own: a few attempts at most.
+    let mut answered = false;
+    for _ in 0..100 {
+        if send(&app, batch(&keys)).await.status == StatusCode::OK {
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered, "the store never answered again");
+}
