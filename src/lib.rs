@@ -8,14 +8,16 @@
 //! `423 Locked`) with a `Retry-After`, and never reaches the handler.
 //!
 //! ```
+//! use std::time::Duration;
 //! use axum::{body::Body, routing::put, Router};
 //! use http::{Request, StatusCode};
 //! use tower::ServiceExt;
-//! use tower_batch_lock::{keys, Locks};
+//! use tower_batch_lock::{keys, Locks, Wait};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! let locks = Locks::memory();
+//! // One process: the in-memory store. Busy keys are waited for, up to 250 ms.
+//! let locks = Locks::memory().wait(Wait::up_to(Duration::from_millis(250)));
 //! let app = Router::new().route(
 //!     "/orders/{id}",
 //!     put(|| async { "updated" }).layer(locks.layer(keys::path("order"))),
@@ -29,10 +31,12 @@
 //! # }
 //! ```
 //!
+//! This page is the guide; each section links to the item that says the rest.
+//!
 //! # Stores
 //!
 //! Each store is built one way; [`Locks::new`] takes it, and [`store`] says what each
-//! promises:
+//! promises and assumes:
 //!
 //! - [`Locks::memory`] (what [`LockLayer::new`] uses too): one process; and
 //!   [`store::Store::isolated_memory`], a store of its own, for tests.
@@ -42,55 +46,160 @@
 //! - `store::RedisCluster` (feature `cluster`): every process that shares a Redis
 //!   Cluster, each batch spread over the masters that serve its keys.
 //!
-//! # Responses
+//! [`Locks::check`] tells whether the store can serve locks: call it in `main` before
+//! serving, and from a readiness probe.
 //!
-//! | situation | status |
-//! | --- | --- |
-//! | all keys acquired | the inner service's |
-//! | a key is held by another request | 409 ([`Locks::contention_status`]), `Retry-After` |
-//! | the store is unreachable or slow ([`Locks::store_timeout`]) | 503, `Retry-After` |
-//! | the extractor refuses the request | its own 4xx (see [`keys::json`]) |
-//! | more keys than [`Locks::max_keys`] | 413 |
-//! | an empty key, or one longer than [`Locks::max_key_len`] | 400 |
-//! | the lease is lost while the handler runs, with [`OnLostLease::Cancel`] | 503 |
+//! # Keys
 //!
-//! Every refusal is an `application/problem+json` document ([`Rejection`]).
+//! A [`KeyExtractor`] reads the keys of each request, each naming one resource with its
+//! kind in front (`order:42`, `sku:ab-12`): [`keys::path`], [`keys::header`],
+//! [`keys::query`], [`keys::json`] for ids in a JSON body, [`keys::from_parts`] and
+//! [`keys::from_request`] for any axum extractor, [`keys::all`] to combine them, or a
+//! closure over the request head. The layer puts its namespace in front
+//! ([`Locks::prefix`], `lock:` by default), removes duplicates, sorts them, and enforces
+//! [`Locks::max_keys`] and [`Locks::max_key_len`]. The [`keys`] module has the details.
 //!
-//! # Waiting, leases and fencing
+//! # What clients see
 //!
-//! - [`Locks::wait`] / [`LockLayer::wait`]: wait up to a bound for busy keys ([`Wait`]),
-//!   woken by their release instead of polling, and served in order of arrival: a waiter
-//!   reserves its batch against later requests, so that a batch of thousands of keys is not
-//!   starved by a stream of small ones ([`Wait::fair`]).
+//! | situation | status | body and headers |
+//! | --- | --- | --- |
+//! | every key acquired | the handler's | a [`Lease`] is in the request's extensions |
+//! | a key is held by another request, or reserved by a waiter that came earlier (after [waiting](Locks::wait)) | 409 ([`Locks::contention_status`] for 423) | names up to 20 conflicting keys ([`Locks::max_named_conflicts`]); `Retry-After` ([`Locks::retry_after`]) |
+//! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged, once per outage); `Retry-After: 1` |
+//! | the request names no key | 400, `"limit": "no_keys"` | unless [`Locks::require_keys(false)`](Locks::require_keys) lets it pass unlocked |
+//! | more than [`Locks::max_keys`] (10,000) distinct keys | 413, `"limit": "max_keys"` | |
+//! | an empty key, or one over [`Locks::max_key_len`] (256 bytes) | 400, `"limit": "max_key_len"` | |
+//! | the extractor refuses the request (no JSON content type, a body over its cap, a body that is not JSON or does not fit the type, a header that is not UTF-8) | 415 / 413 / 400 / 422 / 400 | the parser's message, naming the field (`items[2].sku: invalid type: ...`) |
+//! | [`keys::path`] on a route without that parameter | 500 | one error logged, naming the route and its parameters |
+//! | a handler takes [`Lease`], but the route has no lock layer or passed the request unlocked | 500 | an error logged (take `Option<Lease>` there) |
+//! | the lease is lost while the handler runs, with [`OnLostLease::Cancel`] | 503 | the handler's future is dropped |
+//!
+//! Every refusal is an `application/problem+json` document
+//! ([RFC 9457](https://www.rfc-editor.org/rfc/rfc9457)), a [`Rejection`], unless
+//! [`Locks::refusal_response`] builds the layer's refusals itself.
+//!
+//! # Waiting and fairness
+//!
+//! By default a request whose keys are busy is refused at once. [`Locks::wait`] (or
+//! [`LockLayer::wait`] for one route) lets it wait up to a bound, woken by the release of a
+//! key it wants instead of polling, and served in order of arrival: a waiter reserves its
+//! whole batch against later requests, so that a batch of thousands of keys is granted as
+//! soon as the holds that were there before it end, however many small requests keep
+//! coming. [`Wait`] explains reservations and their limits.
+//!
+//! # Leases and fencing
+//!
 //! - [`Lease`]: the handler's view of its locks, taken like any axum extractor
-//!   (`lease: Lease`, or `Option<Lease>` where a request may name no keys).
-//! - [`Locks::renew_lease`]: extend the lease while the handler runs; the handler's
-//!   [`Lease`] reports a lost lease ([`Lease::lost`]), and [`Locks::on_lost_lease`] can
-//!   cancel the handler.
-//! - [`Lease::fencing_token`]: a [`FencingToken`] that grows with every grant, for
-//!   resources that must refuse a stale holder's writes.
+//!   (`lease: Lease`, or `Option<Lease>` where a request may pass unlocked).
+//! - [`Locks::renew_lease`] (on by default): the lease is extended every third of the TTL
+//!   while the handler runs, up to [`Locks::max_hold`]; a lost lease is reported
+//!   ([`Lease::lost`]), and [`Locks::on_lost_lease`] can cancel the handler.
+//! - [`Lease::fencing_token`]: a [`FencingToken`] that grows with every grant sharing a key,
+//!   for resources that must refuse a stale holder's writes.
 //! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
-//!
-//! # Idempotent requests
-//!
-//! [`Locks::idempotency`] (feature `idempotency`, on by default) is a layer that stores the
-//! first answer to each `Idempotency-Key` header on the same store as the locks, and
-//! replays it to retries on any process, so that a retried `POST` never runs twice; see
-//! [`idempotency::Idempotency`].
-//!
-//! # Dependencies
-//!
-//! With the `redis` feature, the crate re-exports the two crates whose types its API takes
-//! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`store::Redis::pool`] with
-//! `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
-//! `tower_batch_lock::redis`, and the versions always match this crate's.
 //!
 //! # Re-entrant locks
 //!
 //! A request has one owner, shared by every layer on it: keys an outer layer holds are
 //! entered again by an inner one instead of contended, and freed with their last hold. The
-//! handler can lock more keys for the same owner with [`Lease::lock`] ([`HeldKeys`]), and a
-//! trusted downstream service can re-enter them ([`Locks::trust_owner_header`]).
+//! handler can lock more keys for the same owner with [`Lease::lock`] ([`HeldKeys`]), all or
+//! nothing, and a trusted downstream service can re-enter them
+//! ([`Locks::trust_owner_header`]).
+//!
+//! # Idempotent requests
+//!
+//! [`Locks::idempotency`] (feature `idempotency`, on by default) is a layer that stores the
+//! first answer to each `Idempotency-Key` header on the same store as the locks, and
+//! replays it to retries on any process, so that a retried `POST` never creates a second
+//! order; see [`idempotency::Idempotency`] for what is stored and what is not, and why it
+//! goes outside the lock layer in a `tower::ServiceBuilder`.
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature (on by default) the layer records through the
+//! [`metrics`](https://docs.rs/metrics) facade; the application installs the recorder it
+//! exports with, and without one recording costs next to nothing. Every metric carries a
+//! `layer` label: [`Locks::metrics_label`], else the route the request matched
+//! (`/orders/{id}`), else `unnamed`. Label values are never keys: those are unbounded, and
+//! may be secrets.
+//!
+//! | metric | kind | labels | what |
+//! | --- | --- | --- | --- |
+//! | `tower_batch_lock_acquisitions_total` | counter | `layer`, `outcome` | one per request that reached the layer with keys or with input it refused: `granted`, `contended` (409/423), `unavailable` (503), `rejected` (bad input) |
+//! | `tower_batch_lock_acquire_seconds` | histogram | `layer`, `outcome` | from the keys being known to the grant or the refusal, waiting included |
+//! | `tower_batch_lock_wait_seconds` | histogram | `layer` | how long a request that waited did so |
+//! | `tower_batch_lock_keys` | histogram | `layer` | keys per batch, after deduplication |
+//! | `tower_batch_lock_hold_seconds` | histogram | `layer` | from the grant to the release |
+//! | `tower_batch_lock_held_batches` | gauge | `layer` | batches this process holds now |
+//! | `tower_batch_lock_waiting_requests` | gauge | `layer` | requests of this process waiting now |
+//! | `tower_batch_lock_lost_leases_total` | counter | `layer` | leases lost while held |
+//! | `tower_batch_lock_release_failures_total` | counter | `layer`, `result` | releases that failed and were `retried`, or `gave_up` (the keys then expire with their TTL) |
+//! | `tower_batch_lock_node_errors_total` | counter | `store`, `node` (`host:port`), `call` | a Redlock or cluster node that did not answer a call in time, or failed it |
+//!
+//! A handler's own [`Lease::lock`] acquisitions count only in the lost-lease and
+//! release-failure metrics, as `unnamed`. With `metrics-exporter-prometheus`, the
+//! histograms are exported as summaries unless you give them buckets; a `/metrics` route
+//! on an admin port renders them (see `examples/metrics.rs`):
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let prometheus = PrometheusBuilder::new()
+//!     // Seconds: from a fraction of a millisecond (memory) to the store timeout.
+//!     .set_buckets_for_metric(
+//!         Matcher::Suffix("_seconds".to_owned()),
+//!         &[0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5],
+//!     )?
+//!     // Keys per batch: one key to purchase orders of thousands.
+//!     .set_buckets_for_metric(
+//!         Matcher::Full("tower_batch_lock_keys".to_owned()),
+//!         &[1.0, 10.0, 100.0, 1_000.0, 3_000.0, 10_000.0],
+//!     )?
+//!     .build_recorder();
+//! let handle = prometheus.handle();
+//! metrics::set_global_recorder(prometheus)?;
+//! let admin: Router = Router::new().route("/metrics", get(move || async move { handle.render() }));
+//! # drop(admin);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The operator's view
+//!
+//! [`Locks::inspect`] shows what the store holds for some keys (held or free, time left,
+//! holds, waiters; never who holds them), [`Locks::held_batches`] the batches this process
+//! holds, and [`Locks::force_release`] frees a stuck lock; the `admin` feature serves them
+//! as JSON routes for an admin port (`admin::router`).
+//!
+//! # Production checklist
+//!
+//! - **Choose the store** for how many processes share the locks, and what losing a Redis
+//!   may cost ([`store`]); on Redis, `maxmemory-policy noeviction` on the locks' server.
+//! - **Set the TTL above the slowest handler** ([`Locks::ttl`], 30 s by default), with
+//!   renewal on (the default) and [`Locks::max_hold`] as the upper bound of a hung handler.
+//! - **Wait where batches are large.** Purchase orders of thousands of keys among retail
+//!   orders of a few: a wait of a few hundred milliseconds ([`Locks::wait`]) grants them in
+//!   order; without it they bounce with 409 for as long as any one key is busy.
+//! - **Bound the store's time** ([`Locks::store_timeout`]) below the clients' own timeout,
+//!   and send [`Locks::check`] from the readiness probe.
+//! - **Fence the resource.** A lease cannot stop a holder that stalls past it; pass
+//!   [`Lease::fencing_token`] to the database and let it refuse smaller tokens.
+//! - **Keep keys out of sight.** Keys are namespaced ([`Locks::prefix`]) and limited in
+//!   number and length; set [`Locks::max_named_conflicts`] to 0 where clients must not learn
+//!   which keys are busy.
+//! - **Idempotency outside, locks inside**, in one `ServiceBuilder`, for order APIs that
+//!   clients retry.
+//! - **Watch** `tower_batch_lock_acquisitions_total{outcome="unavailable"}`, lost leases and
+//!   release failures; give the histograms buckets.
+//!
+//! # Dependencies
+//!
+//! With the `redis` feature, the crate re-exports the two crates whose types its API takes
+//! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`store::Redis::pool`]
+//! with `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
+//! `tower_batch_lock::redis`, and the versions always match this crate's.
 
 mod acquire;
 #[cfg(feature = "admin")]

@@ -9,10 +9,10 @@
 //!
 //! It starts its own `redis-server` processes on free loopback ports, writes
 //! `docs/bench/results.json` and `docs/bench/cost-per-key.svg`, rewrites the tables between
-//! the bench markers of the README, shows its progress on stderr, and prints the tables
+//! the bench markers of `docs/bench/README.md`, shows its progress on stderr, and prints the tables
 //! with every target and its measured ratio on stdout. Sections not run keep their figures
 //! from the previous `results.json`. `--quick` writes under `bench/target/quick/` instead
-//! and leaves the README alone.
+//! and leaves the tables alone.
 
 // The test harness's real redis-server processes on free loopback ports. `rustfmt::skip`:
 // the crate's own `cargo fmt` formats that file, not this package's.
@@ -251,7 +251,7 @@ fn write_outputs(document: &Value, out_dir: &Path, root: &Path, quick: bool) -> 
         plot::draw(batch, &out_dir.join("cost-per-key.svg"))?;
     }
     if !quick {
-        report::update_readme(&root.join("README.md"), document)?;
+        report::update_readme(&root.join("docs/bench/README.md"), document)?;
     }
     Ok(())
 }

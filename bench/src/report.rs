@@ -552,15 +552,15 @@ fn cluster(out: &mut String, cluster: &Value) {
     }
 }
 
-/// Replaces what lies between the README's bench markers with the tables.
+/// Replaces what lies between the bench markers of `docs/bench/README.md` with the tables.
 pub(crate) fn update_readme(path: &Path, document: &Value) -> Result<(), String> {
     let readme = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     let (Some(begin), Some(end)) = (readme.find(BEGIN), readme.find(END)) else {
-        crate::progress::note("README.md has no bench markers: its tables were not updated");
+        crate::progress::note("docs/bench/README.md has no bench markers: its tables were not updated");
         return Ok(());
     };
     if end < begin {
-        return Err("README.md's bench markers are out of order".to_owned());
+        return Err("docs/bench/README.md's bench markers are out of order".to_owned());
     }
     let updated = format!(
         "{}{BEGIN}\n{}\n{}",

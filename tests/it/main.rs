@@ -70,6 +70,9 @@ mod orders_app;
 mod cluster;
 #[cfg(feature = "redis")]
 mod defaults;
+// The examples share the memory example's routes, each by including it.
+#[allow(clippy::duplicate_mod)]
+mod examples;
 mod extractors;
 #[cfg(feature = "redis")]
 mod fairness;
