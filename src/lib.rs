@@ -201,6 +201,9 @@
 //! with `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
 //! `tower_batch_lock::redis`, and the versions always match this crate's.
 
+// docs.rs (nightly) marks each item with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod acquire;
 #[cfg(feature = "admin")]
 pub mod admin;

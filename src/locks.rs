@@ -432,8 +432,8 @@ impl Locks {
         response
     }
 
-    /// The name of these locks in metrics (the `layer` label; see the README's metrics
-    /// table). By default a request's metrics carry the route it matched: a name groups
+    /// The name of these locks in metrics (the `layer` label; see the crate's
+    /// [metrics](crate#metrics) table). By default a request's metrics carry the route it matched: a name groups
     /// several routes, or tells apart two layers on one route. Choose a fixed word, never
     /// anything from a request.
     pub fn metrics_label(self, label: impl Into<String>) -> Self {

@@ -65,9 +65,11 @@ const NAMESPACE: &str = "idempotency:";
 ///
 /// With a [`LockLayer`](crate::LockLayer) on the same route, put the idempotency layer
 /// outside, so that a retry is answered from the store without taking the resources'
-/// locks, and a refusal by the lock layer (409, 503) is never stored: retrying it runs the
-/// request. A `tower::ServiceBuilder` lists layers outermost first, and spares axum's
-/// `MethodRouter::layer` the error type it cannot infer between two layers:
+/// locks, and a refusal by the lock layer (409, 503, a body its extractor refuses, a request
+/// that names no key) is never stored: the retry, or the corrected request with the same
+/// key, runs. Use a `tower::ServiceBuilder`: it lists layers outermost first, and spares
+/// axum's `MethodRouter::layer` the error type it cannot infer between two chained
+/// `.layer(..)` calls (error E0283, whose suggestion does not help):
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -86,9 +88,22 @@ const NAMESPACE: &str = "idempotency:";
 /// );
 /// ```
 ///
-/// The key is scoped by the layer's namespace, and by [`scope`](Self::scope) when
-/// requests come from different clients: without a scope, a client that sends another
-/// client's key with the same request gets that client's answer.
+/// # What is stored, and what is not
+///
+/// - **Stored:** the status, the headers that describe the answer, and the body byte for
+///   byte, for [`retention`](Self::retention), when [`store_if`](Self::store_if) says so:
+///   by default every answer except the lock layer's refusals and 401, 403, 407, 408, 413,
+///   415, 425, 429, 502, 503 and 504 (a 500 is kept: it may have done half its work). A
+///   body that fails half-way is not stored.
+/// - **Fingerprint.** By default a SHA-256 of the method, the path, the query and the body;
+///   [`fingerprint`](Self::fingerprint) replaces the query and body part (a re-serialized
+///   JSON value, say, so that key order and spacing do not matter).
+/// - **Scope.** The key is scoped by the layer's namespace, and by [`scope`](Self::scope)
+///   when requests come from different clients: without a scope, a client that sends
+///   another client's key with the same request gets that client's answer.
+/// - **Not replayed:** response trailers, the headers of the connection (`Connection` and
+///   those it names, `Keep-Alive`, `Transfer-Encoding`, ...) and `Date`; `Content-Length` is
+///   the replayed body's. `Set-Cookie` is replayed only with a `scope`.
 ///
 /// [The Idempotency-Key HTTP Header Field]: https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/
 #[derive(Clone)]
@@ -171,8 +186,9 @@ impl Idempotency {
     }
 
     /// The largest response body kept for replay, in bytes: 1 MiB unless set. The first
-    /// request still gets all of a larger one; its retries get 409 naming the first
-    /// status, since the layer can neither replay it nor run the request again.
+    /// request still gets all of a larger one; its retries get 422 naming the first
+    /// status, since the layer can neither replay it nor run the request again (not 409,
+    /// which clients that follow the draft take for "still running" and retry).
     pub fn max_answer(mut self, max: usize) -> Self {
         self.config.max_answer = max;
         self

@@ -92,15 +92,40 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   the map shows it. Replication is asynchronous: a lock granted just before its master
 ///   died may be missing on the replica that replaces it, so another request can be granted
 ///   the same keys while the first still runs, and the namespace's counter can go back by
-///   the increments the replica missed. See the README's Redis Cluster section for what to
-///   do about it (`WAIT`, `min-replicas-to-write`, fencing checks at the resource).
+///   the increments the replica missed. See the requirements below for what helps.
+///
+/// # When to choose it
+///
+/// One Redis is simplest and cheapest per key, and its one thread bounds how many batches
+/// per second the whole service can lock: a 3,000-key acquire and release keep it busy for
+/// tens of milliseconds. A cluster spreads every batch over its masters, so that each
+/// carries a share of it, and fails over to replicas, which can lose recent locks (above).
+/// [`Redlock`](super::Redlock) is for not losing locks when a Redis dies. A service that
+/// already runs a cluster (or a managed cluster-mode Redis) uses it as it is.
+///
+/// Redis refuses a script whose declared keys span several hash slots (`CROSSSLOT`), even
+/// with Redis 7's `allow-cross-slot-keys` flag, which only lets a script touch keys of
+/// several slots *of its node*, one command per key: hence the grouping by master.
 ///
 /// # Requirements
 ///
-/// Redis 7.0 or later (or Valkey): the scripts carry the `allow-cross-slot-keys` flag, and
-/// wake-ups use sharded pub/sub. The user needs `EVALSHA`, `SCRIPT LOAD`, `INCR`, `SET`,
-/// `GET`, `DEL`, `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE`
-/// on the prefix's keys and on the channel `tower-batch-lock:released`.
+/// - Redis 7.0 or later (or Valkey): the scripts carry the `allow-cross-slot-keys` flag,
+///   and wake-ups use sharded pub/sub (`SPUBLISH` to the channel
+///   `tower-batch-lock:released`, `SSUBSCRIBE` in each process: only the shard of the
+///   channel carries them, where a plain `PUBLISH` goes to every node).
+/// - **ACL.** The user needs `EVALSHA`, `SCRIPT LOAD`, `INCR`, `SET`, `GET`, `DEL`,
+///   `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` on the
+///   prefix's keys (and `idempotency:*` for the idempotency layer) and on the channel.
+/// - **Managed services.** The service must let clients run Lua scripts and `CLUSTER
+///   SLOTS`. Services that put a proxy in front of the cluster (one endpoint that hides the
+///   slots) refuse scripts over keys of several slots: use their cluster-API endpoint. The
+///   store never uses the commands services often disable or rename (`KEYS`, `CONFIG`,
+///   `DEBUG`, `FLUSHALL`, `CLUSTER` subcommands other than `SLOTS`). TLS and credentials go
+///   in the URLs (`rediss://user:password@host:port/`); every node takes the first URL's.
+/// - **Failover.** What helps against the loss described above: `min-replicas-to-write 1`
+///   with a small `min-replicas-max-lag` (a master that lost its replicas refuses writes:
+///   503 instead of an unreplicated lock), a TTL longer than a failover takes, and fencing
+///   checks at the resource.
 #[derive(Clone, Debug)]
 pub struct RedisCluster {
     seeds: NodeUrls,

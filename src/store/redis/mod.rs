@@ -61,19 +61,49 @@ mod scripts;
 ///
 /// # Data model
 ///
-/// One string per resource, `{prefix}{key}`, holding the owner token and its hold ids,
-/// then the reservations of waiters in line, with a `PX` ttl; the prefix itself (never a
-/// lock key: empty keys are refused) holds the namespace's fencing counter. One Lua script
-/// acquires a whole batch, one extends it, one releases it and one withdraws a waiter's
-/// reservations, so a batch of any size costs one round trip each. A release publishes
-/// the wake-up slots of its keys on the channel `tower-batch-lock:released`.
+/// One string per resource, `lock:{key}`: the owner (a random 128-bit token, one per
+/// request) and its holds (one random 64-bit id per acquisition, so that re-entry and a
+/// release sent twice stay exact), then the reservations of waiters in line (ticket and
+/// expiry), with a `PX` expiry: `<owner>:<hold>[:<hold>...]|<ticket>/<until>...`. The
+/// prefix itself, `lock:`, holds the namespace's fencing counter (it is never a lock: empty
+/// keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
+/// through `EVALSHA` and are loaded again after a `SCRIPT FLUSH` or a restart:
 ///
-/// # Requirements
+/// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what
+///   was there instead. A key the caller's owner holds is entered again; any conflict undoes
+///   the keys taken so far before the script ends, so nobody ever sees part of a batch. A
+///   waiter in line then reserves the whole batch. A grant increments the counter.
+/// - *extend* checks every key for the caller's hold, then `PEXPIRE ... GT`: all or
+///   nothing, never shortening a key.
+/// - *release* ends only the caller's hold, keeps a key with other holds or reservations,
+///   and publishes the release on the channel `tower-batch-lock:released`, which every
+///   process built with a subscription ([`Redis::url`], [`Redis::wakeups`]) listens to.
+/// - *withdraw* takes a waiter's reservations off its batch, and publishes too.
 ///
-/// Redis 7.0 or later, or a compatible server such as Valkey: the scripts use
-/// `SET ... NX GET` and `PEXPIRE ... GT`. The user needs `EVALSHA`, `SCRIPT LOAD`, `INFO`
-/// and `PUBLISH` / `SUBSCRIBE` on that channel; with the idempotency layer, `GET` and
-/// `SET` on its keys.
+/// Anything else under a lock key (another program's value, another type, a lock of the
+/// previous version of this crate) counts as held by someone else and is never changed.
+/// Processes of 0.1 (a hash per lock key) and of this version can share a Redis during a
+/// rolling upgrade: each counts the other's keys as held, so no batch is granted over a
+/// lock of the other version.
+///
+/// # Running it
+///
+/// - **Version.** Redis 7.0 or later, or a compatible server such as Valkey: the scripts
+///   use `SET ... NX GET` and `PEXPIRE ... GT`. [`Locks::check`](crate::Locks::check) says
+///   so at start-up. For a Redis Cluster, use `store::RedisCluster` (feature `cluster`):
+///   this store needs every key of a batch on one node.
+/// - **Eviction.** Use `maxmemory-policy noeviction` (the default) on the Redis that holds
+///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
+/// - **ACL.** The user needs `+evalsha +script|load +set +get +mget +del +pttl +pexpire
+///   +time +incr +publish +subscribe +info` on `~lock:*` (or your prefix; and
+///   `~idempotency:*` for the idempotency layer) and `&tower-batch-lock:released`.
+/// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
+/// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
+///   over to a replica that had not received the key, the lock is lost, and another
+///   request can be granted its keys while the first still runs (the first learns of it at
+///   its next renewal, [`Lease::lost`](crate::Lease::lost)). Where that must not happen,
+///   use [`Redlock`](super::Redlock), and check [fencing
+///   tokens](crate::FencingToken) at the resource.
 #[derive(Clone)]
 pub struct Redis {
     source: Source,
