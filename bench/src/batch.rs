@@ -19,13 +19,13 @@
 //!   pipelined baseline with Redis's SLOWLOG on: the longest single script, or `DEL`, during
 //!   which Redis serves no one else.
 
-use tower_batch_lock::store::Redis;
 use std::{
     collections::BTreeMap,
     convert::Infallible,
     sync::Arc,
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::body::Body;
 use deadpool_redis::Pool;

@@ -20,18 +20,18 @@
 //!   keys a request (a key set of its own per request: uncontended), driven by the `http`
 //!   section's load generator; the four routes take turns run by run.
 
-use tower_batch_lock::store::Redis;
 use std::{
     net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::{routing::get, Router};
 use deadpool_redis::Pool;
 use redis::aio::MultiplexedConnection;
 use serde_json::{json, Value};
-use tower_batch_lock::{Locks, store::RedisCluster};
+use tower_batch_lock::{store::RedisCluster, Locks};
 
 use crate::{
     batch::{self, command_stats, redis_error, reset_stats, sum, CommandStats},
@@ -78,7 +78,8 @@ pub(crate) async fn run(server: &RedisServer, pool: &Pool, quick: bool) -> Resul
     let clustered = RedisCluster::new(cluster.urls())
         .node_timeout(NODE_TIMEOUT)
         .build()
-        .map_err(redis_error)?
+        .map_err(redis_error)?;
+    let clustered = Locks::new(clustered)
         .ttl(TTL)
         .max_keys(KEYS)
         .store_timeout(BACKEND_TIMEOUT);

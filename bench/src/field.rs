@@ -7,8 +7,8 @@
 //! does a little more: the HTTP service around it, a fencing token, and a release message
 //! for waiters.
 
-use tower_batch_lock::store::{Redis, Redlock};
 use std::{sync::Arc, time::Duration};
+use tower_batch_lock::store::{Redis, Redlock};
 
 use deadpool_redis::Pool;
 use rslock::LockManager;
@@ -56,7 +56,10 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
     let trio_urls: Vec<String> = trio.iter().map(RedisServer::url).collect();
 
     let one_key: Arc<[String]> = Arc::from(vec!["bench:field".to_owned()]);
-    let layer_one_node = batch::layered(&Locks::new(Redis::pool(pool.clone()).build().unwrap()).ttl(TTL), one_key.clone());
+    let layer_one_node = batch::layered(
+        &Locks::new(Redis::pool(pool.clone()).build().unwrap()).ttl(TTL),
+        one_key.clone(),
+    );
     let contenders: Vec<(&str, usize, Contender)> = vec![
         ("tower-batch-lock", 1, Contender::Layer(layer_one_node)),
         (
@@ -73,7 +76,9 @@ pub(crate) async fn run(pool: &Pool, single: &RedisServer, quick: bool) -> Resul
             "tower-batch-lock Redlock",
             3,
             Contender::Layer(batch::layered(
-                &Redlock::new(&trio_urls).build().map(Locks::new)
+                &Redlock::new(&trio_urls)
+                    .build()
+                    .map(Locks::new)
                     .map_err(|e| e.to_string())?
                     .ttl(TTL),
                 one_key,

@@ -13,8 +13,8 @@
 //! installed (metrics-exporter-prometheus, as an application would) only once every figure
 //! without one is taken, and the memory layer runs again, taking turns with bare axum.
 
-use tower_batch_lock::store::{Store, Redis};
 use std::{net::SocketAddr, sync::LazyLock, time::Duration};
+use tower_batch_lock::store::{Redis, Store};
 
 use axum::{
     extract::State,
@@ -188,7 +188,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let targets = targets(&results);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/backend/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does. The case with a metrics recorder runs after every other case (a global recorder cannot be uninstalled): metrics-exporter-prometheus's recorder, with upkeep every {} s, bare axum and the memory layer taking turns again; its target pairs those runs",
+            "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/store/redis/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does. The case with a metrics recorder runs after every other case (a global recorder cannot be uninstalled): metrics-exporter-prometheus's recorder, with upkeep every {} s, bare axum and the memory layer taking turns again; its target pairs those runs",
             duration.as_secs_f64(),
             UPKEEP.as_secs()
         ),
@@ -541,8 +541,8 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
 fn crate_script(body: &str) -> Script {
     Script::new(
         &[
-            include_str!("../../src/backend/scripts/single.lua"),
-            include_str!("../../src/backend/scripts/value.lua"),
+            include_str!("../../src/store/redis/scripts/single.lua"),
+            include_str!("../../src/store/redis/scripts/value.lua"),
             body,
         ]
         .concat(),
@@ -552,11 +552,11 @@ fn crate_script(body: &str) -> Script {
 /// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
 /// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl.
 static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| crate_script(include_str!("../../src/backend/scripts/acquire.lua")));
+    LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/acquire.lua")));
 
 /// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
 static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| crate_script(include_str!("../../src/backend/scripts/release.lua")));
+    LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/release.lua")));
 
 impl Hand {
     /// What a careful handler writes without the layer: acquire every key in one script,

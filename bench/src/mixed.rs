@@ -13,7 +13,6 @@
 //! inherits another's locks or reservations. The server runs in this process on
 //! 127.0.0.1:0; the clients run on a thread and runtime of their own.
 
-use tower_batch_lock::store::{Store, Redis};
 use std::{
     collections::{BTreeMap, HashMap},
     io,
@@ -21,6 +20,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::{
     extract::{Path, State},
@@ -87,11 +87,12 @@ impl Store<'_> {
         }
         let urls: Vec<String> = self.servers.iter().map(|s| s.url()).collect();
         match urls.as_slice() {
-            [] => Ok(Locks::new(Store::isolated_memory())),
+            [] => Ok(Locks::new(tower_batch_lock::store::Store::isolated_memory())),
             [url] => Redis::url(url).build().map(Locks::new),
             urls => tower_batch_lock::store::Redlock::new(urls)
                 .node_timeout(REDLOCK_NODE_TIMEOUT)
-                .build(),
+                .build()
+                .map(Locks::new),
         }
         .map_err(|e| e.to_string())
     }

@@ -556,7 +556,9 @@ fn cluster(out: &mut String, cluster: &Value) {
 pub(crate) fn update_readme(path: &Path, document: &Value) -> Result<(), String> {
     let readme = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     let (Some(begin), Some(end)) = (readme.find(BEGIN), readme.find(END)) else {
-        crate::progress::note("docs/bench/README.md has no bench markers: its tables were not updated");
+        crate::progress::note(
+            "docs/bench/README.md has no bench markers: its tables were not updated",
+        );
         return Ok(());
     };
     if end < begin {

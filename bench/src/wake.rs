@@ -11,11 +11,11 @@
 //! - `client retries every 50 ms`: what peer libraries leave to their users: refuse at
 //!   once, and the client asks again 50 ms later.
 
-use tower_batch_lock::store::Redis;
 use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
+use tower_batch_lock::store::Redis;
 
 use axum::{body::Body, routing::post, Router};
 use http::{request::Parts, Request, StatusCode};
@@ -119,7 +119,12 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
     };
     let wait = Wait::up_to(WAIT_BOUND);
     let url = server.url();
-    let redis_url = |url: &str| Redis::url(url).build().map(Locks::new).map_err(|e| e.to_string());
+    let redis_url = |url: &str| {
+        Redis::url(url)
+            .build()
+            .map(Locks::new)
+            .map_err(|e| e.to_string())
+    };
     let configurations = [
         (
             "pub/sub (Locks::redis_url)",
