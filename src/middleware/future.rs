@@ -54,8 +54,8 @@ pin_project! {
             guard: Option<RequestGuard>,
             lost: Option<BoxFuture<'static, axum::response::Response>>,
             until_body_end: bool,
-            // Fires when the guard's renewal must start, if the inner service still runs.
-            renew_at: Option<Pin<Box<Sleep>>>,
+            // When the guard's renewal must start, if the inner service still runs.
+            renew_at: RenewAt,
         },
         // The response is ready and waits for the release, so that a client's next
         // request never finds the keys of its previous one still held.
@@ -103,11 +103,10 @@ where
                                 until_body_end,
                                 renew_at,
                             }) => {
-                                let renew_at = renew_at
-                                    .map(|at| Box::pin(tokio::time::sleep_until(at.into())));
+                                let renew_at = renew_at.map_or(RenewAt::Never, RenewAt::Due);
                                 (Some(guard), cancel_on_loss, until_body_end, renew_at)
                             }
-                            None => (None, None, false, None),
+                            None => (None, None, false, RenewAt::Never),
                         };
                         this.state.set(State::Running {
                             future,
@@ -126,13 +125,12 @@ where
                     until_body_end,
                     renew_at,
                 } => {
-                    if renew_at
-                        .as_mut()
-                        .is_some_and(|timer| timer.as_mut().poll(cx).is_ready())
-                    {
-                        *renew_at = None;
-                        if let Some(guard) = guard.as_mut() {
-                            guard.start_deferred_renewal();
+                    if let RenewAt::Armed(timer) = renew_at {
+                        if timer.as_mut().poll(cx).is_ready() {
+                            *renew_at = RenewAt::Never;
+                            if let Some(guard) = guard.as_mut() {
+                                guard.start_deferred_renewal();
+                            }
                         }
                     }
                     if let Some(Poll::Ready(refusal)) =
@@ -144,7 +142,22 @@ where
                         this.state.set(State::Releasing { release, output });
                         continue;
                     }
-                    let output = ready!(future.poll(cx));
+                    let Poll::Ready(output) = future.poll(cx) else {
+                        // Still running: the renewal's timer is armed now, not before. Most
+                        // inner services answer on their first poll and never need one.
+                        if let RenewAt::Due(at) = *renew_at {
+                            let mut timer = Box::pin(tokio::time::sleep_until(at.into()));
+                            if timer.as_mut().poll(cx).is_ready() {
+                                *renew_at = RenewAt::Never;
+                                if let Some(guard) = guard.as_mut() {
+                                    guard.start_deferred_renewal();
+                                }
+                            } else {
+                                *renew_at = RenewAt::Armed(timer);
+                            }
+                        }
+                        return Poll::Pending;
+                    };
                     let Some(guard) = guard.take() else {
                         return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
                     };
@@ -174,6 +187,16 @@ where
             }
         }
     }
+}
+
+/// When a held request's renewal must start.
+enum RenewAt {
+    /// It never does: no renewal, or it has started.
+    Never,
+    /// At this instant, if the inner service still runs then; no timer yet.
+    Due(std::time::Instant),
+    /// The timer, armed once the inner service did not answer at once.
+    Armed(Pin<Box<Sleep>>),
 }
 
 fn no_release() -> BoxFuture<'static, ()> {

@@ -147,22 +147,23 @@ impl MemoryStore {
 
     /// Locks the shards of `slots` in ascending order (every batch takes them in the same
     /// order, so two batches never wait on each other), indexed by shard number.
-    fn lock_shards(&self, slots: &[usize]) -> Vec<Option<MutexGuard<'_, Shard>>> {
+    fn lock_shards(&self, slots: &[usize]) -> [Option<MutexGuard<'_, Shard>>; SHARDS] {
         let mut wanted = [false; SHARDS];
         for &slot in slots {
             wanted[slot] = true;
         }
-        (0..SHARDS)
+        // On the stack: a request of one key locks one shard without an allocation.
+        let mut shards = [const { None }; SHARDS];
+        for (i, shard) in shards.iter_mut().enumerate().filter(|&(i, _)| wanted[i]) {
             // A panic cannot leave a shard half-written (every write is one insert or
             // remove), so a poisoned shard is still consistent.
-            .map(|i| {
-                wanted[i].then(|| {
-                    self.shards[i]
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                })
-            })
-            .collect()
+            *shard = Some(
+                self.shards[i]
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner),
+            );
+        }
+        shards
     }
 
     fn try_acquire(
