@@ -110,14 +110,8 @@ pub(crate) struct Ticket(u64);
 impl Ticket {
     /// The ticket of a waiter that arrives now.
     pub(crate) fn take() -> Self {
-        /// 2025-01-01T00:00:00Z.
-        const EPOCH_SECS: u64 = 1_735_689_600;
         static LAST: AtomicU64 = AtomicU64::new(0);
-        let ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-            .saturating_sub(EPOCH_SECS * 1000);
-        let drawn = (ms << 10) | fastrand::u64(..1024);
+        let drawn = (millis_since_epoch() << 10) | fastrand::u64(..1024);
         let previous = LAST
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
                 Some(drawn.max(last + 1))
@@ -131,6 +125,18 @@ impl Ticket {
     pub(crate) fn get(self) -> u64 {
         self.0
     }
+}
+
+/// Milliseconds of the wall clock since 2025-01-01T00:00:00Z, the epoch of tickets and of
+/// fencing tokens' clock floor (the scripts' `clock.lua` has the same): small enough that
+/// these numbers, shifted by 10 bits, stay exact in the doubles of Redis's Lua (below 2^53)
+/// for centuries. 0 for a clock set before 2025.
+fn millis_since_epoch() -> u64 {
+    const EPOCH_MS: u64 = 1_735_689_600_000;
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .saturating_sub(EPOCH_MS)
 }
 
 /// Where an acquisition stands with respect to waiters' reservations.
@@ -189,14 +195,53 @@ impl Line {
 /// In SQL the same check is `UPDATE … SET value = $1, fence = $2 WHERE id = $3 AND fence <= $2`.
 ///
 /// Tokens strictly increase across every grant that shares any key: with Redis there is one
-/// counter per key namespace (the prefix), in memory one per store. With Redlock they do
-/// as long as no master loses its counter; [`Redlock`](crate::store::Redlock) says why and when.
+/// counter per key namespace (the prefix), in memory one per store, and Redlock brings a
+/// majority of its masters up to each token it hands out
+/// ([`Redlock`](crate::store::Redlock) says how).
+///
+/// # Across restarts and failovers
+///
+/// Tokens never go backwards, even when the store loses its counter: a Redis restarted
+/// without persistence, a failover to a replica that missed the last counts, Redlock
+/// masters that come back empty, a process (and its memory store) restarted. Every counter
+/// is floored by a clock: a grant's token is one more than the counter, and at least the
+/// clock's milliseconds since 2025-01-01 times 1024 (Redis's clock, read by the script; for
+/// the memory store, this machine's, when the store is made). A counter that starts over
+/// so starts above every token handed out before, provided that:
+///
+/// - **the clock moves forward**: a store that lost its counter *and* whose clock now reads
+///   earlier than when the last token was counted (a clock stepped back, a failover to a
+///   machine whose clock is behind) can hand out tokens it handed out before, until its
+///   clock catches up. While the counter survives, a clock that steps back changes
+///   nothing: the counter only grows;
+/// - **fewer than 1,024 grants a millisecond**: a counter that counts faster than that for
+///   long runs ahead of its clock, by the excess; if it is then lost, the tokens repeat
+///   until the clock has caught up with it. (Over a counter's life, or since it last fell
+///   behind the clock: bursts are fine, a sustained million grants a second is not.)
+/// - **with Redlock, clocks that agree**: a token comes from the counter of one master (the
+///   largest), so after *every* master of a majority lost its counter, the next tokens are
+///   floored by their clocks, and they are larger only if those clocks read later than that
+///   master's did when it counted the last token: by more than their skew. A restart takes
+///   longer than NTP's skew; a master whose clock is far behind may not. While a majority
+///   keeps its counters, no clock matters: a master whose clock is behind is still raised
+///   to the token.
+///
+/// The numbers stay below 2^53 (exact in the doubles of Redis's Lua, and in JSON numbers)
+/// for centuries; they are large (about 6 * 10^13 in 2026) and not consecutive, so compare
+/// them, never count with them. Tokens of different namespaces, or of different stores, do
+/// not compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 
 impl FencingToken {
     pub(crate) fn new(value: u64) -> Self {
         Self(value)
+    }
+
+    /// The least token a counter starts from now: this machine's milliseconds since 2025
+    /// times 1024, as the scripts floor theirs by the store's clock.
+    pub(crate) fn clock_floor() -> u64 {
+        millis_since_epoch() << 10
     }
 
     /// The token as a number, to store beside the data it guards.
@@ -357,8 +402,9 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     ///
     /// A grant carries a fencing token larger than that of every earlier grant in the
     /// same namespace (the key prefix), so larger than every earlier grant of any of
-    /// these keys. (Redlock promises less: larger than every earlier grant that shares a
-    /// key, while no master loses its counter; see `Redlock`.)
+    /// these keys, even after the store lost its counter, under the assumptions of
+    /// [`FencingToken`]. (Redlock promises less: larger than every earlier grant that
+    /// shares a key; see `Redlock`.)
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
 
     /// Extends every key to at least `ttl` from now if every key still has `holder`'s

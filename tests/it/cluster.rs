@@ -79,10 +79,11 @@ async fn a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all(
     let held: BTreeSet<String> = on_masters.into_iter().flatten().collect();
     let wanted: BTreeSet<String> = batch_keys.iter().map(|k| format!("lock:{k}")).collect();
     assert_eq!(held, wanted);
-    // One script call per master (a loaded script may have been retried after NOSCRIPT).
+    // One script call per master, and one that counts the grant on the counter's master (a
+    // group's script may have been retried after NOSCRIPT; the count's goes by EVAL then).
     let calls = cluster.calls_of("evalsha") - evalsha_before;
     assert!(
-        (3..=6).contains(&calls),
+        (4..=7).contains(&calls),
         "{calls} script calls for one batch"
     );
 

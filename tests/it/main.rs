@@ -39,10 +39,11 @@
 //!    `redlock::a_master_kept_out_for_a_ttl_before_rejoining_keeps_exclusion`,
 //!    `cluster::a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it`.
 //! 7. **Fencing**: `waiting::fencing_tokens_strictly_increase_per_key_*` (across processes,
-//!    in memory), `redlock::fencing_tokens_increase_across_grants_even_when_*` (which also
-//!    shows a token going back once masters restart empty, the documented limit), and the
-//!    token order in `redlock::overlapping_*` and `cluster::*` under load and resharding.
-//!    Not across a restart of one Redis or a cluster failover.
+//!    in memory), `redlock::fencing_tokens_increase_across_grants_even_when_*` (masters'
+//!    counters apart, then all lost), `fencing::*` (one Redis restarted without its data,
+//!    every Redlock master restarted empty, a cluster's counter failed over to a replica
+//!    that missed counts, a memory store made anew), and the token order in
+//!    `redlock::overlapping_*` and `cluster::*` under load and resharding.
 //! 8. **Quorum**: `redlock::a_minority_killed_keeps_granting_and_a_majority_killed_*`,
 //!    `redlock::a_frozen_master_*`, `redlock::a_frozen_majority_*`,
 //!    `redlock::masters_restarted_empty_lose_a_lock_only_once_they_are_a_majority`,
@@ -76,6 +77,8 @@ mod examples;
 mod extractors;
 #[cfg(feature = "redis")]
 mod fairness;
+#[cfg(feature = "redis")]
+mod fencing;
 mod fuzz;
 #[cfg(all(feature = "idempotency", feature = "redis"))]
 mod idempotency;

@@ -359,11 +359,12 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
 }
 
 /// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
-/// the value format, the body.
+/// the clock and fencing counter, the value format, the body.
 fn crate_script(body: &str) -> redis::Script {
     redis::Script::new(
         &[
             include_str!("../../src/store/redis/scripts/single.lua"),
+            include_str!("../../src/store/redis/scripts/clock.lua"),
             include_str!("../../src/store/redis/scripts/value.lua"),
             body,
         ]
@@ -1098,8 +1099,9 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
     // the cleanup must have followed it.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
+        // Two keys, and the fencing counter.
         calls(&observer, "set"),
-        sets_before + 2,
+        sets_before + 3,
         "the stalled acquisition never ran: the test proves nothing"
     );
     let left = observer.locks();

@@ -21,6 +21,7 @@ use crate::{
         contract::{Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore},
         error::StoreError,
         fanout::NodeFailure,
+        redis::scripts::{COUNT_GRANT, COUNT_GRANT_SOURCE},
     },
 };
 
@@ -197,11 +198,14 @@ impl Nodes {
         });
     }
 
-    /// The token of a grant: the next number of the namespace's counter, counted after every
-    /// group was granted (see [`RedisCluster`]'s docs).
+    /// The token of a grant: the next number of the namespace's counter, floored by the
+    /// clock of its master, counted after every group was granted (see [`RedisCluster`]'s
+    /// docs).
+    ///
+    /// [`RedisCluster`]: super::RedisCluster
     async fn count_grant(&self, namespace: &str) -> Result<FencingToken, StoreError> {
         let counted = self
-            .query(redis::cmd("INCR").arg(namespace).to_owned())
+            .eval(&COUNT_GRANT, &COUNT_GRANT_SOURCE, namespace)
             .await?;
         Ok(FencingToken::new(counted))
     }

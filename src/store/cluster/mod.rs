@@ -74,11 +74,14 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 /// - **Fencing tokens.** Masters cannot share a counter, and a counter per master would
 ///   move with its slot during a resharding (or give different masters different counts,
 ///   as Redlock's do). So a grant takes its token from the namespace's one counter (the
-///   key named by the prefix, on whichever master serves its slot), with `INCR`, *after*
-///   every group was granted: any later grant of a shared key was granted its group after
-///   this one's release, so after this `INCR`, and counts a larger number. Tokens strictly
-///   increase across every grant of the namespace, as on one Redis. The cost: one more
-///   round trip per acquisition, to that master (a few microseconds of its time).
+///   key named by the prefix, on whichever master serves its slot), with a small script
+///   that counts it *after* every group was granted: any later grant of a shared key was
+///   granted its group after this one's release, so after this count, and counts a larger
+///   number. Tokens strictly increase across every grant of the namespace, as on one
+///   Redis, and, floored by the clock of the counter's master, they keep increasing when
+///   that master fails over to a replica that missed the last counts
+///   ([`FencingToken`](crate::FencingToken) says under which assumptions). The cost: one
+///   more round trip per acquisition, to that master (a few microseconds of its time).
 /// - **Resharding.** While a slot migrates, a group with keys of it is refused by its node
 ///   (`ASK` or `TRYAGAIN`: a script over several keys cannot follow an `ASK`, since the
 ///   importing node serves a multi-key call only when it has every key already); the
@@ -91,8 +94,8 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   timeout when it is frozen): those requests get 503 until a replica takes over and
 ///   the map shows it. Replication is asynchronous: a lock granted just before its master
 ///   died may be missing on the replica that replaces it, so another request can be granted
-///   the same keys while the first still runs, and the namespace's counter can go back by
-///   the increments the replica missed. See the requirements below for what helps.
+///   the same keys while the first still runs (the fencing tokens still increase: let the
+///   resource check them). See the requirements below for what helps.
 ///
 /// # When to choose it
 ///
@@ -113,7 +116,7 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   and wake-ups use sharded pub/sub (`SPUBLISH` to the channel
 ///   `tower-batch-lock:released`, `SSUBSCRIBE` in each process: only the shard of the
 ///   channel carries them, where a plain `PUBLISH` goes to every node).
-/// - **ACL.** The user needs `EVALSHA`, `SCRIPT LOAD`, `INCR`, `SET`, `GET`, `DEL`,
+/// - **ACL.** The user needs `EVALSHA`, `EVAL`, `SCRIPT LOAD`, `SET`, `GET`, `DEL`,
 ///   `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` on the
 ///   prefix's keys (and `idempotency:*` for the idempotency layer) and on the channel.
 /// - **Managed services.** The service must let clients run Lua scripts and `CLUSTER

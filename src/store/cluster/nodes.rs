@@ -16,7 +16,7 @@ use redis::{
     cluster::ClusterClient,
     cluster_async::ClusterConnection,
     cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
-    ConnectionAddr, ConnectionInfo, FromRedisValue,
+    ConnectionAddr, ConnectionInfo, FromRedisValue, Script,
 };
 use tokio::sync::OnceCell;
 
@@ -256,6 +256,35 @@ impl Nodes {
         if let Ok(control) = self.control().await {
             announce::announce(control, keys);
         }
+    }
+
+    /// Runs the script of `source` (whose hash `script` has) on its one key `key`, on the
+    /// cluster connection, which redis-rs routes to the key's master, bounded by the node
+    /// timeout: `EVALSHA`, then `EVAL` on a master that does not have it cached (one promoted
+    /// since, say). Never `SCRIPT LOAD`, which redis-rs would send to every master, and
+    /// which would fail while any of them is down.
+    pub(super) async fn eval<T: FromRedisValue + Send>(
+        &self,
+        script: &Script,
+        source: &str,
+        key: &str,
+    ) -> Result<T, StoreError> {
+        let mut control = self.control().await?;
+        bounded(self.fanout.node_timeout(), async move {
+            let mut evalsha = redis::cmd("EVALSHA");
+            evalsha.arg(script.get_hash()).arg(1).arg(key);
+            match evalsha.query_async::<T>(&mut control).await {
+                Err(error) if error.code() == Some("NOSCRIPT") => {
+                    let mut eval = redis::cmd("EVAL");
+                    eval.arg(source).arg(1).arg(key);
+                    eval.query_async::<T>(&mut control).await
+                }
+                reply => reply,
+            }
+            .map_err(StoreError::unknown)
+        })
+        .await
+        .map_err(|failure| StoreError::unknown(failure.to_string()))
     }
 
     /// Runs `command` on the cluster connection, which redis-rs routes to the master of

@@ -34,7 +34,7 @@ use scripts::{Scripts, RAISE_FENCE, SINGLE};
 
 mod connection;
 pub(super) mod pubsub;
-mod scripts;
+pub(super) mod scripts;
 
 /// Locks in one Redis, shared by every process that uses it with the same
 /// [prefix](crate::Locks::prefix): built from a URL (a pool of its own) or from your
@@ -72,7 +72,10 @@ mod scripts;
 /// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what
 ///   was there instead. A key the caller's owner holds is entered again; any conflict undoes
 ///   the keys taken so far before the script ends, so nobody ever sees part of a batch. A
-///   waiter in line then reserves the whole batch. A grant increments the counter.
+///   waiter in line then reserves the whole batch. A grant counts in the namespace's
+///   counter, floored by Redis's clock (`TIME`), so that it never goes back after a
+///   restart without persistence or a failover ([`FencingToken`](crate::FencingToken)
+///   says under which assumptions).
 /// - *extend* checks every key for the caller's hold, then `PEXPIRE ... GT`: all or
 ///   nothing, never shortening a key.
 /// - *release* ends only the caller's hold, keeps a key with other holds or reservations,

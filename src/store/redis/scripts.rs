@@ -1,13 +1,17 @@
 //! The Lua scripts, one file each under `scripts/`, each behind the prelude of its
-//! topology and the value format's functions.
+//! topology, the clock and fencing counter's functions, and the value format's.
 
 use std::sync::LazyLock;
 
 use redis::{Script, ScriptInvocation};
 
+/// Redis's clock, and the fencing counter that never counts below it.
+const CLOCK: &str = include_str!("scripts/clock.lua");
+
 /// The scripts that read or write lock values, each its prelude (`single.lua` or
-/// `cluster.lua`: where the keys come from, and what a node may do with them), the value
-/// format's functions (`value.lua`), then its own body.
+/// `cluster.lua`: where the keys come from, and what a node may do with them), the clock's
+/// and the fencing counter's functions (`clock.lua`), the value format's (`value.lua`),
+/// then its own body.
 pub(crate) struct Scripts {
     /// Locks a batch, all or nothing, or reserves it for a waiter in line.
     pub(super) acquire: Script,
@@ -31,8 +35,9 @@ pub(crate) struct Scripts {
 
 impl Scripts {
     fn with_prelude(prelude: &str, keys_as_args: bool) -> Self {
-        let script =
-            |body: &str| Script::new(&[prelude, include_str!("scripts/value.lua"), body].concat());
+        let script = |body: &str| {
+            Script::new(&[prelude, CLOCK, include_str!("scripts/value.lua"), body].concat())
+        };
         Self {
             acquire: script(include_str!("scripts/acquire.lua")),
             extend: script(include_str!("scripts/extend.lua")),
@@ -66,6 +71,17 @@ pub(super) static SINGLE: LazyLock<Scripts> =
 #[cfg(feature = "cluster")]
 pub(super) static CLUSTER: LazyLock<Scripts> =
     LazyLock::new(|| Scripts::with_prelude(include_str!("scripts/cluster.lua"), true));
+
+/// Counts a grant in a namespace's fencing counter, apart from any batch: the cluster
+/// store's token. Its source, for `EVAL` where a node does not have it cached.
+#[cfg(feature = "cluster")]
+pub(crate) static COUNT_GRANT_SOURCE: LazyLock<String> =
+    LazyLock::new(|| [CLOCK, include_str!("scripts/count_grant.lua")].concat());
+
+/// [`COUNT_GRANT_SOURCE`], for its hash (`EVALSHA`).
+#[cfg(feature = "cluster")]
+pub(crate) static COUNT_GRANT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&COUNT_GRANT_SOURCE));
 
 /// Raises a namespace's fencing counter to a floor (for Redlock).
 pub(super) static RAISE_FENCE: LazyLock<Script> =

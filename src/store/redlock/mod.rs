@@ -105,21 +105,26 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 ///   the resource can then refuse the stale writer: Kleppmann with fencing tokens (which,
 ///   he notes, Redlock has no way to produce), antirez also by checking the holder's
 ///   unique value. This crate does produce tokens, under the conditions below.
-/// - **Fencing tokens.** Each master counts grants per namespace, as a single Redis does.
-///   The token of a grant is the largest count among the masters that granted it. A
-///   maximum over different majorities does not grow by itself: a master that refused
-///   (or missed) some grants falls behind, and a later majority of lagging masters would
-///   count from a smaller number. So when fewer than a majority of the granting masters
-///   reached the largest count, the grant first raises the lagging ones to it (one more
-///   round trip, only then), and is granted only once a majority holds at least that
-///   count. Any later grant of a shared key needs a majority as well, which shares a master
-///   with that one; there it could not be granted before the key was released or expired,
-///   so it counts on from a larger number. Tokens therefore strictly increase across
-///   grants that share a key, under the assumptions above. A master that loses its
-///   counter (a restart without persistence, a failover to a replica that missed an
-///   increment) breaks that: the next tokens may repeat or go back, and delayed restarts
-///   do not help, since the counter is lost for good. If you rely on fencing, run the
-///   masters with `appendfsync always`, and do not let the token alone decide.
+/// - **Fencing tokens.** Each master counts grants per namespace, as a single Redis does,
+///   floored by its own clock. The token of a grant is the largest count among the
+///   masters that granted it. A maximum over different majorities does not grow by itself:
+///   a master that refused (or missed) some grants, or whose clock is behind, falls behind,
+///   and a later majority of lagging masters would count from a smaller number. So when
+///   fewer than a majority of the granting masters reached the largest count, the grant
+///   first raises the lagging ones to it (one more round trip, only then), and is granted
+///   only once a majority holds at least that count. Any later grant of a shared key needs
+///   a majority as well, which shares a master with that one; there it could not be
+///   granted before the key was released or expired, so it counts on from a larger number.
+///   Tokens therefore strictly increase across grants that share a key. A master that
+///   loses its counter (a restart without persistence, a failover to a replica that missed
+///   counts) starts again from its clock, above the tokens handed out before; even when
+///   every master lost it, the next tokens are larger as long as the masters' clocks agree
+///   to better than the time the loss took, and fewer than 1,024 grants a millisecond were
+///   counted ([`FencingToken`](crate::FencingToken) says exactly). Since the masters'
+///   clocks tick apart, their counts now differ more often than they did (by the
+///   milliseconds between their clocks), and the extra round trip that raises the lagging
+///   ones is taken more often: on most grants whose majority did not all read the same
+///   millisecond.
 ///
 /// Use Redlock when one Redis is a single point of failure you cannot accept and you can
 /// run three (or five) independent masters; not to make a lock stronger than the

@@ -143,6 +143,50 @@ impl Cluster {
         }
     }
 
+    /// The master that serves `key`'s slot (by the master at `asked`, `CLUSTER SLOTS`), and
+    /// the live nodes that replicate it (by their own `INFO`).
+    pub(crate) fn shard_of(&self, asked: u16, key: &str) -> (u16, Vec<u16>) {
+        let slot: i64 = self.cmd(asked, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key));
+        let ranges: Vec<redis::Value> = self.cmd(asked, redis::cmd("CLUSTER").arg("SLOTS"));
+        let master = ranges
+            .into_iter()
+            .find_map(|range| {
+                let redis::Value::Array(fields) = range else {
+                    return None;
+                };
+                let number = |i: usize| redis::from_redis_value::<i64>(fields[i].clone()).ok();
+                if !(number(0)?..=number(1)?).contains(&slot) {
+                    return None;
+                }
+                let redis::Value::Array(node) = &fields[2] else {
+                    return None;
+                };
+                redis::from_redis_value::<u16>(node[1].clone()).ok()
+            })
+            .unwrap_or_else(|| panic!("no master serves the slot of {key}"));
+        let replicas = self
+            .live()
+            .filter(|&port| info(port, "replication", "master_port") == Some(master.to_string()))
+            .collect();
+        (master, replicas)
+    }
+
+    /// Freezes (`STOP`) or thaws (`CONT`) the node at `port`.
+    pub(crate) fn signal(&self, port: u16, signal: &str) {
+        let node = self.nodes.iter().find(|n| n.port == port).unwrap();
+        let pid = node.child.as_ref().expect("a live node").id();
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{signal} {pid}");
+    }
+
+    /// How many replicas are connected to the master at `port`, as it says.
+    pub(crate) fn connected_replicas(&self, port: u16) -> Option<u64> {
+        info(port, "replication", "connected_slaves")?.parse().ok()
+    }
+
     /// Waits until a replica took over from the master at `port` (killed) and every live
     /// node says the cluster is ok.
     pub(crate) fn wait_for_failover(&self, port: u16, limit: Duration) {

@@ -7,6 +7,8 @@ use std::{future::Future, time::Duration};
 
 #[cfg(feature = "redis")]
 use axum::routing::post;
+#[cfg(feature = "redis")]
+use axum::Extension;
 use axum::{body::Body, Router};
 use bytes::Bytes;
 use http::{header, request::Parts, HeaderMap, Request, StatusCode};
@@ -14,7 +16,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_batch_lock::Rejection;
 #[cfg(feature = "redis")]
-use tower_batch_lock::{keys, Locks};
+use tower_batch_lock::{keys, Lease, Locks};
 
 /// How long [`send`] waits for a response before it fails the test.
 pub(crate) const RESPONSE_LIMIT: Duration = Duration::from_secs(10);
@@ -66,6 +68,14 @@ where
     )
 }
 
+/// A [`batch_router`] whose handler answers with the fencing token of its lease.
+#[cfg(feature = "redis")]
+pub(crate) fn fence_router(locks: &Locks) -> Router {
+    batch_router(locks, |Extension(lease): Extension<Lease>| async move {
+        lease.fencing_token().get().to_string()
+    })
+}
+
 /// `POST /batch` with `keys` as a JSON array.
 #[cfg(feature = "redis")]
 pub(crate) fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
@@ -111,6 +121,20 @@ impl Reply {
 
     pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// The fencing token a [`fence_router`] answered with; the test fails on any other answer.
+#[cfg(feature = "redis")]
+pub(crate) trait Fence {
+    fn fence(&self) -> u64;
+}
+
+#[cfg(feature = "redis")]
+impl Fence for Reply {
+    fn fence(&self) -> u64 {
+        assert_eq!(self.status, StatusCode::OK, "{}", self.text());
+        self.text().parse().unwrap()
     }
 }
 

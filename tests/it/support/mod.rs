@@ -18,6 +18,17 @@ pub(crate) mod stores;
 #[cfg(feature = "redis")]
 pub(crate) use server::{lock_value, LockValue, Observer, RedisServer};
 
+/// The least fencing token a counter floored by this machine's clock gives now: its
+/// milliseconds since 2025-01-01T00:00:00Z, times 1024. The stores floor their counters so
+/// (Redis by its own clock, here the same machine's), and tests compare tokens with it.
+#[cfg(feature = "redis")]
+pub(crate) fn clock_floor() -> u64 {
+    let since_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    (u64::try_from(since_unix.as_millis()).unwrap() - 1_735_689_600_000) * 1024
+}
+
 /// xorshift64: reproducible key sets without a dependency.
 #[cfg(feature = "redis")]
 pub(crate) struct Rng(u64);

@@ -95,4 +95,4 @@ for i, parts in pairs(found) do
     redis.call('SET', KEYS[i], mine .. queue, 'PX', ttl)
   end
 end
-return {1, count_grant(), -1, {}}
+return {1, counts_grants and count_grant(KEYS[1]) or 0, -1, {}}

@@ -23,9 +23,9 @@ local KEYS, ARGV = (function(args)
 end)(ARGV)
 local per_key = true
 
--- A node counts nothing: the cluster store takes the token from one counter once every
--- group of the batch was granted (see `backend/cluster`).
-local function count_grant() return 0 end
+-- A node counts nothing: the cluster store takes the token from the namespace's one
+-- counter (count_grant.lua) once every group of the batch was granted (see `store/cluster`).
+local counts_grants = false
 
 -- PUBLISH on a cluster reaches every node; the cluster store announces a release once,
 -- with SPUBLISH, which reaches only the channel's shard.

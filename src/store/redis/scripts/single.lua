@@ -2,8 +2,9 @@
 -- and one command may name any number of them.
 local per_key = false
 
--- Counts a grant in the namespace's fencing counter (acquire's KEYS[1]): the token.
-local function count_grant() return redis.call('INCR', KEYS[1]) end
+-- Acquire's KEYS[1] is the namespace's fencing counter: a grant is counted there, in the
+-- script (`count_grant`, clock.lua).
+local counts_grants = true
 
 -- Tells waiters in other processes which wake-up slots were freed.
 local function announce(channel, slots) redis.call('PUBLISH', channel, slots) end

@@ -15,16 +15,6 @@
 -- shared one, say) will start with a character that is neither a hex digit nor '|', so
 -- that these scripts take it for foreign too, rather than for free.
 
--- Redis's clock in milliseconds, read once per script and only when needed.
-local clock_ms
-local function now()
-  if not clock_ms then
-    local t = redis.call('TIME')
-    clock_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return clock_ms
-end
-
 -- Whether `holds` has the form of holds: 32 hex digits, then ':' and 16 hex digits once
 -- or more. Anything else (a value of another program that merely has a ':' in the same
 -- place) is foreign, and never written to.
