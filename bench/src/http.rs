@@ -536,12 +536,13 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
 }
 
 /// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
-/// the lock value's functions, then the script's own file. Read from the crate's source, so
+/// the clock and fencing counter, the lock value's functions, then the script's own file. Read from the crate's source, so
 /// that the hand-written handler always does the same Redis work as the layer.
 fn crate_script(body: &str) -> Script {
     Script::new(
         &[
             include_str!("../../src/store/redis/scripts/single.lua"),
+            include_str!("../../src/store/redis/scripts/clock.lua"),
             include_str!("../../src/store/redis/scripts/value.lua"),
             body,
         ]
