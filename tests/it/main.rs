@@ -50,7 +50,11 @@
 //!    `defaults::check_needs_a_majority_of_the_redlock_masters`.
 //! 9. **Clear errors**: `malformed::*`, `fuzz::*` (and the `fuzz` unit tests of
 //!    `src/keys`), `layer::key_limits_are_4xx_naming_the_limit`,
-//!    `layer::the_json_extractor_refuses_bad_bodies_with_problems`, `extractors::*`.
+//!    `layer::the_json_extractor_refuses_bad_bodies_with_problems`, `extractors::*`,
+//!    `layer::requests_without_keys_are_refused_unless_the_route_lets_them_pass_unlocked`,
+//!    `redis::a_store_outage_is_logged_once_not_once_per_request`.
+//!
+//! `examples::*` runs each small example on the store it is for.
 //! 10. **Fairness**: `fairness::*`,
 //!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
 //!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`.
