@@ -99,6 +99,8 @@ mod redis;
 mod redlock;
 #[cfg(feature = "redis")]
 mod reentrant;
+#[cfg(feature = "redis")]
+mod replicas;
 mod tracing;
 #[cfg(feature = "redis")]
 mod waiting;

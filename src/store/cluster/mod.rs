@@ -22,7 +22,7 @@ use std::{sync::Arc, time::Duration};
 
 use redis::IntoConnectionInfo;
 
-use super::{fanout::NodeUrls, handle::Store};
+use super::{fanout::NodeUrls, handle::Store, redis::replicas::ReplicaAck};
 use store::ClusterStore;
 
 mod announce;
@@ -95,7 +95,8 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   the map shows it. Replication is asynchronous: a lock granted just before its master
 ///   died may be missing on the replica that replaces it, so another request can be granted
 ///   the same keys while the first still runs (the fencing tokens still increase: let the
-///   resource check them). See the requirements below for what helps.
+///   resource check them). [`replicas`](Self::replicas) narrows that window (`WAIT`); see
+///   the requirements below for what else helps.
 ///
 /// # When to choose it
 ///
@@ -133,6 +134,7 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 pub struct RedisCluster {
     seeds: NodeUrls,
     retry_for: Duration,
+    replicas: Option<ReplicaAck>,
 }
 
 impl RedisCluster {
@@ -147,6 +149,7 @@ impl RedisCluster {
         Self {
             seeds: NodeUrls::new(urls, DEFAULT_NODE_TIMEOUT),
             retry_for: DEFAULT_RETRY_FOR,
+            replicas: None,
         }
     }
 
@@ -173,6 +176,22 @@ impl RedisCluster {
         self
     }
 
+    /// Makes a batch count as granted only once `replicas` replicas of each master that
+    /// granted a group of it have that group: each master's acquisition is followed by
+    /// `WAIT replicas timeout` on its connection, as [`Redis::replicas`](super::Redis::replicas)
+    /// does on one Redis, which says what it promises and what it does not. A group that
+    /// too few replicas acknowledged within `timeout` is released, the batch is rolled back
+    /// on every master, and the request gets 503. Keep `timeout` below the
+    /// [node timeout](Self::node_timeout), which bounds each master's call, wait included.
+    ///
+    /// # Panics
+    ///
+    /// If `replicas` or `timeout` is zero.
+    pub fn replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replicas = Some(ReplicaAck::new(replicas, timeout));
+        self
+    }
+
     /// The store, for [`Locks::new`](crate::Locks::new).
     ///
     /// # Errors
@@ -184,7 +203,7 @@ impl RedisCluster {
             .iter()
             .map(|url| url.as_str().into_connection_info())
             .collect::<Result<Vec<_>, _>>()?;
-        let store = ClusterStore::new(seeds, node_timeout, self.retry_for)?;
+        let store = ClusterStore::new(seeds, node_timeout, self.retry_for, self.replicas)?;
         Ok(Store::of(Arc::new(store)))
     }
 }

@@ -27,7 +27,7 @@ use crate::{
         contract::{Holder, LockStore},
         error::StoreError,
         fanout::{bounded, node_pool, Fanout},
-        redis::RedisStore,
+        redis::{replicas::ReplicaAck, RedisStore},
         wake::{slots_of, Wakeups},
     },
 };
@@ -53,6 +53,8 @@ pub(super) struct Nodes {
     pub(super) retry_for: Duration,
     pub(super) fanout: Arc<Fanout>,
     pub(super) wakeups: Arc<Wakeups>,
+    /// How many replicas of its master must have a group's grant, if any.
+    pub(super) replicas: Option<ReplicaAck>,
 }
 
 impl Nodes {
@@ -143,7 +145,7 @@ impl Nodes {
         };
         let info = self.seed.clone().set_addr(addr);
         let pool = node_pool(info, self.fanout.node_timeout())?;
-        let node = Arc::new(RedisStore::cluster_node(pool));
+        let node = Arc::new(RedisStore::cluster_node(pool).with_replicas(self.replicas));
         pools.insert(address, node.clone());
         Ok(node)
     }

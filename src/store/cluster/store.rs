@@ -21,7 +21,10 @@ use crate::store::{
     contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Reply, Ticket},
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout},
-    redis::pubsub::{reconnect_backoff, RELEASED_CHANNEL},
+    redis::{
+        pubsub::{reconnect_backoff, RELEASED_CHANNEL},
+        replicas::ReplicaAck,
+    },
     wake::Wakeups,
 };
 #[cfg(feature = "idempotency")]
@@ -55,6 +58,7 @@ impl ClusterStore {
         seeds: Vec<ConnectionInfo>,
         node_timeout: Duration,
         retry_for: Duration,
+        replicas: Option<ReplicaAck>,
     ) -> Result<Self, redis::RedisError> {
         let Some(seed) = seeds.first().cloned() else {
             return Err(redis::RedisError::from((
@@ -88,6 +92,7 @@ impl ClusterStore {
             retry_for,
             fanout: Arc::new(Fanout::new("cluster", node_timeout)),
             wakeups,
+            replicas,
         };
         let store = Self {
             inner: Arc::new(inner),

@@ -55,6 +55,16 @@ impl SharedConnection {
         }
     }
 
+    /// A connection of its own for one call, from the pool (deadpool-redis checks it with a
+    /// `PING` first), back to the pool when dropped: for a call that blocks its connection
+    /// (`WAIT`), which on the shared one would hold up every other call of the process.
+    pub(super) async fn dedicated(&self) -> Result<deadpool_redis::Connection, StoreError> {
+        let mut connection = self.pool.get().await.map_err(StoreError::not_sent)?;
+        // As for the shared connection: the caller bounds the call.
+        connection.set_response_timeout(Duration::from_secs(3600));
+        Ok(connection)
+    }
+
     /// The shared connection for one call, taken from the pool if there is none.
     pub(super) async fn call(&self) -> Result<Call<'_>, StoreError> {
         let cached = self.shared().connection.clone();

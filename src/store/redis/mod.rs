@@ -28,12 +28,14 @@ use super::{
 };
 use connection::{Command, SharedConnection};
 use pubsub::{listen_for_releases, slot_list, RELEASED_CHANNEL};
+use replicas::{acquire_acknowledged, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
 use scripts::{Scripts, RAISE_FENCE, SINGLE};
 
 mod connection;
 pub(super) mod pubsub;
+pub(super) mod replicas;
 pub(super) mod scripts;
 
 /// Locks in one Redis, shared by every process that uses it with the same
@@ -104,14 +106,25 @@ pub(super) mod scripts;
 /// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
 ///   over to a replica that had not received the key, the lock is lost, and another
 ///   request can be granted its keys while the first still runs (the first learns of it at
-///   its next renewal, [`Lease::lost`](crate::Lease::lost)). Where that must not happen,
-///   use [`Redlock`](super::Redlock), and check [fencing
-///   tokens](crate::FencingToken) at the resource.
+///   its next renewal, [`Lease::lost`](crate::Lease::lost)). [`replicas`](Redis::replicas)
+///   narrows that window (below); where it must not happen at all, use
+///   [`Redlock`](super::Redlock), and check [fencing tokens](crate::FencingToken) at the
+///   resource.
+///
+/// # Replicas
+///
+/// A Redis with replicas replicates each grant after answering it: a master that fails
+/// before a grant reached a replica, replaced by that replica, has lost the lock, and
+/// another request can be granted the same keys while the first still runs.
+/// [`replicas`](Redis::replicas) narrows that window: a grant counts only once enough
+/// replicas have it.
 #[derive(Clone)]
 pub struct Redis {
     source: Source,
     /// Where to subscribe to other processes' releases.
     wakeups: Option<String>,
+    /// How many replicas must have a grant before it counts.
+    replicas: Option<ReplicaAck>,
 }
 
 #[derive(Clone)]
@@ -130,6 +143,7 @@ impl fmt::Debug for Redis {
         f.debug_struct("Redis")
             .field("source", &source)
             .field("wakeups", &self.wakeups.is_some())
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -143,6 +157,7 @@ impl Redis {
         Self {
             wakeups: Some(url.clone()),
             source: Source::Url(url),
+            replicas: None,
         }
     }
 
@@ -155,6 +170,7 @@ impl Redis {
         Self {
             source: Source::Pool(pool),
             wakeups: None,
+            replicas: None,
         }
     }
 
@@ -162,6 +178,45 @@ impl Redis {
     /// requests at once.
     pub fn wakeups(mut self, url: impl Into<String>) -> Self {
         self.wakeups = Some(url.into());
+        self
+    }
+
+    /// Makes a grant count only once `replicas` replicas of this Redis have it: after the
+    /// acquire script granted a batch, the store sends `WAIT replicas timeout` on the
+    /// connection that ran it. A grant that fewer replicas acknowledged within `timeout` is
+    /// released at once, and the request gets 503 (as when the store cannot be reached):
+    /// its lock could not be made to outlive the master.
+    ///
+    /// What it promises: a handler runs only under a grant that was in the memory of at
+    /// least `replicas` replicas, so that a failover to one of them keeps the lock (and
+    /// the fencing counter, counted in the same script). What it does not:
+    ///
+    /// - `WAIT` does not make Redis strongly consistent. A failover may still promote a
+    ///   replica that did not acknowledge the grant (one of more replicas than `replicas`,
+    ///   or one that lagged when the failover was decided; Sentinel and the cluster prefer
+    ///   the most up-to-date replica, they do not guarantee it), and a replica acknowledges
+    ///   what it received, not what it wrote to disk: one that restarts without
+    ///   persistence loses it.
+    /// - Only grants wait. A renewal ([`Locks::renew_lease`](crate::Locks::renew_lease)),
+    ///   a release and a waiter's reservation are not acknowledged: a failover just after
+    ///   a renewal can bring the lock back to its earlier expiry, and one after a release
+    ///   can bring a released lock back until its TTL.
+    /// - It refuses grants while fewer than `replicas` replicas answer: a replica down
+    ///   costs every acquisition `timeout` and a 503. Keep `timeout` far below
+    ///   [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by default), which
+    ///   bounds the whole acquisition.
+    ///
+    /// The cost: each grant takes a connection of its own from the pool (a `PING` round
+    /// trip; `WAIT` blocks its connection, and on the shared one it would hold up every
+    /// other call) and one more round trip, in which the master waits for its replicas.
+    /// Redis's own `min-replicas-to-write` refuses writes on a master that lost its
+    /// replicas, which complements this.
+    ///
+    /// # Panics
+    ///
+    /// If `replicas` or `timeout` is zero.
+    pub fn replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replicas = Some(ReplicaAck::new(replicas, timeout));
         self
     }
 
@@ -188,7 +243,8 @@ impl Redis {
             .wakeups
             .map(|url| redis::Client::open(url.as_str()))
             .transpose()?;
-        Ok(Store::of(Arc::new(RedisStore::new(pool, subscriber))))
+        let store = RedisStore::new(pool, subscriber).with_replicas(self.replicas);
+        Ok(Store::of(Arc::new(store)))
     }
 }
 
@@ -201,6 +257,8 @@ pub(crate) struct RedisStore {
     /// Where to open the subscription to other processes' releases, if anywhere.
     subscriber: Option<redis::Client>,
     subscribed: OnceLock<()>,
+    /// How many replicas must have a grant before it counts, if any.
+    replicas: Option<ReplicaAck>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -208,6 +266,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("pool", &self.connection.status())
             .field("subscribes", &self.subscriber.is_some())
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -238,6 +297,7 @@ impl RedisStore {
             scripts,
             subscriber,
             subscribed: OnceLock::new(),
+            replicas: None,
         };
         // Built inside a runtime (the usual case), subscribe now, so that the first waiter
         // already hears of releases; otherwise on first use.
@@ -245,6 +305,13 @@ impl RedisStore {
             store.listen_for_releases();
         }
         store
+    }
+
+    /// The same store, whose grants count only once `replicas` acknowledged them (see
+    /// [`Redis::replicas`]).
+    pub(crate) fn with_replicas(mut self, replicas: Option<ReplicaAck>) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// Starts relaying other processes' releases to this process's waiters, once.
@@ -304,6 +371,41 @@ impl RedisStore {
 /// The acquire script's reply.
 type AcquireReply = (i64, i64, i64, Vec<String>);
 
+impl RedisStore {
+    /// Runs the acquire script on a connection of its own and, when it grants, waits for
+    /// `ack` (see [`Redis::replicas`]). A grant that too few replicas acknowledged is
+    /// released before this fails, so that nothing is left when the request gets its 503.
+    /// The error still says that the acquisition may have applied: the caller releases
+    /// again (one more release, harmless, on this path only), and a cluster attempt rolls
+    /// back as for a master that did not answer, rather than take it for a moved slot and
+    /// try again.
+    async fn invoke_acknowledged(
+        &self,
+        script: &ScriptInvocation<'_>,
+        request: &AcquireRequest,
+        ack: ReplicaAck,
+    ) -> Result<AcquireReply, StoreError> {
+        let mut connection = self.connection.dedicated().await?;
+        let granted = |reply: &AcquireReply| reply.0 == 1;
+        match acquire_acknowledged(&mut *connection, script, granted, ack).await? {
+            Acknowledged::Answer(reply) => Ok(reply),
+            Acknowledged::Short(acknowledged) => {
+                drop(connection);
+                let released = self.release(&request.keys, request.holder).await;
+                let detail = format!(
+                    "only {acknowledged} of {} replicas acknowledged the grant within {} ms",
+                    ack.replicas,
+                    ack.timeout.as_millis()
+                );
+                Err(StoreError::unknown(match released {
+                    Ok(_) => format!("{detail}; it was released"),
+                    Err(error) => format!("{detail}; releasing it failed: {error}"),
+                }))
+            }
+        }
+    }
+}
+
 impl LockStore for RedisStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
@@ -330,7 +432,10 @@ impl LockStore for RedisStore {
                     Line::At(_) => millis(RESERVATION_TTL),
                     Line::Outside | Line::Holder => 0,
                 });
-            let (granted, count, earliest, named): AcquireReply = self.invoke(&script).await?;
+            let (granted, count, earliest, named): AcquireReply = match self.replicas {
+                None => self.invoke(&script).await?,
+                Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
+            };
             if granted == 1 {
                 let fence = u64::try_from(count).map_err(|_| {
                     let counter = &request.namespace;

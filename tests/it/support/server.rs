@@ -11,6 +11,8 @@ use std::{
 pub(crate) struct RedisServer {
     child: Option<Child>,
     port: u16,
+    /// Arguments beyond the defaults (a replica's `--replicaof`), kept for a restart.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -20,11 +22,23 @@ impl RedisServer {
     ///
     /// When `redis-server` is not installed, with a message that says how to install it.
     pub(crate) fn start() -> Self {
+        Self::start_with(Vec::new())
+    }
+
+    /// Starts a replica of `master` (`--replicaof`), as [`start`](Self::start) does; it
+    /// may not be in sync yet.
+    pub(crate) fn start_replica_of(master: &Self) -> Self {
+        let replicaof = ["--replicaof", "127.0.0.1", &master.port.to_string()];
+        Self::start_with(replicaof.map(str::to_owned).to_vec())
+    }
+
+    fn start_with(extra: Vec<String>) -> Self {
         for _ in 0..5 {
             let port = free_port();
             let mut server = Self {
-                child: Some(spawn(port)),
+                child: Some(spawn(port, &extra)),
                 port,
+                extra: extra.clone(),
             };
             if server.wait_ready(Duration::from_secs(10)) {
                 return server;
@@ -90,7 +104,7 @@ impl RedisServer {
     /// Starts a fresh, empty server on the same port after [`kill`](Self::kill).
     pub(crate) fn restart(&mut self) {
         self.kill();
-        self.child = Some(spawn(self.port));
+        self.child = Some(spawn(self.port, &self.extra));
         assert!(
             self.wait_ready(Duration::from_secs(10)),
             "redis-server did not restart"
@@ -292,7 +306,7 @@ fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
-fn spawn(port: u16) -> Child {
+fn spawn(port: u16, extra: &[String]) -> Child {
     Command::new("redis-server")
         .args([
             "--port",
@@ -306,6 +320,7 @@ fn spawn(port: u16) -> Child {
         ])
         .arg("--dir")
         .arg(std::env::temp_dir())
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
