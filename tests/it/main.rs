@@ -7,7 +7,8 @@
 //! 1. **No overlap**: `redis::intersecting_batches_never_overlap_across_processes`,
 //!    `redlock::overlapping_batches_never_run_together_*`,
 //!    `cluster::overlapping_batches_never_run_together_across_two_processes`,
-//!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates).
+//!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates),
+//!    `wire::*` (under latency, a stall, lost replies and resets between service and Redis).
 //!    Not for shared holds: the crate has none yet.
 //! 2. **All or nothing**: `redis::a_big_batch_with_one_held_key_is_refused_and_writes_nothing`,
 //!    `redis::a_frozen_server_*`, `redis::an_acquisition_stalled_on_the_server_*`,
@@ -104,3 +105,5 @@ mod replicas;
 mod tracing;
 #[cfg(feature = "redis")]
 mod waiting;
+#[cfg(feature = "redis")]
+mod wire;

@@ -11,6 +11,8 @@ pub(crate) mod handlers;
 pub(crate) mod http;
 pub(crate) mod logs;
 #[cfg(feature = "redis")]
+pub(crate) mod proxy;
+#[cfg(feature = "redis")]
 mod server;
 #[cfg(feature = "redis")]
 pub(crate) mod stores;

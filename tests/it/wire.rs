@@ -1,0 +1,179 @@
+//! Faults on the wire between the service and Redis (`support::proxy`): latency, a stalled
+//! connection, replies lost after the command ran, connections reset. Under each, with
+//! bounded load from two "processes" on overlapping keys, one through the faulty proxy and
+//! one straight to Redis: no two critical sections that share a key overlap, a refusal is
+//! a 503 within the store timeout, the proxied process recovers by itself once the fault
+//! ends, and no key is left past its TTL.
+
+use std::{
+    sync::{atomic::Ordering, Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::Router;
+use http::StatusCode;
+use tower_batch_lock::{store::Redis, Locks};
+
+use crate::support::{
+    handlers::{ledger_handler, Ledger},
+    http::{batch, batch_router, poll_every, send},
+    proxy::{Fault, Proxy},
+    Observer, RedisServer, Rng,
+};
+
+const STORE_TIMEOUT: Duration = Duration::from_millis(500);
+const TTL: Duration = Duration::from_secs(2);
+/// Requests per process.
+const REQUESTS: usize = 20;
+
+/// Every answer the proxied process got: its status and how long it took.
+type Answers = Arc<Mutex<Vec<(StatusCode, Duration)>>>;
+
+fn locks(url: String) -> Locks {
+    Locks::new(Redis::url(url).build().unwrap())
+        .ttl(TTL)
+        .store_timeout(STORE_TIMEOUT)
+}
+
+/// `REQUESTS` random batches of 1 or 2 keys out of 4, at once, each retried on 409 up to
+/// 20 times; the proxied process's answers go to `answers`.
+async fn load(app: &Router, seed: u64, answers: Option<&Answers>) {
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let (app, answers) = (app.clone(), answers.cloned());
+            tokio::spawn(async move {
+                let mut rng = Rng::seeded(seed * 1000 + i as u64);
+                let keys: Vec<String> = (0..1 + rng.below(2))
+                    .map(|_| format!("k{}", rng.below(4)))
+                    .collect();
+                for _ in 0..20 {
+                    let started = Instant::now();
+                    let status = send(&app, batch(&keys)).await.status;
+                    if let Some(answers) = &answers {
+                        answers.lock().unwrap().push((status, started.elapsed()));
+                    }
+                    if status != StatusCode::CONFLICT {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+/// Runs the load with `fault` on the proxy while `during` runs beside it, then checks.
+async fn under(
+    name: &str,
+    fault: Fault,
+    during: impl FnOnce(Arc<Proxy>) -> Option<tokio::task::JoinHandle<()>>,
+) {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Arc::new(Proxy::start(server.port()).await);
+    let ledger = Arc::new(Ledger::default());
+    let proxied = batch_router(&locks(proxy.url()), ledger_handler(&ledger));
+    let direct = batch_router(&locks(server.url()), ledger_handler(&ledger));
+    assert_eq!(send(&proxied, batch(&["k0"])).await.status, StatusCode::OK);
+
+    proxy.set(fault);
+    let beside = during(proxy.clone());
+    let answers = Answers::default();
+    let started = Instant::now();
+    tokio::join!(load(&proxied, 1, Some(&answers)), load(&direct, 2, None));
+    let took = started.elapsed();
+    if let Some(beside) = beside {
+        beside.abort();
+    }
+    proxy.set(Fault::None);
+    let loaded = Instant::now();
+
+    assert_eq!(
+        ledger.overlaps.load(Ordering::SeqCst),
+        0,
+        "{name}: two holders were inside the same key at once"
+    );
+    let answers = std::mem::take(&mut *answers.lock().unwrap());
+    let count = |status| answers.iter().filter(|(s, _)| *s == status).count();
+    for &(status, took) in &answers {
+        assert!(
+            [
+                StatusCode::OK,
+                StatusCode::CONFLICT,
+                StatusCode::SERVICE_UNAVAILABLE
+            ]
+            .contains(&status),
+            "{name}: {status}"
+        );
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            assert!(
+                took < STORE_TIMEOUT + Duration::from_millis(300),
+                "{name}: a 503 took {took:?}"
+            );
+        }
+    }
+
+    // The proxied process recovers by itself: a grant within 5 s.
+    let mut recovered = None;
+    for _ in 0..50 {
+        if send(&proxied, batch(&["recovery"])).await.status == StatusCode::OK {
+            recovered = Some(loaded.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let recovered = recovered.unwrap_or_else(|| panic!("{name}: no grant within 5 s"));
+
+    // Nothing is left past its TTL (counted from the end of the load).
+    let emptied = poll_every(
+        Duration::from_millis(50),
+        TTL + Duration::from_secs(2),
+        || observer.locks().is_empty(),
+    )
+    .await;
+    assert!(emptied.is_some(), "{name}: left {:?}", observer.locks());
+    eprintln!(
+        "{name}: load {took:?}; proxied answers {} ok, {} 409, {} 503; recovered in \
+         {recovered:?}; no key left {:?} after the load",
+        count(StatusCode::OK),
+        count(StatusCode::CONFLICT),
+        count(StatusCode::SERVICE_UNAVAILABLE),
+        loaded.elapsed(),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_slows_grants_and_breaks_nothing() {
+    under(
+        "latency 30 ms",
+        Fault::Latency(Duration::from_millis(30)),
+        |_| None,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_connection_gives_503_within_the_store_timeout() {
+    under("stall", Fault::Stall, |_| None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_lost_after_the_script_ran_leave_nothing_behind() {
+    under("replies dropped", Fault::DropReplies, |_| None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_reset_under_load_break_nothing() {
+    under("resets every 50 ms", Fault::None, |proxy| {
+        Some(tokio::spawn(async move {
+            for _ in 0..200 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                proxy.reset();
+            }
+        }))
+    })
+    .await;
+}
