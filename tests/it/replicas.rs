@@ -54,6 +54,12 @@ async fn a_grant_waits_for_its_replica_and_is_refused_and_released_without_it() 
     let locks = Locks::new(Redis::url(master.url()).replicas(1, WAIT).build().unwrap());
     let (plain, acknowledged) = (bare(&plain_locks), bare(&locks));
 
+    // The check sees the replica; asking for two fails it.
+    assert!(locks.check().await.is_ok());
+    let two = Locks::new(Redis::url(master.url()).replicas(2, WAIT).build().unwrap());
+    let error = two.check().await.unwrap_err().to_string();
+    assert!(error.contains("waits for 2 replicas"), "{error}");
+
     // Up: granted, and the replica holds the lock before the handler runs.
     let reply = send(&app(&locks, &on_replica), batch(&["doc"])).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());

@@ -28,7 +28,7 @@ use super::{
 };
 use connection::{Command, SharedConnection};
 use pubsub::{listen_for_releases, slot_list, RELEASED_CHANNEL};
-use replicas::{acquire_acknowledged, Acknowledged, ReplicaAck};
+use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
 use scripts::{Scripts, RAISE_FENCE, SINGLE};
@@ -202,9 +202,10 @@ impl Redis {
     ///   a renewal can bring the lock back to its earlier expiry, and one after a release
     ///   can bring a released lock back until its TTL.
     /// - It refuses grants while fewer than `replicas` replicas answer: a replica down
-    ///   costs every acquisition `timeout` and a 503. Keep `timeout` far below
-    ///   [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by default), which
-    ///   bounds the whole acquisition.
+    ///   costs every acquisition `timeout` and a 503, and
+    ///   [`Locks::check`](crate::Locks::check) fails while fewer are connected. Keep
+    ///   `timeout` far below [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by
+    ///   default), which bounds the whole acquisition.
     ///
     /// The cost: each grant takes a connection of its own from the pool (a `PING` round
     /// trip; `WAIT` blocks its connection, and on the shared one it would hold up every
@@ -518,6 +519,15 @@ impl LockStore for RedisStore {
                 return Err(StoreError::not_sent(format!(
                     "the lock store needs Redis 7.0 or later; this server is {major}.{minor}"
                 )));
+            }
+            if let Some(ack) = self.replicas {
+                match missing_replicas(&mut call.connection, ack).await {
+                    Ok(None) => {}
+                    Ok(Some(missing)) => {
+                        return call.end(Ok(())).and(Err(StoreError::not_sent(missing)))
+                    }
+                    Err(error) => return call.end(Err(error)),
+                }
             }
             let own = &self.scripts;
             let mut scripts = vec![&own.acquire, &own.extend, &own.release, &own.withdraw];

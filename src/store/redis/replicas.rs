@@ -81,3 +81,27 @@ where
         Acknowledged::Short(acknowledged)
     })
 }
+
+/// What is wrong with the replicas of the master behind `connection` for `ack`, if
+/// anything: fewer connected than a grant waits for (`INFO replication`), so that every
+/// grant would wait for nothing and be refused. For the store's check.
+pub(super) async fn missing_replicas<C: ConnectionLike + Send>(
+    connection: &mut C,
+    ack: ReplicaAck,
+) -> redis::RedisResult<Option<String>> {
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(connection)
+        .await?;
+    let connected = info
+        .lines()
+        .find_map(|line| line.strip_prefix("connected_slaves:"))
+        .and_then(|count| count.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    Ok((connected < ack.replicas).then(|| {
+        format!(
+            "every grant waits for {} replicas, and this master has {connected} connected",
+            ack.replicas
+        )
+    }))
+}

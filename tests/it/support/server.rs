@@ -151,8 +151,14 @@ impl Drop for RedisServer {
 /// A plain synchronous connection to the server at `url`, with bounded connect and reads.
 fn connect(url: &str) -> redis::Connection {
     let client = redis::Client::open(url).expect("a valid Redis URL");
-    let connection = client
-        .get_connection_with_timeout(Duration::from_secs(2))
+    let attempt = || client.get_connection_with_timeout(Duration::from_secs(2));
+    // A signal can interrupt the connect (EINTR, seen once in a full run while tests
+    // froze and thawed servers); that is worth one more try, nothing else is.
+    let connection = attempt()
+        .or_else(|error| match error.kind() {
+            redis::ErrorKind::Io if error.to_string().contains("os error 4") => attempt(),
+            _ => Err(error),
+        })
         .expect("connect to the test redis-server");
     connection
         .set_read_timeout(Some(Duration::from_secs(5)))
