@@ -209,9 +209,11 @@ impl Redis {
     ///
     /// The cost: each grant takes a connection of its own from the pool (a `PING` round
     /// trip; `WAIT` blocks its connection, and on the shared one it would hold up every
-    /// other call) and one more round trip, in which the master waits for its replicas.
-    /// Redis's own `min-replicas-to-write` refuses writes on a master that lost its
-    /// replicas, which complements this.
+    /// other call) and one more round trip, in which the master waits for its replicas:
+    /// on one local master and replica, an acquire + release cycle through the layer took
+    /// 1.7 times as long for one key (+200 µs) and 1.15 times for 1,000 keys
+    /// (`cargo bench --bench replicas`). Redis's own `min-replicas-to-write` refuses writes
+    /// on a master that lost its replicas, which complements this.
     ///
     /// # Panics
     ///
