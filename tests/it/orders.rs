@@ -241,6 +241,50 @@ async fn memory_basic_flows() {
     idempotent_orders(&app).await;
 }
 
+/// The orders' fences never go back, even when the Redis that keeps the locks (and here
+/// the data) restarts without them: the next order's fence is larger than every earlier one.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_order_fences_never_go_back_across_a_restart_without_data() {
+    let mut server = support::RedisServer::start();
+    let place = |app: Router, id: String| async move {
+        put_stock(&app, "apple", 5).await;
+        let placed = post_order(&app, &order(&id, &[("apple", 1)])).await;
+        assert_eq!(placed.status, StatusCode::CREATED, "{}", placed.body);
+        placed.body["fence"].as_u64().expect("a fence")
+    };
+    let app = redis_app(&server, Duration::ZERO, true);
+    let mut before = Vec::new();
+    for i in 0..5 {
+        before.push(place(app.clone(), format!("before-{i}")).await);
+    }
+    assert!(before.windows(2).all(|w| w[0] < w[1]), "{before:?}");
+
+    // Nothing is kept on disk: the counter is gone with the stock.
+    server.restart();
+    let app = redis_app(&server, Duration::ZERO, true);
+    let mut after = None;
+    // The pools reconnect on their own: a few attempts at most.
+    for attempt in 0..50 {
+        let stocked = send(
+            &app,
+            json_request(Method::PUT, "/stock/apple", &json!({ "qty": 5 })),
+        );
+        if stocked.await.status != StatusCode::OK {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let placed = post_order(&app, &order(&format!("after-{attempt}"), &[("apple", 1)])).await;
+        if placed.status == StatusCode::CREATED {
+            after = placed.body["fence"].as_u64();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = after.expect("an order placed after the restart");
+    assert!(after > before[4], "{after} after {before:?}");
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_basic_flows() {
