@@ -121,8 +121,8 @@ async fn lock_extracted<B>(
     let granted_at = Instant::now();
     span.record("outcome", "granted");
 
-    // A handler that asks for its lease takes it from the extensions: built only while
-    // the guard is armed, which a granted one always is.
+    // The handler's view of its locks, for the request's extensions (a granted guard is
+    // always armed, so there is one).
     let lease = guard.status().map(|status| {
         Lease::new(
             keys.clone(),
