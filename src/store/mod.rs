@@ -40,6 +40,6 @@ pub use cluster::RedisCluster;
 pub use error::StoreError;
 pub use handle::Store;
 #[cfg(feature = "redis")]
-pub use redis::Redis;
+pub use redis::builder::Redis;
 #[cfg(feature = "redis")]
 pub use redlock::Redlock;

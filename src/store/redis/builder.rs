@@ -1,0 +1,221 @@
+//! [`Redis`]: the public builder of the store on one Redis.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use deadpool_redis::Pool;
+
+use super::{replicas::ReplicaAck, RedisStore};
+use crate::store::handle::Store;
+
+/// Locks in one Redis, shared by every process that uses it with the same
+/// [prefix](crate::Locks::prefix): built from a URL (a pool of its own) or from your
+/// deadpool-redis pool.
+///
+/// ```
+/// use tower_batch_lock::{deadpool_redis, store::Redis, Locks};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let url = "redis://127.0.0.1/";
+/// // A pool of its own, and waiting requests woken by every process's releases.
+/// let locks = Locks::new(Redis::url(url).build()?);
+///
+/// // Or your pool; `wakeups` subscribes at the same Redis for other processes' releases.
+/// let pool = deadpool_redis::Config::from_url(url)
+///     .create_pool(Some(deadpool_redis::Runtime::Tokio1))?;
+/// let shared = Locks::new(Redis::pool(pool).wakeups(url).build()?);
+/// # drop((locks, shared));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Nothing connects until the first request (or [`Locks::check`](crate::Locks::check)).
+///
+/// # Data model
+///
+/// One string per resource, `lock:{key}`: the owner (a random 128-bit token, one per
+/// request) and its holds (one random 64-bit id per acquisition, so that re-entry and a
+/// release sent twice stay exact), then the reservations of waiters in line (ticket and
+/// expiry), with a `PX` expiry: `<owner>:<hold>[:<hold>...]|<ticket>/<until>...`. The
+/// prefix itself, `lock:`, holds the namespace's fencing counter (it is never a lock: empty
+/// keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
+/// through `EVALSHA` and are loaded again after a `SCRIPT FLUSH` or a restart:
+///
+/// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what
+///   was there instead. A key the caller's owner holds is entered again; any conflict undoes
+///   the keys taken so far before the script ends, so nobody ever sees part of a batch. A
+///   waiter in line then reserves the whole batch. A grant counts in the namespace's
+///   counter, floored by Redis's clock (`TIME`), so that it never goes back after a
+///   restart without persistence or a failover ([`FencingToken`](crate::FencingToken)
+///   says under which assumptions).
+/// - *extend* checks every key for the caller's hold, then `PEXPIRE ... GT`: all or
+///   nothing, never shortening a key.
+/// - *release* ends only the caller's hold, keeps a key with other holds or reservations,
+///   and publishes the release on the channel `tower-batch-lock:released`, which every
+///   process built with a subscription ([`Redis::url`], [`Redis::wakeups`]) listens to.
+/// - *withdraw* takes a waiter's reservations off its batch, and publishes too.
+///
+/// Anything else under a lock key (another program's value, another type, a lock of the
+/// previous version of this crate) counts as held by someone else and is never changed.
+/// Processes of 0.1 (a hash per lock key) and of this version can share a Redis during a
+/// rolling upgrade: each counts the other's keys as held, so no batch is granted over a
+/// lock of the other version.
+///
+/// # Running it
+///
+/// - **Version.** Redis 7.0 or later, or a compatible server such as Valkey: the scripts
+///   use `SET ... NX GET` and `PEXPIRE ... GT`. [`Locks::check`](crate::Locks::check) says
+///   so at start-up. For a Redis Cluster, use `store::RedisCluster` (feature `cluster`):
+///   this store needs every key of a batch on one node.
+/// - **Eviction.** Use `maxmemory-policy noeviction` (the default) on the Redis that holds
+///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
+/// - **ACL.** The user needs `+evalsha +script|load +set +get +mget +del +pttl +pexpire
+///   +time +incr +publish +subscribe +info` on `~lock:*` (or your prefix; and
+///   `~idempotency:*` for the idempotency layer) and `&tower-batch-lock:released`.
+/// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
+/// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
+///   over to a replica that had not received the key, the lock is lost, and another
+///   request can be granted its keys while the first still runs (the first learns of it at
+///   its next renewal, [`Lease::lost`](crate::Lease::lost)). [`replicas`](Redis::replicas)
+///   narrows that window (below); where it must not happen at all, use
+///   [`Redlock`](crate::store::Redlock), and check [fencing tokens](crate::FencingToken) at the
+///   resource.
+///
+/// # Replicas
+///
+/// A Redis with replicas replicates each grant after answering it: a master that fails
+/// before a grant reached a replica, replaced by that replica, has lost the lock, and
+/// another request can be granted the same keys while the first still runs.
+/// [`replicas`](Redis::replicas) narrows that window: a grant counts only once enough
+/// replicas have it.
+#[derive(Clone)]
+pub struct Redis {
+    source: Source,
+    /// Where to subscribe to other processes' releases.
+    wakeups: Option<String>,
+    /// How many replicas must have a grant before it counts.
+    replicas: Option<ReplicaAck>,
+}
+
+#[derive(Clone)]
+enum Source {
+    Url(String),
+    Pool(Pool),
+}
+
+impl fmt::Debug for Redis {
+    // By hand: URLs may carry passwords.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match self.source {
+            Source::Url(_) => "url",
+            Source::Pool(_) => "pool",
+        };
+        f.debug_struct("Redis")
+            .field("source", &source)
+            .field("wakeups", &self.wakeups.is_some())
+            .field("replicas", &self.replicas)
+            .finish()
+    }
+}
+
+impl Redis {
+    /// The Redis at `url` (`redis://host:port/db`, or `rediss://` for TLS; credentials go
+    /// in the URL), with a pool of its own, and a subscription at the same URL that wakes
+    /// waiting requests when any process releases their keys.
+    pub fn url(url: impl Into<String>) -> Self {
+        let url = url.into();
+        Self {
+            wakeups: Some(url.clone()),
+            source: Source::Url(url),
+            replicas: None,
+        }
+    }
+
+    /// The Redis behind `pool`. The locks take one connection out of it for good and share
+    /// it (redis-rs pipelines concurrent commands over one connection, and a checkout from
+    /// a deadpool-redis pool costs a `PING` round trip); after a connection error they take
+    /// another. Without [`wakeups`](Self::wakeups), waiting requests wake at once for this
+    /// process's releases and poll (every 5 to 100 ms) for other processes'.
+    pub fn pool(pool: Pool) -> Self {
+        Self {
+            source: Source::Pool(pool),
+            wakeups: None,
+            replicas: None,
+        }
+    }
+
+    /// Subscribes at `url` (the same Redis) to every process's releases, to wake waiting
+    /// requests at once.
+    pub fn wakeups(mut self, url: impl Into<String>) -> Self {
+        self.wakeups = Some(url.into());
+        self
+    }
+
+    /// Makes a grant count only once `replicas` replicas of this Redis have it: after the
+    /// acquire script granted a batch, the store sends `WAIT replicas timeout` on the
+    /// connection that ran it. A grant that fewer replicas acknowledged within `timeout` is
+    /// released at once, and the request gets 503 (as when the store cannot be reached):
+    /// its lock could not be made to outlive the master.
+    ///
+    /// What it promises: a handler runs only under a grant that was in the memory of at
+    /// least `replicas` replicas, so that a failover to one of them keeps the lock (and
+    /// the fencing counter, counted in the same script). What it does not:
+    ///
+    /// - `WAIT` does not make Redis strongly consistent. A failover may still promote a
+    ///   replica that did not acknowledge the grant (one of more replicas than `replicas`,
+    ///   or one that lagged when the failover was decided; Sentinel and the cluster prefer
+    ///   the most up-to-date replica, they do not guarantee it), and a replica acknowledges
+    ///   what it received, not what it wrote to disk: one that restarts without
+    ///   persistence loses it.
+    /// - Only grants wait. A renewal ([`Locks::renew_lease`](crate::Locks::renew_lease)),
+    ///   a release and a waiter's reservation are not acknowledged: a failover just after
+    ///   a renewal can bring the lock back to its earlier expiry, and one after a release
+    ///   can bring a released lock back until its TTL.
+    /// - It refuses grants while fewer than `replicas` replicas answer: a replica down
+    ///   costs every acquisition `timeout` and a 503, and
+    ///   [`Locks::check`](crate::Locks::check) fails while fewer are connected. Keep
+    ///   `timeout` far below [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by
+    ///   default), which bounds the whole acquisition.
+    ///
+    /// The cost: each grant takes a connection of its own from the pool (a `PING` round
+    /// trip; `WAIT` blocks its connection, and on the shared one it would hold up every
+    /// other call) and one more round trip, in which the master waits for its replicas:
+    /// on one local master and replica, an acquire + release cycle through the layer took
+    /// 1.7 times as long for one key (+200 µs) and 1.15 times for 1,000 keys
+    /// (`cargo bench --bench replicas`). Redis's own `min-replicas-to-write` refuses writes
+    /// on a master that lost its replicas, which complements this.
+    ///
+    /// # Panics
+    ///
+    /// If `replicas` or `timeout` is zero.
+    pub fn replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replicas = Some(ReplicaAck::new(replicas, timeout));
+        self
+    }
+
+    /// The store. The subscription opens at once when this is called inside a Tokio
+    /// runtime, and otherwise when the first request waits.
+    ///
+    /// # Errors
+    ///
+    /// When a URL is not a valid Redis URL. Nothing connects yet.
+    pub fn build(self) -> Result<Store, redis::RedisError> {
+        let pool = match self.source {
+            Source::Pool(pool) => pool,
+            Source::Url(url) => deadpool_redis::Config::from_url(url)
+                .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                .map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "could not create a Redis pool",
+                        e.to_string(),
+                    ))
+                })?,
+        };
+        let subscriber = self
+            .wakeups
+            .map(|url| redis::Client::open(url.as_str()))
+            .transpose()?;
+        let store = RedisStore::new(pool, subscriber).with_replicas(self.replicas);
+        Ok(Store::of(Arc::new(store)))
+    }
+}
