@@ -2,9 +2,12 @@
 """The graph of imports between the modules of src/, and its cycles (`-v` prints the graph).
 
 A module is a file (foo.rs or foo/mod.rs). Module A depends on module B when A's code
-(not its comments, not `#[cfg(doc)]` imports) names a path into B: `crate::b::..`,
-`super::..`, or a child declared with `mod`. Prints every strongly connected component
-of more than one module; exits 1 if there is one.
+(not its comments, not `#[cfg(doc)]` imports) names a path into B: `crate::b::..` (in
+`use` groups too, nested ones included), `super::..`, or `use b::..` for a child B (a
+parent that re-exports its child depends on it). An item of the crate root counts as a
+dependency on the root. Inside an inline module (`mod tests { .. }`), `super` is the file's
+own module. Prints every strongly connected component of more than one module; exits 1 if
+there is one.
 """
 import os, re, sys
 
@@ -30,7 +33,6 @@ def resolve(segments):
 
 deps = {m: set() for m in mods}
 path_re = re.compile(r"\b(crate|super)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
-group_re = re.compile(r"\buse\s+(crate|super)::\{")
 for m, path in files.items():
     text = open(path).read()
     lines = []
@@ -52,19 +54,6 @@ for m, path in files.items():
     if inline:
         at = inline.start()
         code = code[:at] + code[at:].replace("super::", "self::")
-    # Expand `use crate::{a::b, c}` groups (one level is enough here).
-    def expand(match_base, body):
-        out = []
-        depth, cur = 0, ""
-        for ch in body:
-            if ch == "{": depth += 1
-            if ch == "}": depth -= 1
-            if ch == "," and depth == 0:
-                out.append(cur.strip()); cur = ""
-            else:
-                cur += ch
-        if cur.strip(): out.append(cur.strip())
-        return [match_base + "::" + o for o in out]
     refs = []
     def split_top(body):
         out, depth, cur = [], 0, ""
@@ -113,9 +102,8 @@ for m, path in files.items():
             # An item of the crate root (a re-export) is a dependency on the root.
             target = resolve(rest) or (() if rest else None)
         else:
-            cur = list(m) if files[m].endswith(("mod.rs", "lib.rs")) else list(m)
-            # `super` of a file module is its parent; of a mod.rs module, its parent too
-            parent = cur[:-1]
+            # `super` is the parent module, for foo.rs and foo/mod.rs alike.
+            parent = list(m)[:-1]
             while rest and rest[0] == "super":
                 parent = parent[:-1]; rest = rest[1:]
             target = resolve(parent + rest) or (tuple(parent) if tuple(parent) in mods else None)

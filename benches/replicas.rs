@@ -14,34 +14,20 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use axum::{body::Body, routing::post, Router};
-use bytes::Bytes;
-use http::{header, Request, StatusCode};
+use axum::Router;
+use http::StatusCode;
+use support::http::{batch, batch_router};
 use tower::ServiceExt;
-use tower_batch_lock::{keys, store::Redis, Locks};
+use tower_batch_lock::{store::Redis, Locks};
 
 const WARM_UP: usize = 20;
 
-fn router(locks: &Locks) -> Router {
-    Router::new().route(
-        "/batch",
-        post(|| async {}).layer(locks.layer(keys::json(|keys: Vec<String>| keys))),
-    )
-}
-
-/// One acquire + release cycle through the layer, and its status.
-async fn cycle(app: &Router, body: &Bytes) -> (Duration, StatusCode) {
-    let request = Request::post("/batch")
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.clone()))
-        .unwrap();
+/// One acquire + release cycle through the layer (the release runs before the response
+/// future completes), and its status.
+async fn cycle(app: &Router, keys: &[String]) -> (Duration, StatusCode) {
     let started = Instant::now();
-    let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    (started.elapsed(), status)
+    let response = app.clone().oneshot(batch(keys)).await.unwrap();
+    (started.elapsed(), response.status())
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -62,26 +48,29 @@ async fn main() {
         .unwrap_or(300);
     let master = support::RedisServer::start();
     let _replica = support::RedisServer::start_replica_of(&master);
-    let plain = router(&Locks::new(Redis::url(master.url()).build().unwrap()));
+    let handler = || async {};
+    let plain = batch_router(
+        &Locks::new(Redis::url(master.url()).build().unwrap()),
+        handler,
+    );
     let store = Redis::url(master.url())
         .replicas(1, Duration::from_millis(500))
         .build()
         .unwrap();
-    let acknowledged = router(&Locks::new(store));
+    let acknowledged = batch_router(&Locks::new(store), handler);
 
     println!("| batch | without | with replicas(1) | ratio of medians | median of ratios |");
     println!("| ---: | ---: | ---: | ---: | ---: |");
     for size in [1, 1_000] {
         let keys: Vec<String> = (0..size).map(|i| format!("sku:{i}")).collect();
-        let body = Bytes::from(serde_json::to_vec(&keys).unwrap());
         for _ in 0..WARM_UP {
-            cycle(&plain, &body).await;
-            cycle(&acknowledged, &body).await;
+            cycle(&plain, &keys).await;
+            cycle(&acknowledged, &keys).await;
         }
         let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
-            let (a, a_status) = cycle(&plain, &body).await;
-            let (b, b_status) = cycle(&acknowledged, &body).await;
+            let (a, a_status) = cycle(&plain, &keys).await;
+            let (b, b_status) = cycle(&acknowledged, &keys).await;
             assert_eq!((a_status, b_status), (StatusCode::OK, StatusCode::OK));
             let (a, b) = (a.as_secs_f64() * 1e6, b.as_secs_f64() * 1e6);
             without.push(a);
