@@ -107,16 +107,10 @@ impl Nodes {
             self.release_late_landings(late, holder, Instant::now() + request.ttl);
         }
         granted.extend(unsure);
-        let rolled_back = if granted.is_empty() {
-            true
-        } else {
-            let subset = keys_of_groups(&groups, &granted, keys);
-            self.roll_back(&subset, holder, &released).await
-        };
-        self.fanout.forget(holder);
-        // A waiter in line kept out by some groups was granted the others, which were just
-        // rolled back: it keeps its place in line on those keys too, as on one Redis
-        // (the refused groups' scripts reserved theirs).
+        // A waiter in line kept out by some groups was granted the others: it keeps its
+        // place in line on those keys too, as on one Redis (the refused groups' scripts
+        // reserved theirs). The reservation goes on before the rollback, so that the keys
+        // are never free of both between the two: a release keeps a key's reservations.
         if let (Line::At(ticket), false, false) = (*line, held.is_empty(), granted.is_empty()) {
             let subset = keys_of_groups(&groups, &granted, keys);
             let deadline = Instant::now() + self.retry_for;
@@ -130,9 +124,16 @@ impl Nodes {
                 )
                 .await;
             if let Err(error) = reserved {
-                tracing::debug!(%error, "a waiter's reservations on a rolled-back group failed");
+                tracing::debug!(%error, "a waiter's reservations on a granted group failed");
             }
         }
+        let rolled_back = if granted.is_empty() {
+            true
+        } else {
+            let subset = keys_of_groups(&groups, &granted, keys);
+            self.roll_back(&subset, holder, &released).await
+        };
+        self.fanout.forget(holder);
         if let Some(why) = why_unsure {
             return Attempt::Done(Err(StoreError::not_sent(format!(
                 "a cluster master did not answer in time: {why}"

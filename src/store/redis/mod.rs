@@ -139,8 +139,8 @@ impl RedisStore {
     }
 
     /// Puts the reservation of the waiter with `ticket` on `keys`, for
-    /// [`RESERVATION_TTL`]: the part of a batch that the cluster store granted and
-    /// rolled back, when another part kept the waiter out.
+    /// [`RESERVATION_TTL`]: the part of a batch that the cluster store granted, before
+    /// it rolls it back, when another part kept the waiter out.
     #[cfg(feature = "cluster")]
     pub(crate) async fn reserve(&self, keys: &[String], ticket: Ticket) -> Result<(), StoreError> {
         let mut script = self.scripts.prepare(&self.scripts.reserve, keys);
