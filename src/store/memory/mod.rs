@@ -446,9 +446,10 @@ impl AnswerStore for MemoryStore {
     }
 
     fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
-        let now = Instant::now();
-        let stored =
-            (self.answers()).store(&answer.key, answer.bytes.clone(), answer.retention, now);
+        let (bytes, now) = (answer.bytes.clone(), Instant::now());
+        let stored = self
+            .answers()
+            .store(&answer.key, bytes, answer.retention, now);
         Box::pin(std::future::ready(Ok(stored)))
     }
 }
