@@ -18,8 +18,8 @@ use crate::{
     rejection::Rejection,
     store::{
         contract::{
-            Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore, OwnerToken,
-            Ticket,
+            Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore, Modes,
+            OwnerToken, Ticket,
         },
         error::StoreError,
         wake::any_released,
@@ -31,12 +31,13 @@ use crate::{
 /// response names: a lost wake-up only costs a poll interval.
 const WATCHED_CONFLICTS: usize = 20;
 
-/// Acquires `keys` for `owner`, which may already hold others, under the policy of
-/// `locks`: see [`Acquisition`]. A refusal comes with what it counts as; a request's
+/// Acquires `keys` in `modes` for `owner`, which may already hold others, under the policy
+/// of `locks`: see [`Acquisition`]. A refusal comes with what it counts as; a request's
 /// acquisition has the `layer` its waiting counts under.
 pub(crate) async fn acquire(
     locks: &Locks,
     keys: &Arc<[String]>,
+    modes: &Modes,
     owner: OwnerToken,
     holds_keys: bool,
     layer: Option<&Layer>,
@@ -52,6 +53,7 @@ pub(crate) async fn acquire(
         store: &locks.store.locks,
         namespace: &policy.keys.prefix,
         keys,
+        modes,
         ttl: policy.ttl,
         wait: policy.wait,
         timeout: policy.store_timeout,
@@ -106,6 +108,7 @@ struct Acquisition<'a> {
     /// The key prefix: the namespace of the fencing counter.
     namespace: &'a Arc<str>,
     keys: &'a Arc<[String]>,
+    modes: &'a Modes,
     ttl: Duration,
     wait: Wait,
     /// How long one call to the store may take.
@@ -129,8 +132,8 @@ enum Refusal {
 }
 
 impl Acquisition<'_> {
-    /// Tries the whole batch until it is granted, the store fails, or the wait bound
-    /// passes. Between attempts it sleeps until a release of a conflicting key, or a short
+    /// Tries the whole batch until it is granted, the store fails, the wait bound passes,
+    /// or an upgrade is refused (see [`Mode`](crate::Mode)). Between attempts it sleeps until a release of a conflicting key, or a short
     /// jittered pause in case that wake-up is lost.
     ///
     /// A fair waiter takes its ticket before the first attempt, so that its place in line is
@@ -166,6 +169,7 @@ impl Acquisition<'_> {
             let request = AcquireRequest {
                 namespace: self.namespace.clone(),
                 keys: self.keys.clone(),
+                modes: self.modes.clone(),
                 holder,
                 ttl: self.ttl,
                 report: self.report,
@@ -204,7 +208,9 @@ impl Acquisition<'_> {
                 }
             };
             let now = Instant::now();
-            if now >= deadline {
+            // An upgrade that other readers keep out is refused at once: one of them may be
+            // waiting to upgrade too, and each would wait for the other until the bound.
+            if now >= deadline || contention.upgrade {
                 // Withdrawn before the answer, so that the client's retry does not find
                 // them in its way.
                 if let Some(place) = place {

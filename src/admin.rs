@@ -7,10 +7,11 @@
 //! | route | answer |
 //! | --- | --- |
 //! | `GET /locks?key=a&key=b` | [`Locks::inspect`]: `{"keys": [{"key", "status", "ttl_ms", "holds", "waiters"}]}` |
-//! | `GET /locks/held` | [`Locks::held_batches`]: `{"batches": [{"route", "request_id", "age_ms", "keys"}]}` |
+//! | `GET /locks/held` | [`Locks::held_batches`]: `{"batches": [{"route", "request_id", "age_ms", "keys", "shared_keys"}]}` |
 //! | `POST /locks/force-release` | [`Locks::force_release`] of `{"keys": [..], "reason": ".."}` (or a bare array of keys): `{"released": n}` |
 //!
-//! `status` is `"free"`, `"held"` or `"foreign"` ([`KeyStatus`](crate::KeyStatus));
+//! `status` is `"free"`, `"held"` (exclusively), `"shared"` or `"foreign"`
+//! ([`KeyStatus`](crate::KeyStatus)); `holds` counts a shared key's holders;
 //! `ttl_ms`, `route` and `request_id` are `null` when there is none. Errors are
 //! `application/problem+json`: 400 for a missing or bad key, 413 for too many, 503 when
 //! the store does not answer.
@@ -104,6 +105,7 @@ async fn held(State(locks): State<Locks>) -> Response {
                 "request_id": batch.request_id(),
                 "age_ms": batch.age().as_millis() as u64,
                 "keys": batch.key_count(),
+                "shared_keys": batch.shared_key_count(),
             })
         })
         .collect();

@@ -412,7 +412,9 @@ mod tests {
 
     use super::*;
     use crate::store::{
-        contract::{Acquire, AcquireRequest, KeyView, Keys, Line, OwnerToken, Reply, Ticket},
+        contract::{
+            Acquire, AcquireRequest, KeyView, Keys, Line, Mode, Modes, OwnerToken, Reply, Ticket,
+        },
         memory::MemoryStore,
         wake::Wakeups,
     };
@@ -473,6 +475,7 @@ mod tests {
         let request = |holder| AcquireRequest {
             namespace: "lock:".into(),
             keys: keys.clone(),
+            modes: Modes::All(Mode::Exclusive),
             holder,
             ttl,
             report: 0,

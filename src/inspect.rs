@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 use http::StatusCode;
 
 use crate::{
-    keys::normalize::normalize,
+    keys::{extractor::Key, normalize::normalize},
     locks::Locks,
     registry::HeldBatch,
     rejection::Rejection,
@@ -53,7 +53,8 @@ impl KeyState {
         self.status
     }
 
-    /// Whether the key keeps requests out: [held](KeyStatus::Held) or
+    /// Whether the key keeps some requests out: [held](KeyStatus::Held),
+    /// [shared](KeyStatus::Shared) (which keeps out exclusive requests) or
     /// [foreign](KeyStatus::Foreign).
     pub fn is_held(&self) -> bool {
         self.status != KeyStatus::Free
@@ -66,7 +67,8 @@ impl KeyState {
     }
 
     /// How many holds the key has: one per acquisition of its owner (more than one when a
-    /// nested layer or the handler's [`Lease::lock`](crate::Lease::lock) entered it again);
+    /// nested layer or the handler's [`Lease::lock`](crate::Lease::lock) entered it again),
+    /// or, for a [shared](KeyStatus::Shared) key, one per shared holder (and per re-entry);
     /// 0 when free.
     pub fn holds(&self) -> usize {
         self.holds
@@ -260,8 +262,8 @@ impl Locks {
         I: IntoIterator,
         I::Item: Into<String>,
     {
-        let keys = keys.into_iter().map(Into::into).collect();
-        Ok(normalize(keys, self.key_policy())?.into())
+        let keys = keys.into_iter().map(|key| Key::from(key.into())).collect();
+        Ok(normalize(keys, self.key_policy(), false)?.keys.into())
     }
 
     fn timed_out(&self, doing: &str) -> Rejection {

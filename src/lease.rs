@@ -8,8 +8,16 @@ use tokio::sync::watch;
 use tracing::Span;
 
 use crate::{
-    acquire::acquire, guard::LeaseStatus, keys::normalize::normalize, locks::Locks,
-    owner::RequestOwner, rejection::Rejection, store::contract::FencingToken,
+    acquire::acquire,
+    guard::LeaseStatus,
+    keys::{
+        extractor::Key,
+        normalize::{normalize, Batch},
+    },
+    locks::Locks,
+    owner::RequestOwner,
+    rejection::Rejection,
+    store::contract::{FencingToken, Mode, Modes},
 };
 
 /// The locks a request holds, as its handler sees them.
@@ -59,6 +67,7 @@ use crate::{
 #[derive(Clone)]
 pub struct Lease {
     keys: Arc<[String]>,
+    modes: Modes,
     fencing_token: FencingToken,
     status: watch::Receiver<LeaseStatus>,
     /// The rules and the store these locks came from, for [`Lease::lock`].
@@ -69,6 +78,7 @@ pub struct Lease {
 impl Lease {
     pub(crate) fn new(
         keys: Arc<[String]>,
+        modes: Modes,
         fencing_token: FencingToken,
         status: watch::Receiver<LeaseStatus>,
         locks: Locks,
@@ -76,6 +86,7 @@ impl Lease {
     ) -> Self {
         Self {
             keys,
+            modes,
             fencing_token,
             status,
             locks,
@@ -84,17 +95,20 @@ impl Lease {
     }
 
     /// Locks more keys for this request, all or none, under the same rules (prefix,
-    /// limits, TTL, renewal, wait policy) as the layer that granted this lease. Keys the
-    /// request already holds are entered again, not contended. They are released with the
-    /// request, or earlier with [`HeldKeys::release`].
+    /// limits, TTL, renewal, wait policy) as the layer that granted this lease. Strings
+    /// are locked exclusively, and [`Key::shared`] keys shared, whatever the layer's mode.
+    /// Keys the request already holds are entered again, not contended; a key it holds
+    /// shared with others and asks for exclusively is refused at once (see [`Mode`]).
+    /// They are released with the request, or earlier with [`HeldKeys::release`].
     ///
     /// ```
-    /// use tower_batch_lock::{Lease, Rejection};
+    /// use tower_batch_lock::{keys::Key, Lease, Rejection};
     ///
     /// async fn checkout(lease: Lease) -> Result<String, Rejection> {
-    ///     // Halfway through, the handler learns it must also lock the customer's account.
-    ///     let account = lease.lock(["account:7"]).await?;
-    ///     Ok(format!("under fence {}", account.lease().fencing_token()))
+    ///     // Halfway through, the handler learns it must also lock the customer's account,
+    ///     // and read the customer's tier, which other requests read too.
+    ///     let more = lease.lock([Key::from("account:7"), Key::shared("tier:gold")]).await?;
+    ///     Ok(format!("under fence {}", more.lease().fencing_token()))
     /// }
     /// ```
     ///
@@ -105,7 +119,7 @@ impl Lease {
     pub async fn lock<I>(&self, keys: I) -> Result<HeldKeys, Rejection>
     where
         I: IntoIterator,
-        I::Item: Into<String>,
+        I::Item: Into<Key>,
     {
         let keys = keys.into_iter().map(Into::into).collect();
         lock_for(&self.locks, &self.owner, keys).await
@@ -127,6 +141,13 @@ impl Lease {
     pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
         let prefix_len = self.locks.prefix_len();
         self.keys.iter().map(move |k| &k[prefix_len..])
+    }
+
+    /// How this lease holds `key` (named as in [`keys`](Self::keys)), or `None` when it
+    /// does not hold it.
+    pub fn mode_of(&self, key: &str) -> Option<Mode> {
+        let index = self.keys().collect::<Vec<_>>().binary_search(&key).ok()?;
+        Some(self.modes.at(index))
     }
 
     /// The fencing token of this grant.
@@ -237,18 +258,26 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
 async fn lock_for(
     locks: &Locks,
     owner: &Arc<RequestOwner>,
-    keys: Vec<String>,
+    keys: Vec<Key>,
 ) -> Result<HeldKeys, Rejection> {
     let policy = &locks.policy;
-    let keys: Arc<[String]> = normalize(keys, &policy.keys)?.into();
+    let Batch { keys, modes } = normalize(keys, &policy.keys, false)?;
+    let keys: Arc<[String]> = keys.into();
     if keys.is_empty() {
         let detail = "there are no keys to lock".to_owned();
         return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
     }
-    let (mut guard, fencing_token) =
-        acquire(locks, &keys, owner.token, true, None, &Span::current())
-            .await
-            .map_err(|(rejection, _)| rejection)?;
+    let (mut guard, fencing_token) = acquire(
+        locks,
+        &keys,
+        &modes,
+        owner.token,
+        true,
+        None,
+        &Span::current(),
+    )
+    .await
+    .map_err(|(rejection, _)| rejection)?;
     if policy.renew {
         let until = policy
             .max_hold
@@ -258,7 +287,14 @@ async fn lock_for(
     let (Some(status), Some(hold)) = (guard.status(), guard.hold()) else {
         unreachable!("a granted guard is armed");
     };
-    let lease = Lease::new(keys, fencing_token, status, locks.clone(), owner.clone());
+    let lease = Lease::new(
+        keys,
+        modes,
+        fencing_token,
+        status,
+        locks.clone(),
+        owner.clone(),
+    );
     owner.keep(hold, guard);
     Ok(HeldKeys {
         lease,

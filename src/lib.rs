@@ -120,18 +120,20 @@
 //! [`metrics`](https://docs.rs/metrics) facade; the application installs the recorder it
 //! exports with, and without one recording costs next to nothing. Every metric carries a
 //! `layer` label: [`Locks::metrics_label`], else the route the request matched
-//! (`/orders/{id}`), else `unnamed`. Label values are never keys: those are unbounded, and
-//! may be secrets.
+//! (`/orders/{id}`), else `unnamed`. Where readers and writers differ (acquisitions, their
+//! time, waiting), a `mode` label says how the batch was held: `exclusive`, `shared`, or
+//! `mixed` (some keys of each; see [`Mode`]). Label values are never keys: those are
+//! unbounded, and may be secrets.
 //!
 //! | metric | kind | labels | what |
 //! | --- | --- | --- | --- |
-//! | `tower_batch_lock_acquisitions_total` | counter | `layer`, `outcome` | one per request that reached the layer with keys or with input it refused: `granted`, `contended` (409/423), `unavailable` (503), `rejected` (bad input) |
-//! | `tower_batch_lock_acquire_seconds` | histogram | `layer`, `outcome` | from the keys being known to the grant or the refusal, waiting included |
-//! | `tower_batch_lock_wait_seconds` | histogram | `layer` | how long a request that waited did so |
+//! | `tower_batch_lock_acquisitions_total` | counter | `layer`, `mode`, `outcome` | one per request that reached the layer with keys or with input it refused: `granted`, `contended` (409/423), `unavailable` (503), `rejected` (bad input) |
+//! | `tower_batch_lock_acquire_seconds` | histogram | `layer`, `mode`, `outcome` | from the keys being known to the grant or the refusal, waiting included |
+//! | `tower_batch_lock_wait_seconds` | histogram | `layer`, `mode` | how long a request that waited did so |
 //! | `tower_batch_lock_keys` | histogram | `layer` | keys per batch, after deduplication |
 //! | `tower_batch_lock_hold_seconds` | histogram | `layer` | from the grant to the release |
 //! | `tower_batch_lock_held_batches` | gauge | `layer` | batches this process holds now |
-//! | `tower_batch_lock_waiting_requests` | gauge | `layer` | requests of this process waiting now |
+//! | `tower_batch_lock_waiting_requests` | gauge | `layer`, `mode` | requests of this process waiting now |
 //! | `tower_batch_lock_lost_leases_total` | counter | `layer` | leases lost while held |
 //! | `tower_batch_lock_release_failures_total` | counter | `layer`, `result` | releases that failed and were `retried`, or `gave_up` (the keys then expire with their TTL) |
 //! | `tower_batch_lock_node_errors_total` | counter | `store`, `node` (`host:port`), `call` | a Redlock or cluster node that did not answer a call in time, or failed it |
@@ -242,7 +244,7 @@ pub use redis;
 pub use registry::HeldBatch;
 pub use rejection::Rejection;
 pub use retry_after::RetryAfter;
-pub use store::contract::{FencingToken, KeyStatus};
+pub use store::contract::{FencingToken, KeyStatus, Mode};
 pub use wait::Wait;
 
 // The README's examples compile as doctests, so its quickstart stays true; with the

@@ -61,6 +61,8 @@ pub(crate) struct Policy {
     pub(crate) max_named_conflicts: usize,
     pub(crate) store_timeout: Duration,
     pub(crate) require_keys: bool,
+    /// Every key of the layer held shared ([`LockLayer::shared`](crate::LockLayer::shared)).
+    pub(crate) all_shared: bool,
     pub(crate) wait: Wait,
     pub(crate) renew: bool,
     pub(crate) max_hold: Option<Duration>,
@@ -129,6 +131,7 @@ impl Default for Policy {
             max_named_conflicts: 20,
             store_timeout: Duration::from_secs(2),
             require_keys: true,
+            all_shared: false,
             wait: Wait::none(),
             renew: true,
             max_hold: Some(DEFAULT_MAX_HOLD),
@@ -264,6 +267,11 @@ impl Locks {
     /// `Option<Lease>` in its handler.
     pub fn require_keys(self, require: bool) -> Self {
         self.tune(|p| p.require_keys = require)
+    }
+
+    /// The same locks, whose layer holds every key shared.
+    pub(crate) fn all_shared(self) -> Self {
+        self.tune(|p| p.all_shared = true)
     }
 
     /// Whether a request whose keys are busy is refused at once (the default) or waits for

@@ -6,18 +6,44 @@
 
 use std::{sync::Arc, time::Duration};
 
-/// The `layer` label of a request's metrics: the name given to its layer
-/// ([`Locks::metrics_label`](crate::Locks::metrics_label)), else the route it matched, else `unnamed`.
+use crate::store::contract::Modes;
+
+/// The labels of a request's metrics: `layer`, the name given to its layer
+/// ([`Locks::metrics_label`](crate::Locks::metrics_label)), else the route it matched, else
+/// `unnamed`; and `mode`, how its batch is held (`exclusive`, `shared` or `mixed`), on the
+/// series where readers and writers differ: acquisitions, their time and the waiting.
 #[derive(Debug, Clone)]
-pub(crate) struct Layer(#[cfg_attr(not(feature = "metrics"), allow(dead_code))] Option<Arc<str>>);
+pub(crate) struct Layer {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    name: Option<Arc<str>>,
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    mode: &'static str,
+}
 
 impl Layer {
     /// The label of what no name or route names (a handler's `Lease::lock`, a service
     /// outside an axum router).
-    pub(crate) const UNNAMED: Self = Self(None);
+    pub(crate) const UNNAMED: Self = Self {
+        name: None,
+        mode: "exclusive",
+    };
 
-    pub(crate) fn new(name: Option<&Arc<str>>, route: Option<&str>) -> Self {
-        Self(name.cloned().or_else(|| route.map(Arc::from)))
+    /// The labels of a layer's requests; `shared` when the layer holds every key shared,
+    /// before the batch is known (a refused request counts under it).
+    pub(crate) fn new(name: Option<&Arc<str>>, route: Option<&str>, shared: bool) -> Self {
+        Self {
+            name: name.cloned().or_else(|| route.map(Arc::from)),
+            mode: if shared { "shared" } else { "exclusive" },
+        }
+    }
+
+    /// The same labels, for a batch held in `modes`.
+    pub(crate) fn holding(mut self, modes: &Modes) -> Self {
+        self.mode = match modes {
+            Modes::All(mode) => mode.as_str(),
+            Modes::Each(_) => "mixed",
+        };
+        self
     }
 }
 
@@ -53,18 +79,25 @@ mod record {
 
     fn label(layer: &Layer) -> SharedString {
         layer
-            .0
+            .name
             .clone()
             .map_or(SharedString::const_str("unnamed"), SharedString::from)
     }
 
     pub(crate) fn outcome(layer: &Layer, outcome: Outcome, acquiring: Option<Duration>) {
-        let (layer, outcome) = (label(layer), outcome.as_str());
-        counter!("tower_batch_lock_acquisitions_total", "layer" => layer.clone(), "outcome" => outcome)
-            .increment(1);
+        let (mode, outcome) = (layer.mode, outcome.as_str());
+        let layer = label(layer);
+        counter!(
+            "tower_batch_lock_acquisitions_total",
+            "layer" => layer.clone(), "mode" => mode, "outcome" => outcome
+        )
+        .increment(1);
         if let Some(took) = acquiring {
-            histogram!("tower_batch_lock_acquire_seconds", "layer" => layer, "outcome" => outcome)
-                .record(took.as_secs_f64());
+            histogram!(
+                "tower_batch_lock_acquire_seconds",
+                "layer" => layer, "mode" => mode, "outcome" => outcome
+            )
+            .record(took.as_secs_f64());
         }
     }
 
@@ -73,11 +106,12 @@ mod record {
     }
 
     pub(crate) fn waiting(layer: &Layer, by: f64) {
-        gauge!("tower_batch_lock_waiting_requests", "layer" => label(layer)).increment(by);
+        gauge!("tower_batch_lock_waiting_requests", "layer" => label(layer), "mode" => layer.mode)
+            .increment(by);
     }
 
     pub(crate) fn waited(layer: &Layer, waited: Duration) {
-        histogram!("tower_batch_lock_wait_seconds", "layer" => label(layer))
+        histogram!("tower_batch_lock_wait_seconds", "layer" => label(layer), "mode" => layer.mode)
             .record(waited.as_secs_f64());
     }
 

@@ -22,6 +22,7 @@ pub struct HeldBatch {
     request_id: Option<String>,
     age: Duration,
     keys: usize,
+    shared: usize,
 }
 
 impl HeldBatch {
@@ -45,6 +46,12 @@ impl HeldBatch {
     pub fn key_count(&self) -> usize {
         self.keys
     }
+
+    /// How many of its keys it holds [shared](crate::Mode::Shared); the others it holds
+    /// exclusively.
+    pub fn shared_key_count(&self) -> usize {
+        self.shared
+    }
 }
 
 /// The batches a [`Locks`](crate::Locks) handle and its clones hold now. Sharded, so that requests on
@@ -63,18 +70,25 @@ struct Batch {
     request_id: Option<HeaderValue>,
     since: Instant,
     keys: usize,
+    shared: usize,
 }
 
 impl Batches {
-    /// Lists a batch of `keys` keys granted to `request` now, until the returned
-    /// registration drops.
-    pub(crate) fn register<B>(self: &Arc<Self>, request: &Request<B>, keys: usize) -> Registered {
+    /// Lists a batch of `keys` keys, `shared` of them shared, granted to `request` now,
+    /// until the returned registration drops.
+    pub(crate) fn register<B>(
+        self: &Arc<Self>,
+        request: &Request<B>,
+        keys: usize,
+        shared: usize,
+    ) -> Registered {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let batch = Batch {
             route: request.extensions().get::<MatchedPath>().cloned(),
             request_id: request.headers().get("x-request-id").cloned(),
             since: Instant::now(),
             keys,
+            shared,
         };
         self.shard(id).insert(id, batch);
         Registered {
@@ -103,6 +117,7 @@ impl Batches {
                         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
                     age: now.saturating_duration_since(batch.since),
                     keys: batch.keys,
+                    shared: batch.shared,
                 };
                 (id, held)
             }));

@@ -13,7 +13,7 @@ use crate::{
     acquire::acquire,
     keys::{
         extractor::{Extracted, KeyExtractor},
-        normalize::normalize,
+        normalize::{normalize, Batch},
     },
     lease::Lease,
     locks::{Locks, OnLostLease},
@@ -41,22 +41,23 @@ where
     let layer = Layer::new(
         locks.policy.metrics_label.as_ref(),
         route.map(MatchedPath::as_str),
+        locks.policy.all_shared,
     );
     let extracted = extractor.extract(request);
     let locks = locks.clone();
-    Box::pin(async move { lock_extracted(locks, extracted, &layer, &span).await })
+    Box::pin(async move { lock_extracted(locks, extracted, layer, &span).await })
 }
 
 async fn lock_extracted<B>(
     locks: Locks,
     extracted: impl Future<Output = Extracted<B>>,
-    layer: &Layer,
+    layer: Layer,
     span: &Span,
 ) -> Locked<B> {
     let policy = &locks.policy;
     let rejected = || {
         span.record("outcome", "rejected");
-        observe::outcome(layer, Outcome::Rejected, None);
+        observe::outcome(&layer, Outcome::Rejected, None);
     };
     let (mut request, keys) = extracted.await.map_err(|mut refusal| {
         rejected();
@@ -67,10 +68,11 @@ async fn lock_extracted<B>(
             .insert(Refused { contended: false });
         refusal
     })?;
-    let keys = normalize(keys, &policy.keys).map_err(|rejection| {
-        rejected();
-        locks.refuse(rejection)
-    })?;
+    let Batch { keys, modes } =
+        normalize(keys, &policy.keys, policy.all_shared).map_err(|rejection| {
+            rejected();
+            locks.refuse(rejection)
+        })?;
     span.record("keys", keys.len());
     if keys.is_empty() {
         if policy.require_keys {
@@ -106,16 +108,26 @@ async fn lock_extracted<B>(
         }
     };
 
-    observe::batch(layer, keys.len());
+    let layer = layer.holding(&modes);
+    observe::batch(&layer, keys.len());
     let keys: Arc<[String]> = keys.into();
     let started = Instant::now();
-    let granted = acquire(&locks, &keys, owner.token, holds_keys, Some(layer), span).await;
+    let granted = acquire(
+        &locks,
+        &keys,
+        &modes,
+        owner.token,
+        holds_keys,
+        Some(&layer),
+        span,
+    )
+    .await;
     let took = started.elapsed();
     span.record("acquire_ms", took.as_secs_f64() * 1e3);
     let outcome = granted
         .as_ref()
         .map_or_else(|(_, o)| *o, |_| Outcome::Granted);
-    observe::outcome(layer, outcome, Some(took));
+    observe::outcome(&layer, outcome, Some(took));
     let (mut guard, fencing_token) = granted.map_err(|(rejection, _)| locks.refuse(rejection))?;
     // `max_hold` counts from here: the time spent waiting for the keys is not holding.
     let granted_at = Instant::now();
@@ -126,14 +138,19 @@ async fn lock_extracted<B>(
     let lease = guard.status().map(|status| {
         Lease::new(
             keys.clone(),
+            modes.clone(),
             fencing_token,
             status,
             locks.clone(),
             owner.clone(),
         )
     });
-    guard.time_into(locks.holds.clone(), layer.clone());
-    guard.list_in(locks.batches.register(&request, keys.len()));
+    guard.time_into(locks.holds.clone(), layer);
+    guard.list_in(
+        locks
+            .batches
+            .register(&request, keys.len(), modes.shared(keys.len())),
+    );
     // The response future starts the renewal if the request still holds its keys when
     // the first extension is due.
     let renew_at = if policy.renew {

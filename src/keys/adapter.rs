@@ -13,7 +13,7 @@ use http_body::Body;
 
 use super::{
     body::{read_capped, DEFAULT_BODY_LIMIT},
-    extractor::{Extracted, IntoKeys, KeyExtractor},
+    extractor::{Extracted, IntoKeys, Key, KeyExtractor},
 };
 use crate::rejection::Rejection;
 
@@ -158,7 +158,7 @@ pub struct FromPartsKeys {
 
 /// Runs the extractor and the key closure over a request head, and gives the head back.
 type ExtractFromParts =
-    dyn Fn(Parts) -> BoxFuture<'static, (Parts, Result<Vec<String>, Response>)> + Send + Sync;
+    dyn Fn(Parts) -> BoxFuture<'static, (Parts, Result<Vec<Key>, Response>)> + Send + Sync;
 
 impl fmt::Debug for FromPartsKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -292,7 +292,7 @@ pub struct FromRequestKeys {
 }
 
 /// Runs the extractor and the key closure over a copy of the request.
-type ExtractFromRequest = dyn Fn(Request<axum::body::Body>) -> BoxFuture<'static, Result<Vec<String>, Response>>
+type ExtractFromRequest = dyn Fn(Request<axum::body::Body>) -> BoxFuture<'static, Result<Vec<Key>, Response>>
     + Send
     + Sync;
 

@@ -1,13 +1,111 @@
-//! The extractor contract: [`KeyExtractor`], and what key closures return ([`IntoKeys`]).
+//! The extractor contract: [`KeyExtractor`], the [`Key`]s it reads, and what key closures
+//! return ([`IntoKeys`]).
 
-use std::future::{ready, Future, Ready};
+use std::{
+    borrow::Cow,
+    future::{ready, Future, Ready},
+};
 
 use axum::response::{IntoResponse, Response};
 use http::{request::Parts, Request};
 
+use crate::store::contract::Mode;
+
 /// What an extractor gives back: the request, for the inner service, and its keys; or the
 /// response that refuses the request.
-pub type Extracted<B> = Result<(Request<B>, Vec<String>), Response>;
+pub type Extracted<B> = Result<(Request<B>, Vec<Key>), Response>;
+
+/// One lock key, and how the request holds it: exclusively (the default, what a `String`
+/// becomes) or [shared](Key::shared).
+///
+/// A request that writes some resources and only reads others names each in its mode: a
+/// purchase order writes its SKUs and reads the price list, which other orders read at the
+/// same time.
+///
+/// ```
+/// use tower_batch_lock::keys::Key;
+///
+/// let skus = ["ab-1", "cd-2"];
+/// let keys: Vec<Key> = skus
+///     .iter()
+///     .map(|sku| Key::from(format!("sku:{sku}")))
+///     .chain([Key::shared("price-list:eu")])
+///     .collect();
+/// # assert_eq!(keys[2].name(), "price-list:eu");
+/// ```
+///
+/// A key named twice in one batch is held once, exclusively if either names it so. A route
+/// whose keys are all shared says so once, with
+/// [`LockLayer::shared`](crate::LockLayer::shared).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    name: String,
+    mode: Mode,
+}
+
+impl Key {
+    /// A key held by this request alone.
+    pub fn exclusive(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            mode: Mode::Exclusive,
+        }
+    }
+
+    /// A key held together with other shared holders, and no exclusive one (see [`Mode`]).
+    pub fn shared(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            mode: Mode::Shared,
+        }
+    }
+
+    /// The key's name, without the namespace prefix.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How the request holds it.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    pub(crate) fn into_parts(self) -> (String, Mode) {
+        (self.name, self.mode)
+    }
+}
+
+// One impl per string type rather than one for `Into<String>`, which would overlap with
+// `From<Key> for Key`.
+impl From<String> for Key {
+    fn from(name: String) -> Self {
+        Self::exclusive(name)
+    }
+}
+
+impl From<&str> for Key {
+    fn from(name: &str) -> Self {
+        Self::exclusive(name)
+    }
+}
+
+impl From<&String> for Key {
+    fn from(name: &String) -> Self {
+        Self::exclusive(name.as_str())
+    }
+}
+
+impl From<Cow<'_, str>> for Key {
+    fn from(name: Cow<'_, str>) -> Self {
+        Self::exclusive(name)
+    }
+}
+
+impl From<Box<str>> for Key {
+    fn from(name: Box<str>) -> Self {
+        Self::exclusive(name)
+    }
+}
 
 /// Reads the lock keys of a request.
 ///
@@ -53,11 +151,13 @@ where
     }
 }
 
-/// What a key closure returns: the keys, as any collection or iterator of strings.
+/// What a key closure returns: the keys, as any collection or iterator of strings (each
+/// held exclusively) or of [`Key`]s.
 ///
-/// Implemented for everything that iterates over values that are `Into<String>`: a
+/// Implemented for everything that iterates over values that are `Into<Key>`: a
 /// `Vec<String>`, an array `[String; N]`, an `Option<String>` for one key or none, a
-/// `Vec<&str>`, `ids.into_iter().map(|id| format!("sku:{id}"))`. Not for numbers, on
+/// `Vec<&str>`, `ids.into_iter().map(|id| format!("sku:{id}"))`, a `Vec<Key>` that marks
+/// some keys [shared](Key::shared). Not for numbers, on
 /// purpose: a key names the kind of its resource (`account:7`), or two kinds of ids would
 /// lock each other. Not for one `String` either, which Rust does not iterate: return
 /// `[key]`.
@@ -70,7 +170,7 @@ where
 )]
 pub trait IntoKeys {
     /// The keys, in any order, duplicates allowed.
-    fn into_keys(self) -> Vec<String>;
+    fn into_keys(self) -> Vec<Key>;
 }
 
 // Without `do_not_recommend`, the compiler would report the deepest bound that fails
@@ -79,9 +179,9 @@ pub trait IntoKeys {
 impl<I> IntoKeys for I
 where
     I: IntoIterator,
-    I::Item: Into<String>,
+    I::Item: Into<Key>,
 {
-    fn into_keys(self) -> Vec<String> {
+    fn into_keys(self) -> Vec<Key> {
         self.into_iter().map(Into::into).collect()
     }
 }

@@ -9,7 +9,7 @@ use std::{
 use axum::response::IntoResponse;
 use http::{header::HeaderName, request::Parts, Request, StatusCode};
 
-use super::extractor::{Extracted, KeyExtractor};
+use super::extractor::{Extracted, Key, KeyExtractor};
 use crate::rejection::Rejection;
 
 /// One key per value of the header `name`: `{kind}:{value}`.
@@ -117,7 +117,7 @@ impl<B: Send + 'static> KeyExtractor<B> for HeaderKeys {
     fn extract(&self, request: Request<B>) -> Self::Future {
         let (parts, body) = request.into_parts();
         ready(match self.keys(&parts) {
-            Ok(keys) => Ok((Request::from_parts(parts, body), keys)),
+            Ok(keys) => Ok((Request::from_parts(parts, body), exclusive(keys))),
             Err(rejection) => Err(rejection.into_response()),
         })
     }
@@ -228,7 +228,7 @@ impl<B: Send + 'static> KeyExtractor<B> for QueryKeys {
     fn extract(&self, request: Request<B>) -> Self::Future {
         let (parts, body) = request.into_parts();
         ready(match self.keys(parts.uri.query()) {
-            Ok(keys) => Ok((Request::from_parts(parts, body), keys)),
+            Ok(keys) => Ok((Request::from_parts(parts, body), exclusive(keys))),
             Err(rejection) => Err(rejection.into_response()),
         })
     }
@@ -272,6 +272,11 @@ fn hex_value(digit: u8) -> u8 {
 
 fn bad_request(detail: String) -> Rejection {
     Rejection::new(StatusCode::BAD_REQUEST, detail)
+}
+
+/// Keys read from the head, each held exclusively (unless the layer is shared).
+fn exclusive(keys: Vec<String>) -> Vec<Key> {
+    keys.into_iter().map(Key::from).collect()
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 
 use super::{
     body::{read_capped, DEFAULT_BODY_LIMIT},
-    extractor::{Extracted, IntoKeys, KeyExtractor},
+    extractor::{Extracted, IntoKeys, Key, KeyExtractor},
 };
 use crate::rejection::Rejection;
 
@@ -76,7 +76,7 @@ pub struct JsonKeys {
 }
 
 /// Parses a body and gives its keys.
-type KeysOfJson = dyn Fn(&[u8]) -> Result<Vec<String>, Rejection> + Send + Sync;
+type KeysOfJson = dyn Fn(&[u8]) -> Result<Vec<Key>, Rejection> + Send + Sync;
 
 impl JsonKeys {
     /// Reads at most `bytes` of the body; a longer body is refused with 413.

@@ -289,7 +289,7 @@ pub use adapter::{
 };
 pub use all::{all, All};
 pub use body::DEFAULT_BODY_LIMIT;
-pub use extractor::{Extracted, IntoKeys, KeyExtractor};
+pub use extractor::{Extracted, IntoKeys, Key, KeyExtractor};
 pub use head::{header, query, HeaderKeys, QueryKeys};
 pub use json::{json, JsonKeys};
 pub use path::{path, PathKeys};

@@ -4,7 +4,11 @@ use std::sync::Arc;
 
 use http::StatusCode;
 
-use crate::rejection::Rejection;
+use super::extractor::Key;
+use crate::{
+    rejection::Rejection,
+    store::contract::{Mode, Modes},
+};
 
 /// The namespace and the limits every batch is held to.
 #[derive(Debug, Clone)]
@@ -14,13 +18,23 @@ pub(crate) struct KeyPolicy {
     pub(crate) max_key_len: usize,
 }
 
-/// Prefixes, sorts and deduplicates `keys`, and enforces the limits.
+/// A normalized batch: the stored keys, sorted, and how each is held.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    pub(crate) keys: Vec<String>,
+    pub(crate) modes: Modes,
+}
+
+/// Prefixes, sorts and deduplicates `keys`, and enforces the limits; with `all_shared`,
+/// every key is held shared, whatever it says.
 ///
 /// Every stored key starts with the prefix, so nothing a client sends can name a key
 /// outside the namespace. Sorting makes the batch the same whatever order the request
 /// listed its resources in, and so does the answer to a batch that breaks a limit: the
 /// checks look at the sorted set (the longest key, the number of distinct keys), never at
-/// whichever bad key came first. Keys are compared byte for byte, as the store does.
+/// whichever bad key came first. Keys are compared byte for byte, as the store does. A key
+/// named in both modes is held exclusively: the mode sorts after the name, exclusive first,
+/// and the first of equal names stays.
 ///
 /// # Errors
 ///
@@ -28,21 +42,23 @@ pub(crate) struct KeyPolicy {
 /// `max_keys` distinct keys. When several limits are broken, that order decides which one
 /// the answer names.
 pub(crate) fn normalize(
-    mut keys: Vec<String>,
+    keys: Vec<Key>,
     policy: &KeyPolicy,
-) -> Result<Vec<String>, Rejection> {
+    all_shared: bool,
+) -> Result<Batch, Rejection> {
+    let mut keys: Vec<(String, Mode)> = keys.into_iter().map(Key::into_parts).collect();
     keys.sort_unstable();
-    keys.dedup();
+    keys.dedup_by(|later, first| later.0 == first.0);
     // Sorted, so an empty key would be the first. Refusing it also keeps clients off the
     // bare prefix, which a store may use for itself (the Redis store's fencing counter).
-    if keys.first().is_some_and(String::is_empty) {
+    if keys.first().is_some_and(|(key, _)| key.is_empty()) {
         return Err(Rejection::limit(
             StatusCode::BAD_REQUEST,
             "empty_key",
             "a lock key is empty; every resource the request touches needs a name".to_owned(),
         ));
     }
-    let longest = keys.iter().map(String::len).max().unwrap_or(0);
+    let longest = keys.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
     if longest > policy.max_key_len {
         return Err(Rejection::limit(
             StatusCode::BAD_REQUEST,
@@ -64,11 +80,24 @@ pub(crate) fn normalize(
             ),
         ));
     }
+    let modes = if all_shared {
+        Modes::All(Mode::Shared)
+    } else {
+        Modes::of_each(keys.iter().map(|&(_, mode)| mode).collect())
+    };
     // One prefix in front of every key keeps them in the order just sorted.
-    Ok(keys
+    let keys = keys
         .into_iter()
-        .map(|key| format!("{}{key}", policy.prefix))
-        .collect())
+        .map(|(key, _)| format!("{}{key}", policy.prefix))
+        .collect();
+    Ok(Batch { keys, modes })
+}
+
+/// The stored keys of `keys`, each held exclusively: what the tests compare.
+#[cfg(test)]
+fn exclusive(keys: Vec<String>, policy: &KeyPolicy) -> Result<Vec<String>, Rejection> {
+    let keys = keys.into_iter().map(Key::from).collect();
+    normalize(keys, policy, false).map(|batch| batch.keys)
 }
 
 #[cfg(test)]
@@ -89,21 +118,21 @@ mod tests {
 
     #[test]
     fn prefixes_sorts_and_dedupes() {
-        let stored = normalize(keys(&["b", "a", "b", "c", "a"]), &policy()).unwrap();
+        let stored = exclusive(keys(&["b", "a", "b", "c", "a"]), &policy()).unwrap();
         assert_eq!(stored, ["lock:a", "lock:b", "lock:c"]);
     }
 
     #[test]
     fn is_independent_of_order_and_repetition() {
-        let a = normalize(keys(&["x", "y", "z"]), &policy()).unwrap();
-        let b = normalize(keys(&["z", "x", "y", "x"]), &policy()).unwrap();
+        let a = exclusive(keys(&["x", "y", "z"]), &policy()).unwrap();
+        let b = exclusive(keys(&["z", "x", "y", "x"]), &policy()).unwrap();
         assert_eq!(a, b);
     }
 
     #[test]
     fn counts_distinct_keys_against_the_limit() {
-        assert!(normalize(keys(&["a", "a", "b", "c"]), &policy()).is_ok());
-        let err = normalize(keys(&["a", "b", "c", "d"]), &policy()).unwrap_err();
+        assert!(exclusive(keys(&["a", "a", "b", "c"]), &policy()).is_ok());
+        let err = exclusive(keys(&["a", "b", "c", "d"]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(
             err.detail(),
@@ -114,7 +143,7 @@ mod tests {
     #[test]
     fn names_the_longest_key_whatever_the_order() {
         for order in [["123456789", "1234567890"], ["1234567890", "123456789"]] {
-            let err = normalize(keys(&order), &policy()).unwrap_err();
+            let err = exclusive(keys(&order), &policy()).unwrap_err();
             assert_eq!(
                 err.detail(),
                 "a lock key is 10 bytes long; the limit is 8 bytes"
@@ -123,11 +152,30 @@ mod tests {
     }
 
     #[test]
+    fn a_key_named_in_both_modes_is_held_exclusively() {
+        let keys = vec![
+            Key::shared("b"),
+            Key::shared("a"),
+            Key::exclusive("b"),
+            Key::shared("b"),
+        ];
+        let batch = normalize(keys.clone(), &policy(), false).unwrap();
+        assert_eq!(batch.keys, ["lock:a", "lock:b"]);
+        let each = Modes::Each(vec![Mode::Shared, Mode::Exclusive].into());
+        assert_eq!(batch.modes, each);
+        // One mode for all needs no list; a shared route holds every key shared.
+        let all = |keys: Vec<Key>, shared| normalize(keys, &policy(), shared).unwrap().modes;
+        assert_eq!(all(vec![Key::shared("a")], false), Modes::All(Mode::Shared));
+        assert_eq!(all(vec!["a".into()], false), Modes::All(Mode::Exclusive));
+        assert_eq!(all(keys, true), Modes::All(Mode::Shared));
+    }
+
+    #[test]
     fn refuses_empty_and_overlong_keys() {
-        let err = normalize(keys(&["a", ""]), &policy()).unwrap_err();
+        let err = exclusive(keys(&["a", ""]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
-        assert!(normalize(keys(&["12345678"]), &policy()).is_ok());
-        let err = normalize(keys(&["123456789"]), &policy()).unwrap_err();
+        assert!(exclusive(keys(&["12345678"]), &policy()).is_ok());
+        let err = exclusive(keys(&["123456789"]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
         assert_eq!(
             err.detail(),
@@ -220,8 +268,8 @@ pub(super) mod fuzz {
             |(keys, mut shuffled, policy)| {
                 // The same resources in another order, some of them twice.
                 shuffled.extend(keys.iter().step_by(3).cloned());
-                let normalized = normalize(keys.clone(), &policy);
-                let reordered = normalize(shuffled, &policy);
+                let normalized = exclusive(keys.clone(), &policy);
+                let reordered = exclusive(shuffled, &policy);
                 match (&normalized, &reordered) {
                     (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
                     (Err(a), Err(b)) => {
@@ -256,12 +304,12 @@ pub(super) mod fuzz {
                             .iter()
                             .map(|k| k[policy.prefix.len()..].to_owned())
                             .collect();
-                        prop_assert_eq!(normalize(unprefixed, &policy).ok(), Some(stored.clone()));
+                        prop_assert_eq!(exclusive(unprefixed, &policy).ok(), Some(stored.clone()));
                         let bare = KeyPolicy {
                             prefix: "".into(),
                             ..policy.clone()
                         };
-                        let again = normalize(stored.clone(), &bare);
+                        let again = exclusive(stored.clone(), &bare);
                         if stored.iter().all(|k| k.len() <= bare.max_key_len) {
                             prop_assert_eq!(again.ok(), Some(stored));
                         }

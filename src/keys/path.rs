@@ -8,7 +8,7 @@ use axum::{
 };
 use http::{request::Parts, Request, StatusCode};
 
-use super::extractor::{Extracted, KeyExtractor};
+use super::extractor::{Extracted, Key, KeyExtractor};
 use crate::rejection::Rejection;
 
 /// One key from a path parameter of the matched route: `{kind}:{value}`.
@@ -210,7 +210,7 @@ where
             let key = this
                 .key(&params)
                 .map_err(|why| this.misconfigured(&parts, &params, why))?;
-            Ok((Request::from_parts(parts, body), vec![key]))
+            Ok((Request::from_parts(parts, body), vec![Key::from(key)]))
         })
     }
 }

@@ -67,6 +67,30 @@ impl<E> LockLayer<E> {
         self
     }
 
+    /// Holds every key of this layer [shared](crate::Mode::Shared): with other shared
+    /// holders, and no exclusive one. For routes that read a consistent set of resources
+    /// and change none of them: many run together, and none while a request holds one of
+    /// their keys exclusively.
+    ///
+    /// ```
+    /// use axum::{routing::{get, post}, Router};
+    /// use tower_batch_lock::{keys, Locks};
+    ///
+    /// let locks = Locks::memory();
+    /// let app: Router = Router::new()
+    ///     // Quotes read the SKUs together; an order waits until they are done, and they
+    ///     // wait for it.
+    ///     .route("/quotes/{sku}", get(|| async {}).layer(locks.layer(keys::path("sku")).shared()))
+    ///     .route("/orders/{sku}", post(|| async {}).layer(locks.layer(keys::path("sku"))));
+    /// ```
+    ///
+    /// To hold only some keys shared, mark them in the extractor with
+    /// [`Key::shared`](crate::keys::Key::shared).
+    pub fn shared(mut self) -> Self {
+        self.locks = self.locks.all_shared();
+        self
+    }
+
     /// The status this layer answers contention with, whatever its [`Locks`] says (see
     /// [`Locks::contention_status`]).
     ///

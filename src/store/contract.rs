@@ -256,14 +256,109 @@ impl fmt::Display for FencingToken {
     }
 }
 
+/// How a key is held: by one owner alone, or together with other shared holders.
+///
+/// A key held [shared](Self::Shared) admits any number of shared holds and no exclusive
+/// one; a key held [exclusively](Self::Exclusive) admits nobody else. One batch may mix
+/// the two, and is still granted all or nothing. An owner is never kept out of its own
+/// keys: holding a key exclusively, it takes it shared as well; holding it shared, it
+/// takes it exclusively only while nobody else holds it (an *upgrade*), and is refused at
+/// once otherwise, without waiting: two readers that both wait to upgrade would wait for
+/// each other. An upgraded key stays exclusive until its owner's last hold on it ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    /// Nobody else holds the key: the default, for requests that change what it names.
+    #[default]
+    Exclusive,
+    /// Other shared holders may hold it too, no exclusive one: for requests that read a
+    /// consistent set of resources and change none of them.
+    Shared,
+}
+
+impl Mode {
+    /// `"exclusive"` or `"shared"`: the `mode` label of the crate's metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exclusive => "exclusive",
+            Self::Shared => "shared",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The mode of each key of a batch: one for all of them (the common case, which
+/// allocates nothing), or one per key, in the order of the keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Modes {
+    All(Mode),
+    Each(Arc<[Mode]>),
+}
+
+impl Modes {
+    /// The modes of a batch whose keys have `modes`, in order: one for all when they agree.
+    pub(crate) fn of_each(modes: Vec<Mode>) -> Self {
+        match modes.first() {
+            Some(&first) if modes.iter().any(|&m| m != first) => Self::Each(modes.into()),
+            first => Self::All(first.copied().unwrap_or_default()),
+        }
+    }
+
+    /// The mode of the key at `index`.
+    pub(crate) fn at(&self, index: usize) -> Mode {
+        match self {
+            Self::All(mode) => *mode,
+            Self::Each(modes) => modes[index],
+        }
+    }
+
+    /// How many keys are held shared, of `len`.
+    pub(crate) fn shared(&self, len: usize) -> usize {
+        match self {
+            Self::All(Mode::Shared) => len,
+            Self::All(Mode::Exclusive) => 0,
+            Self::Each(modes) => modes.iter().filter(|&&m| m == Mode::Shared).count(),
+        }
+    }
+
+    /// The modes of the keys at `indices`, in that order: a part of the batch.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn part(&self, indices: &[usize]) -> Self {
+        match self {
+            Self::All(mode) => Self::All(*mode),
+            Self::Each(_) => Self::of_each(indices.iter().map(|&i| self.at(i)).collect()),
+        }
+    }
+
+    /// The modes as the scripts read them: `x` (exclusive) or `s` (shared), once for the
+    /// whole batch or once per key.
+    #[cfg(feature = "redis")]
+    pub(crate) fn script_arg(&self) -> String {
+        let letter = |mode| match mode {
+            Mode::Exclusive => 'x',
+            Mode::Shared => 's',
+        };
+        match self {
+            Self::All(mode) => letter(*mode).to_string(),
+            Self::Each(modes) => modes.iter().map(|&m| letter(m)).collect(),
+        }
+    }
+}
+
 /// Whether a key is locked, as [`Locks::inspect`](crate::Locks::inspect) sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KeyStatus {
     /// Nobody holds the key (waiters may still have it reserved).
     Free,
-    /// A request holds the key.
+    /// A request holds the key exclusively.
     Held,
+    /// One or more requests hold the key [shared](Mode::Shared).
+    Shared,
     /// The store keeps something under the key that this crate did not write (another
     /// program's value, an older version's lock). It keeps every request out, and
     /// [`Locks::force_release`](crate::Locks::force_release) leaves it alone.
@@ -271,11 +366,12 @@ pub enum KeyStatus {
 }
 
 impl KeyStatus {
-    /// `"free"`, `"held"` or `"foreign"`.
+    /// `"free"`, `"held"`, `"shared"` or `"foreign"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Free => "free",
             Self::Held => "held",
+            Self::Shared => "shared",
             Self::Foreign => "foreign",
         }
     }
@@ -296,6 +392,8 @@ pub(crate) struct AcquireRequest {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) namespace: Arc<str>,
     pub(crate) keys: Arc<[String]>,
+    /// How each key is to be held.
+    pub(crate) modes: Modes,
     /// The new hold the batch is acquired under.
     pub(crate) holder: Holder,
     /// How long the keys live unless extended.
@@ -307,11 +405,12 @@ pub(crate) struct AcquireRequest {
 }
 
 impl AcquireRequest {
-    /// The same acquisition, of a part of the batch: one node's group.
+    /// The same acquisition, of the keys at `indices`: one node's group.
     #[cfg(feature = "cluster")]
-    pub(crate) fn of(&self, keys: Arc<[String]>) -> Self {
+    pub(crate) fn of(&self, indices: &[usize]) -> Self {
         Self {
-            keys,
+            keys: indices.iter().map(|&i| self.keys[i].clone()).collect(),
+            modes: self.modes.part(indices),
             ..self.clone()
         }
     }
@@ -338,6 +437,10 @@ pub(crate) struct Contention {
     pub(crate) total: usize,
     /// Time until the earliest of the conflicting keys expires, when the store knows it.
     pub(crate) earliest_expiry: Option<Duration>,
+    /// Whether a conflicting key is one the caller's owner holds shared with others, and
+    /// asked for exclusively: an upgrade, which waiting cannot help while another holder
+    /// may be waiting to upgrade too.
+    pub(crate) upgrade: bool,
 }
 
 impl Contention {
@@ -354,6 +457,7 @@ impl Contention {
             counts.sum()
         };
         let earliest_expiry = held.iter().filter_map(|c| c.earliest_expiry).min();
+        let upgrade = held.iter().any(|c| c.upgrade);
         let mut keys: Vec<String> = held.into_iter().flat_map(|c| c.keys).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -362,6 +466,7 @@ impl Contention {
             keys,
             total,
             earliest_expiry,
+            upgrade,
         }
     }
 }
@@ -372,7 +477,8 @@ pub(crate) struct KeyView {
     pub(crate) status: KeyStatus,
     /// Time left on the key's holds (or on a foreign value's ttl), when held.
     pub(crate) ttl: Option<Duration>,
-    /// How many holds the key has: more than one when its owner re-entered it.
+    /// How many holds the key has: more than one when its owner re-entered it, or when
+    /// several holders share it.
     pub(crate) holds: usize,
     /// How many live reservations of waiters in line are on the key.
     pub(crate) waiters: usize,
@@ -390,12 +496,15 @@ impl KeyView {
 
 /// A lock store.
 pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
-    /// Locks every key of `request` for its ttl under its new hold, or none of them: a key
-    /// held only by the holder's owner is entered again, and keeps the longer of its ttl
-    /// and the request's.
+    /// Locks every key of `request` in its mode for its ttl under its new hold, or none of
+    /// them (see [`Mode`] for which holds admit which): a key held exclusively by the
+    /// holder's owner is entered again, and keeps the longer of its ttl and the request's;
+    /// a key held shared by the owner alone is upgraded when asked for exclusively. A
+    /// shared hold lives by its own ttl: the key lives as long as its longest hold.
     ///
-    /// A key that nobody holds but a waiter reserved conflicts as the request's line says
-    /// ([`Line::kept_out_by`]); a key that the holder's owner holds never does. When the
+    /// A key that nobody else holds exclusively but a waiter reserved conflicts as the
+    /// request's line says ([`Line::kept_out_by`]), whatever the modes, so that a waiting
+    /// writer keeps new readers out; a key that the holder's owner holds never does. When the
     /// batch conflicts and the caller waits in line ([`Line::At`]), its reservation is put
     /// on (or renewed on) every key of the batch, for [`RESERVATION_TTL`]; when it is
     /// granted, its reservations on the batch are gone.
@@ -407,8 +516,8 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// shares a key; see `Redlock`.)
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
 
-    /// Extends every key to at least `ttl` from now if every key still has `holder`'s
-    /// hold; otherwise changes nothing and returns `false`: the lease is lost.
+    /// Extends `holder`'s hold on every key (only that hold, where the key is shared) to at
+    /// least `ttl` from now if every key still has it; otherwise changes nothing and returns `false`: the lease is lost.
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool>;
 
     /// Ends `holder`'s hold on the keys that still have it, and returns how many had it.
@@ -485,6 +594,7 @@ mod tests {
             keys: keys.iter().map(|&k| k.to_owned()).collect(),
             total,
             earliest_expiry: earliest.map(Duration::from_millis),
+            upgrade: false,
         }
     }
 

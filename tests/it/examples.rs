@@ -186,7 +186,7 @@ async fn metrics_example_renders_the_layers_metrics_with_buckets() {
     .await;
     let text = rendered.text();
     assert!(
-        text.contains(r#"tower_batch_lock_acquisitions_total{layer="orders",outcome="granted"} 1"#),
+        text.contains(r#"tower_batch_lock_acquisitions_total{layer="orders",mode="exclusive",outcome="granted"} 1"#),
         "{text}"
     );
     // Histograms, with buckets: not summaries.

@@ -115,7 +115,11 @@ impl Recorded {
         ["granted", "contended", "unavailable", "rejected"].map(|outcome| {
             self.counter(
                 "tower_batch_lock_acquisitions_total",
-                &[("layer", layer), ("outcome", outcome)],
+                &[
+                    ("layer", layer),
+                    ("mode", "exclusive"),
+                    ("outcome", outcome),
+                ],
             )
         })
     }
@@ -179,7 +183,11 @@ async fn every_answer_is_counted_once_under_its_outcome() {
         );
         let acquired = recorded.samples(
             "tower_batch_lock_acquire_seconds",
-            &[("layer", name), ("outcome", "contended")],
+            &[
+                ("layer", name),
+                ("mode", "exclusive"),
+                ("outcome", "contended"),
+            ],
         );
         assert_eq!(acquired.len(), 5, "{name}");
         let sizes = recorded.samples("tower_batch_lock_keys", &[("layer", name)]);
@@ -214,7 +222,7 @@ async fn waiting_requests_are_counted_while_they_wait_and_timed() {
     let app = locked(&locks, "/");
     let waiter = tokio::spawn(async move { send(&app, post_keys("/", "w")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let labels = [("layer", "waiting")];
+    let labels = [("layer", "waiting"), ("mode", "exclusive")];
     assert_eq!(
         recorded().gauge("tower_batch_lock_waiting_requests", &labels),
         1.0

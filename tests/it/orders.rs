@@ -981,7 +981,7 @@ mod binary {
         let admin = _example.1;
         let (status, metrics) = http(admin, "GET", "/metrics", "").await;
         assert_eq!(status, 200);
-        let granted = r#"tower_batch_lock_acquisitions_total{layer="/orders",outcome="granted"} 2"#;
+        let granted = r#"tower_batch_lock_acquisitions_total{layer="/orders",mode="exclusive",outcome="granted"} 2"#;
         assert!(metrics.contains(granted), "{metrics}");
         let (status, held) = http(admin, "GET", "/admin/locks/held", "").await;
         assert_eq!(

@@ -382,7 +382,7 @@ async fn an_acquisition_run_twice_is_one_hold() {
     let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
     let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000aa");
     for _ in 0..2 {
-        let (granted, ..): (i64, i64, i64, Vec<String>) = acquire
+        let (granted, ..): (i64, i64, i64, Vec<String>, i64) = acquire
             .key("lock:")
             .key("lock:doc:1")
             .arg(owner)
@@ -391,6 +391,7 @@ async fn an_acquisition_run_twice_is_one_hold() {
             .arg(20)
             .arg("")
             .arg(0)
+            .arg("x")
             .invoke(&mut observer.connection())
             .unwrap();
         assert_eq!(granted, 1);

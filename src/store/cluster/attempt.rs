@@ -63,7 +63,7 @@ impl Nodes {
             .enumerate()
             .map(|(index, group)| {
                 let node = topology.masters[group.master].node.clone();
-                let part = request.of(group.keys_of(keys));
+                let part = request.of(&group.indices);
                 let call = self.fanout.acquire_on(node, part, released.clone());
                 self.fanout.spawn(index, call)
             })

@@ -18,7 +18,7 @@ use super::contract::{AnswerStore, StoredAnswer};
 use super::{
     contract::{
         Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
-        LockStore, OwnerToken, Reply, Ticket, RESERVATION_TTL,
+        LockStore, Mode, OwnerToken, Reply, Ticket, RESERVATION_TTL,
     },
     wake::{slots_of, Wakeups},
 };
@@ -67,11 +67,48 @@ struct Entry {
 }
 
 #[derive(Debug)]
-struct Holds {
-    owner: OwnerToken,
-    /// The owner's holds on the key: it is free when the last one is released.
-    holds: Vec<u64>,
-    expires_at: Instant,
+enum Holds {
+    /// One owner's holds (re-entry adds more), which end together.
+    Exclusive {
+        owner: OwnerToken,
+        /// The owner's holds on the key: it is free when the last one is released.
+        holds: Vec<u64>,
+        expires_at: Instant,
+    },
+    /// Shared holds, each ending on its own: a reader that dies takes only its own hold
+    /// with it. Expired ones are dropped when the key is next written.
+    Shared(Vec<(Holder, Instant)>),
+}
+
+/// Why a key keeps an acquisition out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    /// Held by another owner, or reserved by an earlier waiter.
+    Held,
+    /// Held shared by the caller's owner and others, and asked for exclusively.
+    Upgrade,
+}
+
+impl Holds {
+    /// When the last live hold ends, if one is live.
+    fn expires_at(&self, now: Instant) -> Option<Instant> {
+        match self {
+            Self::Exclusive { expires_at, .. } => Some(*expires_at),
+            Self::Shared(holds) => holds.iter().map(|&(_, until)| until).max(),
+        }
+        .filter(|&until| until > now)
+    }
+
+    fn held_by(&self, holder: Holder, now: Instant) -> bool {
+        match self {
+            Self::Exclusive {
+                owner,
+                holds,
+                expires_at,
+            } => *expires_at > now && *owner == holder.owner && holds.contains(&holder.hold),
+            Self::Shared(holds) => holds.iter().any(|&(h, until)| h == holder && until > now),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -81,27 +118,92 @@ struct Reservation {
 }
 
 impl Entry {
-    /// The live holds, if any.
+    /// The holds, if one of them is live.
     fn live(&self, now: Instant) -> Option<&Holds> {
-        self.holds.as_ref().filter(|h| h.expires_at > now)
+        self.holds.as_ref().filter(|h| h.expires_at(now).is_some())
     }
 
-    /// Whether the key keeps out `owner`, standing in `line`: held by someone else, or,
-    /// unless `owner` holds it, reserved by a waiter that `line` must let go first.
-    fn blocks(&self, owner: OwnerToken, line: Line, now: Instant) -> bool {
-        match self.live(now) {
-            Some(holds) => holds.owner != owner,
-            None => self
-                .queue
+    /// Whether and why the key keeps out `owner`, asking for it in `mode` and standing in
+    /// `line`: held by others in a mode that excludes it, or, unless `owner` holds it,
+    /// reserved by a waiter that `line` must let go first.
+    fn blocks(&self, owner: OwnerToken, mode: Mode, line: Line, now: Instant) -> Option<Block> {
+        let reserved = || {
+            self.queue
                 .iter()
-                .any(|r| r.until > now && line.kept_out_by(r.ticket)),
+                .any(|r| r.until > now && line.kept_out_by(r.ticket))
+                .then_some(Block::Held)
+        };
+        match self.live(now) {
+            None => reserved(),
+            Some(Holds::Exclusive { owner: holder, .. }) => {
+                (*holder != owner).then_some(Block::Held)
+            }
+            Some(Holds::Shared(holds)) => {
+                let live = || holds.iter().filter(|&&(_, until)| until > now);
+                let mine = live().any(|(h, _)| h.owner == owner);
+                let others = live().any(|(h, _)| h.owner != owner);
+                match mode {
+                    Mode::Shared if mine => None,
+                    Mode::Shared => reserved(),
+                    Mode::Exclusive if !others => None,
+                    Mode::Exclusive if mine => Some(Block::Upgrade),
+                    Mode::Exclusive => Some(Block::Held),
+                }
+            }
         }
+    }
+
+    /// Adds `holder`'s hold in `mode` until `expires_at`, once [`blocks`](Self::blocks)
+    /// found nothing in the way: the owner's own exclusive holds take it whatever the
+    /// mode; its shared holds, alone on the key, become exclusive when asked so.
+    fn grant(&mut self, holder: Holder, mode: Mode, expires_at: Instant, now: Instant) {
+        let live = self.holds.take().filter(|h| h.expires_at(now).is_some());
+        self.holds = Some(match (live, mode) {
+            (
+                Some(Holds::Exclusive {
+                    owner,
+                    mut holds,
+                    expires_at: until,
+                }),
+                _,
+            ) => {
+                holds.push(holder.hold);
+                Holds::Exclusive {
+                    owner,
+                    holds,
+                    expires_at: until.max(expires_at),
+                }
+            }
+            (Some(Holds::Shared(mut holds)), Mode::Shared) => {
+                holds.retain(|&(_, until)| until > now);
+                holds.push((holder, expires_at));
+                Holds::Shared(holds)
+            }
+            // Blocks found nobody else: the owner's shared holds are upgraded.
+            (Some(Holds::Shared(holds)), Mode::Exclusive) => {
+                let mine = holds.iter().filter(|&&(_, until)| until > now);
+                Holds::Exclusive {
+                    owner: holder.owner,
+                    holds: mine
+                        .clone()
+                        .map(|(h, _)| h.hold)
+                        .chain([holder.hold])
+                        .collect(),
+                    expires_at: mine.map(|&(_, until)| until).fold(expires_at, Instant::max),
+                }
+            }
+            (None, Mode::Exclusive) => Holds::Exclusive {
+                owner: holder.owner,
+                holds: vec![holder.hold],
+                expires_at,
+            },
+            (None, Mode::Shared) => Holds::Shared(vec![(holder, expires_at)]),
+        });
     }
 
     /// Still held, by this hold.
     fn held_by(&self, holder: Holder, now: Instant) -> bool {
-        self.live(now)
-            .is_some_and(|h| h.owner == holder.owner && h.holds.contains(&holder.hold))
+        self.holds.as_ref().is_some_and(|h| h.held_by(holder, now))
     }
 
     /// Puts `ticket`'s reservation in line (or renews it), dropping expired ones.
@@ -170,14 +272,17 @@ impl MemoryStore {
         shards
     }
 
-    fn try_acquire(
-        &self,
-        keys: &[String],
-        holder: Holder,
-        ttl: Duration,
-        report: usize,
-        line: Line,
-    ) -> Acquire {
+    fn try_acquire(&self, request: &AcquireRequest) -> Acquire {
+        let AcquireRequest {
+            keys,
+            modes,
+            holder,
+            ttl,
+            report,
+            line,
+            ..
+        } = request;
+        let (holder, line) = (*holder, *line);
         let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shards = self.lock_shards(&slots);
         let now = Instant::now();
@@ -186,21 +291,24 @@ impl MemoryStore {
             keys: Vec::new(),
             total: 0,
             earliest_expiry: None,
+            upgrade: false,
         };
-        for (key, &slot) in keys.iter().zip(&slots) {
+        for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
             let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
                 continue;
             };
-            if entry.blocks(holder.owner, line, now) {
-                contention.total += 1;
-                if contention.keys.len() < report {
-                    contention.keys.push(key.clone());
-                }
-                if let Some(holds) = entry.live(now) {
-                    let left = holds.expires_at - now;
-                    contention.earliest_expiry =
-                        Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
-                }
+            let Some(block) = entry.blocks(holder.owner, modes.at(index), line, now) else {
+                continue;
+            };
+            contention.total += 1;
+            contention.upgrade |= block == Block::Upgrade;
+            if contention.keys.len() < *report {
+                contention.keys.push(key.clone());
+            }
+            if let Some(until) = entry.holds.as_ref().and_then(|h| h.expires_at(now)) {
+                let left = until - now;
+                contention.earliest_expiry =
+                    Some(contention.earliest_expiry.map_or(left, |e| e.min(left)));
             }
         }
         if contention.total > 0 {
@@ -218,8 +326,8 @@ impl MemoryStore {
             return Acquire::Held(contention);
         }
 
-        let expires_at = now + ttl;
-        for (key, &slot) in keys.iter().zip(&slots) {
+        let expires_at = now + *ttl;
+        for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
             let entry = locked(&mut shards, slot)
                 .entries
                 .entry(key.clone())
@@ -227,20 +335,7 @@ impl MemoryStore {
             if let Line::At(ticket) = line {
                 entry.withdraw(ticket, now);
             }
-            match &mut entry.holds {
-                // The owner's own, still live: enter it again, never shortening it.
-                Some(holds) if holds.expires_at > now => {
-                    holds.holds.push(holder.hold);
-                    holds.expires_at = holds.expires_at.max(expires_at);
-                }
-                _ => {
-                    entry.holds = Some(Holds {
-                        owner: holder.owner,
-                        holds: vec![holder.hold],
-                        expires_at,
-                    });
-                }
-            }
+            entry.grant(holder, modes.at(index), expires_at, now);
         }
         for shard in shards.iter_mut().flatten() {
             shard.sweep_if_grown(now);
@@ -263,10 +358,20 @@ impl MemoryStore {
                 .is_some_and(|e| e.held_by(holder, now))
         });
         if held {
+            let until = now + ttl;
             for (key, &slot) in keys.iter().zip(&slots) {
                 let entry = locked(&mut shards, slot).entries.get_mut(key.as_str());
-                if let Some(holds) = entry.and_then(|e| e.holds.as_mut()) {
-                    holds.expires_at = holds.expires_at.max(now + ttl);
+                match entry.and_then(|e| e.holds.as_mut()) {
+                    Some(Holds::Exclusive { expires_at, .. }) => {
+                        *expires_at = (*expires_at).max(until);
+                    }
+                    // Only this hold: the other readers' stand on their own.
+                    Some(Holds::Shared(holds)) => {
+                        for (_, expires_at) in holds.iter_mut().filter(|(h, _)| *h == holder) {
+                            *expires_at = (*expires_at).max(until);
+                        }
+                    }
+                    None => {}
                 }
             }
         }
@@ -278,17 +383,25 @@ impl MemoryStore {
         // and others still held is refused, which is what it would see a moment earlier.
         let now = Instant::now();
         let released = self.each_entry(keys, now, |entry| {
-            let Some(holds) = entry.holds.as_mut().filter(|h| h.owner == holder.owner) else {
-                return false;
+            let (had, left) = match &mut entry.holds {
+                Some(Holds::Exclusive { owner, holds, .. }) if *owner == holder.owner => {
+                    let at = holds.iter().position(|&h| h == holder.hold);
+                    if let Some(at) = at {
+                        holds.swap_remove(at);
+                    }
+                    (at.is_some(), holds.len())
+                }
+                Some(Holds::Shared(holds)) => {
+                    let had = holds.iter().any(|&(h, _)| h == holder);
+                    holds.retain(|&(h, until)| h != holder && until > now);
+                    (had, holds.len())
+                }
+                _ => return false,
             };
-            let Some(at) = holds.holds.iter().position(|&h| h == holder.hold) else {
-                return false;
-            };
-            holds.holds.swap_remove(at);
-            if holds.holds.is_empty() {
+            if left == 0 {
                 entry.holds = None;
             }
-            true
+            had
         });
         self.wakeups.wake_slots(slots_of(keys));
         released
@@ -314,17 +427,24 @@ impl MemoryStore {
                     return KeyView::FREE;
                 };
                 let waiters = entry.queue.iter().filter(|r| r.until > now).count();
-                match entry.live(now) {
-                    Some(holds) => KeyView {
-                        status: KeyStatus::Held,
-                        ttl: Some(holds.expires_at - now),
-                        holds: holds.holds.len(),
-                        waiters,
-                    },
-                    None => KeyView {
+                let Some(holds) = entry.live(now) else {
+                    return KeyView {
                         waiters,
                         ..KeyView::FREE
-                    },
+                    };
+                };
+                let (status, count) = match holds {
+                    Holds::Exclusive { holds, .. } => (KeyStatus::Held, holds.len()),
+                    Holds::Shared(holds) => (
+                        KeyStatus::Shared,
+                        holds.iter().filter(|&&(_, until)| until > now).count(),
+                    ),
+                };
+                KeyView {
+                    status,
+                    ttl: holds.expires_at(now).map(|until| until - now),
+                    holds: count,
+                    waiters,
                 }
             })
             .collect()
@@ -403,9 +523,7 @@ impl Shard {
 
 impl LockStore for MemoryStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
-        let r = request;
-        let outcome = self.try_acquire(&r.keys, r.holder, r.ttl, r.report, r.line);
-        Box::pin(std::future::ready(Ok(outcome)))
+        Box::pin(std::future::ready(Ok(self.try_acquire(request))))
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {

@@ -1,6 +1,7 @@
 //! The memory store's own checks, below the layer.
 
 use super::*;
+use crate::store::contract::Modes;
 
 fn keys(names: &[&str]) -> Vec<String> {
     let mut keys: Vec<String> = names.iter().map(|n| format!("lock:{n}")).collect();
@@ -15,20 +16,60 @@ fn holder() -> Holder {
     Holder::new(OwnerToken::random())
 }
 
+/// `holder`'s acquisition of `keys`, each in the mode `modes` gives.
+fn attempt_in(
+    store: &MemoryStore,
+    keys: &[String],
+    modes: Modes,
+    holder: Holder,
+    line: Line,
+) -> Acquire {
+    store.try_acquire(&AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.into(),
+        modes,
+        holder,
+        ttl: TTL,
+        report: 20,
+        line,
+    })
+}
+
+/// `holder`'s exclusive acquisition of `keys`.
+fn attempt(
+    store: &MemoryStore,
+    keys: &[String],
+    holder: Holder,
+    ttl: Duration,
+    report: usize,
+    line: Line,
+) -> Acquire {
+    store.try_acquire(&AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.into(),
+        modes: Modes::All(Mode::Exclusive),
+        holder,
+        ttl,
+        report,
+        line,
+    })
+}
+
 fn granted(outcome: Acquire) -> bool {
     matches!(outcome, Acquire::Granted(_))
 }
 
 /// Whether `holder`, waiting in no line, is granted `keys`.
 fn grants(backend: &MemoryStore, keys: &[String], holder: Holder, ttl: Duration) -> bool {
-    granted(backend.try_acquire(keys, holder, ttl, 0, Line::Outside))
+    granted(attempt(backend, keys, holder, ttl, 0, Line::Outside))
 }
 
 #[test]
 fn overlapping_batch_is_refused_and_writes_nothing() {
     let backend = MemoryStore::new();
     let (a, b) = (holder(), holder());
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["1", "2"]),
         a,
         TTL,
@@ -36,7 +77,7 @@ fn overlapping_batch_is_refused_and_writes_nothing() {
         Line::Outside
     )));
 
-    let Acquire::Held(c) = backend.try_acquire(&keys(&["2", "3", "4"]), b, TTL, 20, Line::Outside)
+    let Acquire::Held(c) = attempt(&backend, &keys(&["2", "3", "4"]), b, TTL, 20, Line::Outside)
     else {
         panic!("an overlapping batch was granted");
     };
@@ -45,7 +86,8 @@ fn overlapping_batch_is_refused_and_writes_nothing() {
     assert!(c.earliest_expiry.is_some_and(|e| e <= TTL));
     // All or nothing: the free keys of the refused batch were not taken.
     assert_eq!(backend.len(), 2);
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["3", "4"]),
         b,
         TTL,
@@ -58,7 +100,8 @@ fn overlapping_batch_is_refused_and_writes_nothing() {
 fn release_only_deletes_the_owners_keys() {
     let backend = MemoryStore::new();
     let (a, b) = (holder(), holder());
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["1"]),
         a,
         TTL,
@@ -67,7 +110,7 @@ fn release_only_deletes_the_owners_keys() {
     )));
     assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
     assert!(matches!(
-        backend.try_acquire(&keys(&["1"]), b, TTL, 20, Line::Outside),
+        attempt(&backend, &keys(&["1"]), b, TTL, 20, Line::Outside),
         Acquire::Held(_)
     ));
     assert_eq!(backend.release_owned(&keys(&["1"]), a), 1);
@@ -76,7 +119,8 @@ fn release_only_deletes_the_owners_keys() {
         0,
         "release is idempotent"
     );
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["1"]),
         b,
         TTL,
@@ -90,7 +134,8 @@ fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
     let backend = MemoryStore::new();
     let (a, b) = (holder(), holder());
     let short = Duration::from_millis(20);
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["1"]),
         a,
         short,
@@ -98,7 +143,8 @@ fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
         Line::Outside
     )));
     std::thread::sleep(short * 2);
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &keys(&["1"]),
         b,
         TTL,
@@ -107,7 +153,7 @@ fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
     )));
     assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
     assert!(matches!(
-        backend.try_acquire(&keys(&["1"]), a, TTL, 20, Line::Outside),
+        attempt(&backend, &keys(&["1"]), a, TTL, 20, Line::Outside),
         Acquire::Held(_)
     ));
 }
@@ -118,14 +164,15 @@ fn contention_names_at_most_the_report_limit_but_counts_all() {
     let names: Vec<String> = (0..50).map(|i| i.to_string()).collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     let batch = keys(&names);
-    assert!(granted(backend.try_acquire(
+    assert!(granted(attempt(
+        &backend,
         &batch,
         holder(),
         TTL,
         20,
         Line::Outside
     )));
-    let Acquire::Held(c) = backend.try_acquire(&batch, holder(), TTL, 3, Line::Outside) else {
+    let Acquire::Held(c) = attempt(&backend, &batch, holder(), TTL, 3, Line::Outside) else {
         panic!("granted twice");
     };
     assert_eq!((c.keys.len(), c.total), (3, 50));
@@ -181,19 +228,47 @@ fn fencing_tokens_increase_with_every_grant() {
         Acquire::Granted(token) => token,
         Acquire::Held(_) => panic!("refused"),
     };
-    let first = fence(backend.try_acquire(&keys(&["1"]), holder(), TTL, 0, Line::Outside));
-    let second = fence(backend.try_acquire(&keys(&["2"]), holder(), TTL, 0, Line::Outside));
+    let first = fence(attempt(
+        &backend,
+        &keys(&["1"]),
+        holder(),
+        TTL,
+        0,
+        Line::Outside,
+    ));
+    let second = fence(attempt(
+        &backend,
+        &keys(&["2"]),
+        holder(),
+        TTL,
+        0,
+        Line::Outside,
+    ));
     assert_eq!(second.get(), first.get() + 1);
 
     // A store made later, as after a restart of the process, starts above every token the
     // first one handed out: its counter starts at the clock's floor.
     for i in 0..100 {
         let key = format!("more:{i}");
-        fence(backend.try_acquire(&keys(&[&key]), holder(), TTL, 0, Line::Outside));
+        fence(attempt(
+            &backend,
+            &keys(&[&key]),
+            holder(),
+            TTL,
+            0,
+            Line::Outside,
+        ));
     }
     std::thread::sleep(Duration::from_millis(2));
     let restarted = MemoryStore::new();
-    let after = fence(restarted.try_acquire(&keys(&["1"]), holder(), TTL, 0, Line::Outside));
+    let after = fence(attempt(
+        &restarted,
+        &keys(&["1"]),
+        holder(),
+        TTL,
+        0,
+        Line::Outside,
+    ));
     assert!(after.get() > second.get() + 100, "{after} after {second}");
 }
 
@@ -239,4 +314,232 @@ fn reentry_never_shortens_a_lease_and_extends_only_its_own_hold() {
         "extended a released hold"
     );
     assert!(backend.try_extend(&keys(&["1"]), outer, TTL));
+}
+
+const SHARED: Modes = Modes::All(Mode::Shared);
+
+#[test]
+fn shared_holds_admit_each_other_and_no_exclusive_hold() {
+    let store = MemoryStore::new();
+    let batch = keys(&["a", "b"]);
+    let (r1, r2, w) = (holder(), holder(), holder());
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        r1,
+        Line::Outside
+    )));
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        r2,
+        Line::Outside
+    )));
+    let view = store.view(&batch);
+    assert!(view
+        .iter()
+        .all(|v| v.status == KeyStatus::Shared && v.holds == 2));
+    // A writer is refused, and so is a batch that takes one key shared, one exclusively.
+    assert!(!granted(attempt(
+        &store,
+        &batch[1..],
+        w,
+        TTL,
+        20,
+        Line::Outside
+    )));
+    let mixed = Modes::Each(vec![Mode::Shared, Mode::Exclusive].into());
+    assert!(!granted(attempt_in(
+        &store,
+        &batch,
+        mixed,
+        w,
+        Line::Outside
+    )));
+    // All or nothing: the refused mixed batch took nothing.
+    assert!(store.view(&batch).iter().all(|v| v.holds == 2));
+    // The last reader out frees the key for the writer.
+    assert_eq!(store.release_owned(&batch, r1), 2);
+    assert!(!granted(attempt(&store, &batch, w, TTL, 20, Line::Outside)));
+    assert_eq!(store.release_owned(&batch, r2), 2);
+    assert!(granted(attempt(&store, &batch, w, TTL, 20, Line::Outside)));
+    // An exclusive hold keeps readers out.
+    assert!(!granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        r1,
+        Line::Outside
+    )));
+    assert_eq!(store.release_owned(&batch, w), 2);
+    assert_eq!(store.len(), 0);
+}
+
+#[test]
+fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
+    let store = MemoryStore::new();
+    let batch = keys(&["a"]);
+    let owner = OwnerToken::random();
+    let (read, write) = (Holder::new(owner), Holder::new(owner));
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        read,
+        Line::Holder
+    )));
+    // Alone: the owner takes its key exclusively, and keeps both holds.
+    assert!(granted(attempt(
+        &store,
+        &batch,
+        write,
+        TTL,
+        20,
+        Line::Holder
+    )));
+    assert_eq!(store.view(&batch)[0].status, KeyStatus::Held);
+    assert!(!granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        holder(),
+        Line::Outside
+    )));
+    assert_eq!(store.release_owned(&batch, write), 1);
+    assert_eq!(store.release_owned(&batch, read), 1);
+
+    // With another reader: contention that says it is an upgrade.
+    let other = holder();
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        read,
+        Line::Holder
+    )));
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        other,
+        Line::Outside
+    )));
+    let Acquire::Held(refused) = attempt(&store, &batch, write, TTL, 20, Line::Holder) else {
+        panic!("an upgrade over another reader was granted");
+    };
+    assert!(refused.upgrade);
+    // A writer that holds the key exclusively takes it shared freely.
+    assert_eq!(
+        store.release_owned(&batch, read) + store.release_owned(&batch, other),
+        2
+    );
+    assert!(granted(attempt(
+        &store,
+        &batch,
+        write,
+        TTL,
+        20,
+        Line::Holder
+    )));
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        read,
+        Line::Holder
+    )));
+    assert_eq!(store.view(&batch)[0].holds, 2);
+}
+
+#[test]
+fn a_waiting_writers_reservation_keeps_new_readers_out() {
+    let store = MemoryStore::new();
+    let batch = keys(&["a"]);
+    let (reader, writer) = (holder(), holder());
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        reader,
+        Line::Outside
+    )));
+    let ticket = Ticket::take();
+    assert!(!granted(attempt(
+        &store,
+        &batch,
+        writer,
+        TTL,
+        20,
+        Line::At(ticket)
+    )));
+    // A later reader, in line or not, waits behind the writer.
+    assert!(!granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        holder(),
+        Line::Outside
+    )));
+    let later = Line::At(Ticket::take());
+    assert!(!granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        holder(),
+        later
+    )));
+    // The reader that was there first re-enters its own key freely, and its end lets the
+    // writer in.
+    let again = Holder::new(reader.owner);
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        again,
+        Line::Holder
+    )));
+    store.release_owned(&batch, again);
+    store.release_owned(&batch, reader);
+    assert!(granted(attempt(
+        &store,
+        &batch,
+        writer,
+        TTL,
+        20,
+        Line::At(ticket)
+    )));
+}
+
+#[test]
+fn a_shared_hold_renews_and_expires_on_its_own() {
+    let store = MemoryStore::new();
+    let batch = keys(&["a"]);
+    let (short, long) = (holder(), holder());
+    let request = |holder, ttl| AcquireRequest {
+        namespace: "lock:".into(),
+        keys: batch.clone().into(),
+        modes: SHARED,
+        holder,
+        ttl,
+        report: 20,
+        line: Line::Outside,
+    };
+    assert!(granted(
+        store.try_acquire(&request(short, Duration::from_millis(40)))
+    ));
+    assert!(granted(store.try_acquire(&request(long, TTL))));
+    // Extending one hold leaves the other's expiry alone.
+    assert!(store.try_extend(&batch, long, TTL));
+    std::thread::sleep(Duration::from_millis(60));
+    assert!(!store.try_extend(&batch, short, TTL), "its own ttl ran out");
+    assert!(
+        store.try_extend(&batch, long, TTL),
+        "the other reader's hold is intact"
+    );
+    let view = store.view(&batch);
+    assert_eq!((view[0].status, view[0].holds), (KeyStatus::Shared, 1));
+    assert_eq!(store.release_owned(&batch, long), 1);
+    assert_eq!(store.len(), 0);
 }

@@ -159,7 +159,7 @@ impl RedisStore {
 }
 
 /// The acquire script's reply.
-type AcquireReply = (i64, i64, i64, Vec<String>);
+type AcquireReply = (i64, i64, i64, Vec<String>, i64);
 
 impl RedisStore {
     /// Runs the acquire script on a connection of its own and, when it grants, waits for
@@ -221,8 +221,9 @@ impl LockStore for RedisStore {
                 .arg(match line {
                     Line::At(_) => millis(RESERVATION_TTL),
                     Line::Outside | Line::Holder => 0,
-                });
-            let (granted, count, earliest, named): AcquireReply = match self.replicas {
+                })
+                .arg(request.modes.script_arg());
+            let (granted, count, earliest, named, upgrade): AcquireReply = match self.replicas {
                 None => self.invoke(&script).await?,
                 Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
             };
@@ -238,6 +239,7 @@ impl LockStore for RedisStore {
                 total: usize::try_from(count).unwrap_or(1),
                 // -1: no conflicting key had a ttl the script could read.
                 earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
+                upgrade: upgrade == 1,
             }))
         })
     }
@@ -368,6 +370,7 @@ fn key_view(numbers: &[i64]) -> KeyView {
     let status = match numbers[0] {
         0 => KeyStatus::Free,
         1 => KeyStatus::Held,
+        3 => KeyStatus::Shared,
         _ => KeyStatus::Foreign,
     };
     KeyView {

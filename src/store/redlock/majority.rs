@@ -39,23 +39,24 @@ fn reached_by<T: Ord + Copy>(mut values: Vec<T>, quorum: usize) -> Option<T> {
     values.get(quorum.checked_sub(1)?).copied()
 }
 
-/// One key as a majority of the masters that answered see it: held when `quorum` of them
-/// hold it (then no acquisition can get a majority), with the time left and the holds that
-/// `quorum` of them still have; foreign when `quorum` of them are kept out by something
-/// else; free otherwise, even if a minority still holds it (what is left there expires,
-/// and keeps nobody out). The waiters that `quorum` of them have in line.
+/// One key as a majority of the masters that answered see it: held (exclusively, or
+/// shared) when `quorum` of them hold it so (then no acquisition that the mode excludes can
+/// get a majority), with the time left and the holds that `quorum` of them still have;
+/// foreign when `quorum` of them are kept out by something else; free otherwise, even if a
+/// minority still holds it (what is left there expires, and keeps nobody out). The waiters
+/// that `quorum` of them have in line.
 pub(super) fn majority_view(views: &[KeyView], quorum: usize) -> KeyView {
-    let held: Vec<&KeyView> = views
-        .iter()
-        .filter(|v| v.status == KeyStatus::Held)
-        .collect();
-    let blocked: Vec<&KeyView> = views
-        .iter()
-        .filter(|v| v.status != KeyStatus::Free)
-        .collect();
+    let with = |status: fn(KeyStatus) -> bool| -> Vec<&KeyView> {
+        views.iter().filter(|v| status(v.status)).collect()
+    };
     let waiters = reached_by(views.iter().map(|v| v.waiters).collect(), quorum).unwrap_or(0);
+    let held = with(|s| s == KeyStatus::Held);
+    let shared = with(|s| s == KeyStatus::Shared);
+    let blocked = with(|s| s != KeyStatus::Free);
     let (status, seen) = if held.len() >= quorum {
         (KeyStatus::Held, held)
+    } else if shared.len() >= quorum {
+        (KeyStatus::Shared, shared)
     } else if blocked.len() >= quorum {
         (KeyStatus::Foreign, blocked)
     } else {

@@ -2,14 +2,18 @@
 -- KEYS[2..]: the batch.
 -- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
 -- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
--- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing).
--- Returns {1, fencing token, -1, {}} when granted, and otherwise
--- {0, number of conflicting keys, earliest pttl among the held ones or -1, {named keys}}.
+-- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing), the
+-- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key).
+-- Returns {1, fencing token, -1, {}, 0} when granted, and otherwise
+-- {0, number of conflicting keys, earliest pttl among the held ones or -1, {named keys},
+-- 1 if a conflict is an upgrade the owner's fellow readers keep out, else 0}.
 --
--- A key keeps the caller out when another owner holds it, when it is foreign, or when a
--- waiter with an earlier ticket reserved it (any waiter, for a caller in no line), unless
--- the caller's owner holds it: an owner is never kept out of its own keys. A caller kept
--- out that reserves (a waiter in line) puts its reservation on every key of the batch.
+-- A key keeps the caller out when another owner holds it in a mode that excludes the
+-- caller's, when it is foreign, or when a waiter with an earlier ticket reserved it (any
+-- waiter, for a caller in no line), unless the caller's owner holds it: an owner is never
+-- kept out of its own keys, which it enters again in any mode, and takes exclusively from
+-- shared when it is their only holder (an upgrade). A caller kept out that reserves (a
+-- waiter in line) puts its reservation on every key of the batch.
 --
 -- Each key costs one command when it is free: SET NX takes it, GET shows what was there
 -- instead. Nothing a script writes is seen by anyone before it ends, so a conflict found
@@ -19,14 +23,27 @@ local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(A
 local ticket = ARGV[5] ~= '' and ARGV[5] or nil
 local ticket_n = ticket and tonumber(ticket)
 local reserve_ms = tonumber(ARGV[6])
+local modes = ARGV[7]
 local mine = owner .. ':' .. hold
 local ours = owner .. ':'
 
-local conflicts, earliest, named = 0, -1, {}
+-- Whether KEYS[i] is wanted shared.
+local function shared_at(i)
+  if #modes == 1 then return modes == 's' end
+  return string.byte(modes, i - 1) == 115
+end
+
+-- This hold as a shared one, until the ttl from now.
+local function reader()
+  return '*' .. mine .. '/' .. string.format('%d', now() + ttl)
+end
+
+local conflicts, earliest, named, upgrade = 0, -1, {}, 0
 -- Keys this script created, and keys that were there and keep nobody out (index -> parts).
 local taken, found = {}, {}
 for i = 2, #KEYS do
-  local old = redis.pcall('SET', KEYS[i], mine, 'PX', ttl, 'NX', 'GET')
+  local shared = shared_at(i)
+  local old = redis.pcall('SET', KEYS[i], shared and reader() or mine, 'PX', ttl, 'NX', 'GET')
   if type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE' then
     -- Redis refused the write itself (out of memory, a read-only replica, ...): the store
     -- cannot lock, which is not contention. Undo, and fail the call.
@@ -40,10 +57,18 @@ for i = 2, #KEYS do
     local blocked
     if holds == nil then
       blocked = true
-    elseif holds ~= '' then
+    elseif holds == '' then
+      blocked = reserved_before(queue, ticket_n)
+    elseif not is_shared(holds) then
       blocked = string.sub(holds, 1, 33) ~= ours
     else
-      blocked = reserved_before(queue, ticket_n)
+      local held, others = sharers(holds, owner)
+      if shared then
+        blocked = not held and reserved_before(queue, ticket_n)
+      else
+        blocked = others
+        if held and others then upgrade = 1 end
+      end
     end
     if blocked then
       conflicts = conflicts + 1
@@ -79,20 +104,34 @@ if conflicts > 0 then
     for _, j in ipairs(taken) do keys[#keys + 1] = KEYS[j] end
     delete(keys)
   end
-  return {0, conflicts, earliest, named}
+  return {0, conflicts, earliest, named, upgrade}
 end
 
 for i, parts in pairs(found) do
   local holds, queue = parts[1], parts[2]
   if queue ~= '' then queue = requeue(queue, ticket) end
-  if holds ~= '' then
-    -- The owner's own: enter it again, never shortening it. A hold that is already there
-    -- is this very acquisition, run again after a broken connection: once is enough.
-    if not string.find(holds, ':' .. hold, 33, true) then holds = holds .. ':' .. hold end
+  if holds == '' then
+    redis.call('SET', KEYS[i], (shared_at(i) and reader() or mine) .. queue, 'PX', ttl)
+  else
+    -- A hold that is already there is this very acquisition, run again after a broken
+    -- connection: once is enough.
+    if not is_shared(holds) then
+      -- The owner's own: enter it again, in any mode.
+      if not string.find(holds, ':' .. hold, 33, true) then holds = holds .. ':' .. hold end
+    elseif shared_at(i) then
+      if not string.find(holds, ':' .. hold .. '/', 1, true) then holds = holds .. reader() end
+    else
+      -- An upgrade: the owner's shared holds, alone on the key, become exclusive ones.
+      local ids = {}
+      for id in string.gmatch(holds, ':(%x+)/') do
+        if id ~= hold then ids[#ids + 1] = id end
+      end
+      ids[#ids + 1] = hold
+      holds = owner .. ':' .. table.concat(ids, ':')
+    end
+    -- Never shortened: the key lives as long as its longest hold.
     redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
     redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
-  else
-    redis.call('SET', KEYS[i], mine .. queue, 'PX', ttl)
   end
 end
-return {1, counts_grants and count_grant(KEYS[1]) or 0, -1, {}}
+return {1, counts_grants and count_grant(KEYS[1]) or 0, -1, {}, 0}

@@ -1,16 +1,34 @@
 -- KEYS: the batch. ARGV: owner token, hold id, ttl (ms).
--- Extends every key to at least the ttl if every key still has the hold, and returns 1;
--- otherwise changes nothing and returns 0: a lease that lost one key has lost the batch.
-local ours, hold = ARGV[1] .. ':', ':' .. ARGV[2]
+-- Extends the hold on every key to at least the ttl if every key still has it, and returns
+-- 1; otherwise changes nothing and returns 0: a lease that lost one key has lost the batch.
+-- On a shared key only this hold is extended: the other readers' end on their own.
+local ours, hold, ttl = ARGV[1] .. ':', ':' .. ARGV[2], tonumber(ARGV[3])
 local exact = ARGV[1] .. hold
-local held = true
-each_value(1, function(_, value)
+local reader = '*' .. exact .. '/'
+local held, shared = true, {}
+each_value(1, function(i, value)
   -- The common case, a key with this hold and nothing else, needs no parsing.
   if not held or value == exact then return end
-  local holds = split(value)
-  held = holds ~= nil and string.sub(holds, 1, 33) == ours
-    and string.find(holds, hold, 33, true) ~= nil
+  local holds, queue = split(value)
+  if holds ~= nil and holds ~= '' and is_shared(holds) then
+    local at = string.find(holds, reader, 1, true)
+    held = at ~= nil
+    shared[i] = {holds, queue, at}
+  else
+    held = holds ~= nil and string.sub(holds, 1, 33) == ours
+      and string.find(holds, hold, 33, true) ~= nil
+  end
 end)
 if not held then return 0 end
-for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[3], 'GT') end
+for i, parts in pairs(shared) do
+  local holds, at = parts[1], parts[3]
+  local from = at + #reader
+  local to = (string.find(holds, '*', from, true) or #holds + 1) - 1
+  if tonumber(string.sub(holds, from, to)) < now() + ttl then
+    holds = string.sub(holds, 1, from - 1) .. string.format('%d', now() + ttl)
+      .. string.sub(holds, to + 1)
+    redis.call('SET', KEYS[i], holds .. parts[2], 'KEEPTTL')
+  end
+end
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl, 'GT') end
 return 1

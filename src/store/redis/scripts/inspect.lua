@@ -1,7 +1,8 @@
 -- KEYS: the keys to look at. No ARGV. Reads only: an operator's view of the locks.
--- Returns four numbers per key, in the order of KEYS: its state (0 free, 1 held, 2 foreign),
--- the ms left on its holds (or on a foreign key's ttl; -1 when free or without a ttl), how
--- many holds it has, and how many waiters' reservations on it are still live. Never the
+-- Returns four numbers per key, in the order of KEYS: its state (0 free, 1 held
+-- exclusively, 2 foreign, 3 held shared), the ms left on its holds (or on a foreign key's
+-- ttl; -1 when free or without a ttl), how many holds it has, and how many waiters'
+-- reservations on it are still live. Never the
 -- owner token or a hold id: those are capabilities.
 local out = {}
 each_value(1, function(i, value)
@@ -15,7 +16,14 @@ each_value(1, function(i, value)
     if held == nil then
       state = 2
     else
-      if held ~= '' then
+      -- Empty when free, or when its shared holds all ended.
+      if held ~= '' and is_shared(held) then
+        state = 3
+        holds = select(2, string.gsub(held, '%*', ''))
+        -- The key's ttl may outlast its holds, by a reader that released: the longest
+        -- hold's end is the key's.
+        for till in string.gmatch(held, '/(%d+)') do left = math.max(left, tonumber(till) - now()) end
+      elseif held ~= '' then
         state = 1
         holds = (#held - 32) / 17
       end
@@ -24,7 +32,7 @@ each_value(1, function(i, value)
       end
     end
   end
-  if state ~= 0 then left = redis.call('PTTL', KEYS[i]) end
+  if state == 1 or state == 2 then left = redis.call('PTTL', KEYS[i]) end
   out[#out + 1] = state
   out[#out + 1] = left
   out[#out + 1] = holds

@@ -1,25 +1,36 @@
 -- KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
 -- Ends the hold on the keys that still have it (a key goes with its last hold, and stays
 -- for the waiters that reserved it), so that a late release never frees a key that expired
--- and went to someone else, nor another hold of the same owner; and announces the release
--- to waiters in other processes. Returns how many keys had the hold.
+-- and went to someone else, nor another hold of the same owner, nor another reader's; and
+-- announces the release to waiters in other processes. Returns how many keys had the hold.
 local ours, hold = ARGV[1] .. ':', ':' .. ARGV[2]
 local exact = ARGV[1] .. hold
+local reader = '*' .. exact .. '/'
 local released, gone = 0, {}
 each_value(1, function(i, value)
-  -- The common case, a key with this hold and nothing else, needs no parsing: it goes.
-  if value == exact then
+  -- The common cases, a key with this hold and nothing else, need no parsing: it goes.
+  if value == exact or (type(value) == 'string' and string.sub(value, 1, #reader) == reader
+      and not string.find(value, '[*|]', 2)) then
     released = released + 1
     gone[#gone + 1] = KEYS[i]
     return
   end
   local holds, queue = split(value)
-  if holds == nil or string.sub(holds, 1, 33) ~= ours then return end
-  local at = string.find(holds, hold, 33, true)
-  if not at then return end
+  if holds == nil or holds == '' then return end
+  if is_shared(holds) then
+    local at = string.find(holds, reader, 1, true)
+    if not at then return end
+    local next_hold = string.find(holds, '*', at + 1, true)
+    holds = string.sub(holds, 1, at - 1) .. (next_hold and string.sub(holds, next_hold) or '')
+  else
+    if string.sub(holds, 1, 33) ~= ours then return end
+    local at = string.find(holds, hold, 33, true)
+    if not at then return end
+    holds = string.sub(holds, 1, at - 1) .. string.sub(holds, at + 17)
+    if #holds == 32 then holds = '' end
+  end
   released = released + 1
-  holds = string.sub(holds, 1, at - 1) .. string.sub(holds, at + 17)
-  if #holds > 32 then
+  if holds ~= '' then
     redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
   elseif queue == '' then
     gone[#gone + 1] = KEYS[i]

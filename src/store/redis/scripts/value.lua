@@ -1,19 +1,25 @@
 -- The lock value, shared by the scripts that read or write one (prepended to each).
 --
--- A lock key is a string: the holds, then the reservations of waiters, either part empty:
+-- A lock key is a string: the holds, then the reservations of waiters, either part empty.
+-- The holds are exclusive (one owner's) or shared (any number of owners'):
 --
---   <owner>:<hold>[:<hold>...]  |<ticket>/<until>[|<ticket>/<until>...]
+--   <owner>:<hold>[:<hold>...]                       |<ticket>/<until>[|<ticket>/<until>...]
+--   *<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]
 --
 -- <owner> is the 32 hex digits of the owner token and each <hold> the 16 hex digits of one
--- acquisition by that owner (re-entry adds holds; the key goes with its last one). A
--- reservation is a waiter's ticket (smaller is earlier) and the Redis time in milliseconds
--- until which it counts; they are kept in ticket order. The key's PX ttl is its holds'
--- when held, and its latest reservation's otherwise.
+-- acquisition by that owner (re-entry adds holds; the key goes with its last one). An
+-- exclusive value's holds end together, with the key's PX ttl. A shared hold ends on its
+-- own, at its <until> (Redis time, ms), so that a reader that died takes only its own hold
+-- with it; the key's ttl is at least its longest hold's, and holds past their <until> are
+-- dropped as they are read. A reservation is a waiter's ticket (smaller is earlier) and the
+-- Redis time in milliseconds until which it counts; they are kept in ticket order, and
+-- keep later arrivals out whatever the modes. The key's PX ttl is its holds' when held,
+-- and its latest reservation's otherwise.
 --
 -- Anything else under a lock key (a value another version or program wrote, or a key of
--- another type) is foreign: it conflicts and is never changed. A later kind of hold (a
--- shared one, say) will start with a character that is neither a hex digit nor '|', so
--- that these scripts take it for foreign too, rather than for free.
+-- another type) is foreign: it conflicts and is never changed. Shared holds start with
+-- '*', neither a hex digit nor '|', so that the previous version's scripts take them for
+-- foreign too, rather than for free.
 
 -- Whether `holds` has the form of holds: 32 hex digits, then ':' and 16 hex digits once
 -- or more. Anything else (a value of another program that merely has a ':' in the same
@@ -24,13 +30,49 @@ local function ours_in_form(holds)
   return string.gsub(string.sub(holds, 33), ':' .. string.rep('%x', 16), '') == ''
 end
 
--- The holds and the reservations of a value, or nil when the value is foreign.
+-- One shared hold: its owner and hold id, and its end.
+local READER = '%*(' .. string.rep('%x', 32) .. ':' .. string.rep('%x', 16) .. ')/(%d+)'
+
+-- The shared holds `holds` still live, or nil when they do not have the form of shared
+-- holds (foreign).
+local function live_readers(holds)
+  if string.gsub(holds, READER, '') ~= '' then return nil end
+  local live = {}
+  for hold, till in string.gmatch(holds, READER) do
+    if tonumber(till) > now() then live[#live + 1] = '*' .. hold .. '/' .. till end
+  end
+  return table.concat(live)
+end
+
+-- Whether `holds` are shared ones.
+local function is_shared(holds)
+  return string.byte(holds, 1) == 42
+end
+
+-- Whether the shared holds `holds` include one of `owner`, and one of another owner.
+local function sharers(holds, owner)
+  local mine, others = false, false
+  for o in string.gmatch(holds, '%*(%x+):') do
+    if o == owner then mine = true else others = true end
+  end
+  return mine, others
+end
+
+-- The holds and the reservations of a value (shared holds only the live ones), or nil
+-- when the value is foreign.
 local function split(value)
   if type(value) ~= 'string' or value == '' then return nil end
   local bar = string.find(value, '|', 1, true)
   local holds = bar and string.sub(value, 1, bar - 1) or value
   local queue = bar and string.sub(value, bar) or ''
-  if holds ~= '' and not ours_in_form(holds) then return nil end
+  if holds ~= '' then
+    if is_shared(holds) then
+      holds = live_readers(holds)
+      if holds == nil then return nil end
+    elseif not ours_in_form(holds) then
+      return nil
+    end
+  end
   if queue ~= '' and string.gsub(queue, '|%d+/%d+', '') ~= '' then return nil end
   return holds, queue
 end
