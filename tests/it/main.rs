@@ -8,8 +8,11 @@
 //!    `redlock::overlapping_batches_never_run_together_*`,
 //!    `cluster::overlapping_batches_never_run_together_across_two_processes`,
 //!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates),
-//!    `wire::*` (under latency, a stall, lost replies and resets between service and Redis).
-//!    Not for shared holds: the crate has none yet.
+//!    `wire::*` (under latency, a stall, lost replies and resets between service and Redis);
+//!    for readers and writers, `shared::*` (on every store: readers overlap, a writer
+//!    overlaps nobody, mixed batches all or nothing) and
+//!    `redis::shared_holds_and_the_previous_versions_locks_keep_each_other_out` (a rolling
+//!    upgrade, both ways).
 //! 2. **All or nothing**: `redis::a_big_batch_with_one_held_key_is_refused_and_writes_nothing`,
 //!    `redis::a_frozen_server_*`, `redis::an_acquisition_stalled_on_the_server_*`,
 //!    `redis::an_acquisition_sent_just_before_the_server_froze_*`,
@@ -31,8 +34,8 @@
 //!    `fairness::a_waiter_that_gives_up_or_is_dropped_withdraws_its_reservations_at_once`.
 //! 5. **Crash liveness**: `redis::a_killed_process_blocks_others_only_until_the_ttl`,
 //!    `redis::a_leaked_holder_blocks_others_only_until_the_ttl`,
-//!    `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`. Not for shared
-//!    holders: the crate has none yet.
+//!    `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`; a killed reader
+//!    beside a living one: `shared::*` (`a_killed_reader_takes_only_its_own_hold`).
 //! 6. **Lease**: `waiting::a_renewed_lease_outlives_its_ttl_and_never_its_release`,
 //!    `waiting::a_lost_lease_*`, `defaults::a_handler_slower_than_the_ttl_keeps_its_keys_*`,
 //!    `defaults::renewal_ends_at_max_hold`,
@@ -58,8 +61,8 @@
 //! `examples::*` runs each small example on the store it is for.
 //! 10. **Fairness**: `fairness::*`,
 //!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
-//!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`.
-//!     Not for exclusive requests behind shared ones: the crate has no shared holds yet.
+//!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`;
+//!     a writer behind a stream of readers, and upgrades that never wait: `shared::*`.
 //! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
 //!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
 //!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.
@@ -102,6 +105,8 @@ mod redlock;
 mod reentrant;
 #[cfg(feature = "redis")]
 mod replicas;
+#[cfg(feature = "cluster")]
+mod shared;
 mod tracing;
 #[cfg(feature = "redis")]
 mod waiting;

@@ -327,6 +327,93 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
     assert_eq!(observer.get("lock:doc:6"), None);
 }
 
+/// A script of the previous version of the string format (before shared holds), as it ran
+/// on one Redis: its value format and body (`previous/`, frozen), behind the prelude and
+/// clock it shared with this version.
+fn previous_script(body: &str) -> redis::Script {
+    redis::Script::new(
+        &[
+            include_str!("../../src/store/redis/scripts/single.lua"),
+            include_str!("../../src/store/redis/scripts/clock.lua"),
+            include_str!("previous/value.lua"),
+            body,
+        ]
+        .concat(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shared_holds_and_the_previous_versions_locks_keep_each_other_out() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
+    let gate = Gate::new();
+    let readers = Router::new().route(
+        "/batch",
+        post(gated_handler(&gate))
+            .layer(locks.layer(keys::json(|keys: Vec<String>| keys)).shared()),
+    );
+    let acquire = previous_script(include_str!("previous/acquire.lua"));
+    let release = previous_script(include_str!("previous/release.lua"));
+    let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000aa");
+    let previous_acquire = |key: &str| -> (i64, i64, i64, Vec<String>) {
+        acquire
+            .key("lock:")
+            .key(key)
+            .arg(owner)
+            .arg(hold)
+            .arg(10_000)
+            .arg(20)
+            .arg("")
+            .arg(0)
+            .invoke(&mut observer.connection())
+            .unwrap()
+    };
+    let previous_release = |key: &str| -> i64 {
+        release
+            .key(key)
+            .arg(owner)
+            .arg(hold)
+            .arg("tower-batch-lock:released")
+            .arg("*")
+            .invoke(&mut observer.connection())
+            .unwrap()
+    };
+
+    // A key the previous version holds: this version's readers are refused, take nothing,
+    // and leave it for the previous version to release.
+    assert_eq!(previous_acquire("lock:p:1").0, 1);
+    let held = observer.get("lock:p:1");
+    let refused = send(&readers, batch(&["p:1", "p:2"])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["p:1"])
+    );
+    assert_eq!(observer.get("lock:p:1"), held);
+    assert_eq!(observer.get("lock:p:2"), None);
+    assert_eq!(previous_release("lock:p:1"), 1);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+
+    // A key this version's readers hold: foreign to the previous version, which neither
+    // acquires nor releases it.
+    let reading = tokio::spawn(async move { send(&readers, batch(&["p:3"])).await });
+    gate.wait_entered().await;
+    let shared = observer.get("lock:p:3").expect("the reader's hold");
+    assert!(shared.starts_with('*'), "{shared:?}");
+    let (granted, conflicts, _, named) = previous_acquire("lock:p:3");
+    assert_eq!(
+        (granted, conflicts, named),
+        (0, 1, vec!["lock:p:3".to_owned()])
+    );
+    assert_eq!(previous_release("lock:p:3"), 0);
+    assert_eq!(observer.get("lock:p:3"), Some(shared));
+    gate.open();
+    assert_eq!(reading.await.unwrap().status, StatusCode::OK);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     let server = RedisServer::start();

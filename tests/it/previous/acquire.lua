@@ -1,0 +1,98 @@
+-- KEYS[1]: the namespace's fencing counter (on a cluster, a placeholder: see cluster.lua);
+-- KEYS[2..]: the batch.
+-- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
+-- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
+-- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing).
+-- Returns {1, fencing token, -1, {}} when granted, and otherwise
+-- {0, number of conflicting keys, earliest pttl among the held ones or -1, {named keys}}.
+--
+-- A key keeps the caller out when another owner holds it, when it is foreign, or when a
+-- waiter with an earlier ticket reserved it (any waiter, for a caller in no line), unless
+-- the caller's owner holds it: an owner is never kept out of its own keys. A caller kept
+-- out that reserves (a waiter in line) puts its reservation on every key of the batch.
+--
+-- Each key costs one command when it is free: SET NX takes it, GET shows what was there
+-- instead. Nothing a script writes is seen by anyone before it ends, so a conflict found
+-- later simply undoes the keys taken so far: no one ever sees part of a batch. No
+-- `unpack` of the whole batch: it fails near 8,000 values.
+local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local ticket = ARGV[5] ~= '' and ARGV[5] or nil
+local ticket_n = ticket and tonumber(ticket)
+local reserve_ms = tonumber(ARGV[6])
+local mine = owner .. ':' .. hold
+local ours = owner .. ':'
+
+local conflicts, earliest, named = 0, -1, {}
+-- Keys this script created, and keys that were there and keep nobody out (index -> parts).
+local taken, found = {}, {}
+for i = 2, #KEYS do
+  local old = redis.pcall('SET', KEYS[i], mine, 'PX', ttl, 'NX', 'GET')
+  if type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE' then
+    -- Redis refused the write itself (out of memory, a read-only replica, ...): the store
+    -- cannot lock, which is not contention. Undo, and fail the call.
+    for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
+    return redis.error_reply(old.err)
+  end
+  if not old then
+    taken[#taken + 1] = i
+  else
+    local holds, queue = split(old)
+    local blocked
+    if holds == nil then
+      blocked = true
+    elseif holds ~= '' then
+      blocked = string.sub(holds, 1, 33) ~= ours
+    else
+      blocked = reserved_before(queue, ticket_n)
+    end
+    if blocked then
+      conflicts = conflicts + 1
+      if #named < report then named[#named + 1] = KEYS[i] end
+      if holds ~= '' then
+        local left = redis.call('PTTL', KEYS[i])
+        if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
+      end
+    end
+    if holds ~= nil then found[i] = {holds, queue} end
+  end
+end
+
+if conflicts > 0 then
+  if reserve_ms > 0 then
+    -- A waiter in line reserves every key of its batch against later arrivals.
+    local till = now() + reserve_ms
+    for _, i in ipairs(taken) do
+      redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
+    end
+    -- A reservation with more than half its time left stays as it is: a waiter retries
+    -- at every release of a key it wants, and most of its batch need not be rewritten.
+    local fresh_after = till - reserve_ms / 2
+    for i, parts in pairs(found) do
+      local mine = string.match(parts[2], '|' .. ticket .. '/(%d+)')
+      if not (mine and tonumber(mine) > fresh_after) then
+        local queue, latest = requeue(parts[2], ticket, till)
+        store(KEYS[i], parts[1], queue, latest)
+      end
+    end
+  else
+    local keys = {}
+    for _, j in ipairs(taken) do keys[#keys + 1] = KEYS[j] end
+    delete(keys)
+  end
+  return {0, conflicts, earliest, named}
+end
+
+for i, parts in pairs(found) do
+  local holds, queue = parts[1], parts[2]
+  if queue ~= '' then queue = requeue(queue, ticket) end
+  if holds ~= '' then
+    -- The owner's own: enter it again, never shortening it. A hold that is already there
+    -- is this very acquisition, run again after a broken connection: once is enough.
+    if not string.find(holds, ':' .. hold, 33, true) then holds = holds .. ':' .. hold end
+    redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
+    redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
+  else
+    redis.call('SET', KEYS[i], mine .. queue, 'PX', ttl)
+  end
+end
+return {1, counts_grants and count_grant(KEYS[1]) or 0, -1, {}}

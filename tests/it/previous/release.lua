@@ -1,0 +1,33 @@
+-- KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
+-- Ends the hold on the keys that still have it (a key goes with its last hold, and stays
+-- for the waiters that reserved it), so that a late release never frees a key that expired
+-- and went to someone else, nor another hold of the same owner; and announces the release
+-- to waiters in other processes. Returns how many keys had the hold.
+local ours, hold = ARGV[1] .. ':', ':' .. ARGV[2]
+local exact = ARGV[1] .. hold
+local released, gone = 0, {}
+each_value(1, function(i, value)
+  -- The common case, a key with this hold and nothing else, needs no parsing: it goes.
+  if value == exact then
+    released = released + 1
+    gone[#gone + 1] = KEYS[i]
+    return
+  end
+  local holds, queue = split(value)
+  if holds == nil or string.sub(holds, 1, 33) ~= ours then return end
+  local at = string.find(holds, hold, 33, true)
+  if not at then return end
+  released = released + 1
+  holds = string.sub(holds, 1, at - 1) .. string.sub(holds, at + 17)
+  if #holds > 32 then
+    redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
+  elseif queue == '' then
+    gone[#gone + 1] = KEYS[i]
+  else
+    local left, latest = requeue(queue)
+    store(KEYS[i], '', left, latest)
+  end
+end)
+delete(gone)
+if released > 0 then announce(ARGV[3], ARGV[4]) end
+return released
