@@ -59,12 +59,62 @@
 //! ([`Locks::prefix`], `lock:` by default), removes duplicates, sorts them, and enforces
 //! [`Locks::max_keys`] and [`Locks::max_key_len`]. The [`keys`] module has the details.
 //!
+//! # Shared holds
+//!
+//! A key is held exclusively unless marked shared. Reads that must see a consistent set of
+//! resources (a quote, an availability check or a report over 3,000 SKUs) hold them
+//! **shared**: any number of shared holds on a key together, no exclusive one meanwhile. A
+//! route whose keys are all read says so once, with [`LockLayer::shared`]; an extractor
+//! marks single keys with [`keys::Key::shared`] (a purchase order writes its SKUs and
+//! reads the price list). A batch that mixes modes is still all or nothing.
+//!
+//! ```
+//! use axum::{routing::post, Router};
+//! use serde::Deserialize;
+//! use tower_batch_lock::{keys::{self, Key}, Locks};
+//!
+//! #[derive(Deserialize)]
+//! struct Order { skus: Vec<String> }
+//!
+//! let locks = Locks::memory();
+//! let sku_keys = |order: Order| order.skus.into_iter().map(|sku| format!("sku:{sku}"));
+//! let app: Router = Router::new()
+//!     // Quotes read the SKUs together; orders write them, one at a time.
+//!     .route("/quotes", post(|| async {}).layer(locks.layer(keys::json(sku_keys)).shared()))
+//!     .route(
+//!         "/orders",
+//!         post(|| async {}).layer(locks.layer(keys::json(move |order: Order| {
+//!             sku_keys(order)
+//!                 .map(Key::from)
+//!                 .chain([Key::shared("price-list")])
+//!         }))),
+//!     );
+//! ```
+//!
+//! - **Fairness between modes.** With [`Locks::wait`], a waiter's reservations keep every
+//!   later request out, readers included: a writer behind a stream of readers is granted
+//!   once the readers that were there before it end, and a reader behind a waiting writer
+//!   queues after it.
+//! - **Leases.** Each shared hold has its own TTL and renewal: renewing one extends only
+//!   that hold, a key lives as long as its longest hold, and a reader that dies takes only
+//!   its own hold with it, within its TTL.
+//! - **Fencing.** Every grant, shared or exclusive, gets a [`FencingToken`] larger than all
+//!   before it on its keys.
+//! - **Re-entry and upgrades.** An owner is never kept out of its own keys: holding a key
+//!   exclusively, it takes it shared freely; holding it shared, it takes it exclusively
+//!   only while no one else holds it, and is refused at once otherwise (two readers
+//!   waiting to upgrade would wait for each other). An upgraded key stays exclusive until
+//!   the owner's last hold on it ends. [`Mode`] says the rest.
+//!
+//! The operator's view shows a shared key as [`KeyStatus::Shared`] with its number of
+//! holds, and the metrics carry a `mode` label.
+//!
 //! # What clients see
 //!
 //! | situation | status | body and headers |
 //! | --- | --- | --- |
 //! | every key acquired | the handler's | a [`Lease`] is in the request's extensions |
-//! | a key is held by another request, or reserved by a waiter that came earlier (after [waiting](Locks::wait)) | 409 ([`Locks::contention_status`] for 423) | names up to 20 conflicting keys ([`Locks::max_named_conflicts`]); `Retry-After` ([`Locks::retry_after`]) |
+//! | a key is held by another request in a mode that excludes this one's, or reserved by a waiter that came earlier (after [waiting](Locks::wait)), or an upgrade beside other readers | 409 ([`Locks::contention_status`] for 423) | names up to 20 conflicting keys ([`Locks::max_named_conflicts`]); `Retry-After` ([`Locks::retry_after`]) |
 //! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged, once per outage); `Retry-After: 1` |
 //! | the request names no key | 400, `"limit": "no_keys"` | unless [`Locks::require_keys(false)`](Locks::require_keys) lets it pass unlocked |
 //! | more than [`Locks::max_keys`] (10,000) distinct keys | 413, `"limit": "max_keys"` | |

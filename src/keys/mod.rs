@@ -33,7 +33,8 @@
 //! | a closure `Fn(&Parts) -> Result<keys, impl IntoResponse>` | anything in the head | what it returns |
 //!
 //! A key closure returns its keys as strings, in any collection or iterator: a `Vec`, an
-//! array, an `Option`, `ids.map(|id| format!("sku:{id}"))` (see [`IntoKeys`]). Every refusal
+//! array, an `Option`, `ids.map(|id| format!("sku:{id}"))` (see [`IntoKeys`]), each held
+//! exclusively; or [`Key`]s, to hold some of them [shared](Key::shared). Every refusal
 //! is a problem document (`application/problem+json`), also those of the axum extractors
 //! that [`from_parts`] and [`from_request`] run: with axum's status, and its message as the
 //! `detail`.

@@ -35,13 +35,17 @@ use crate::store::handle::Store;
 /// One string per resource, `lock:{key}`: the owner (a random 128-bit token, one per
 /// request) and its holds (one random 64-bit id per acquisition, so that re-entry and a
 /// release sent twice stay exact), then the reservations of waiters in line (ticket and
-/// expiry), with a `PX` expiry: `<owner>:<hold>[:<hold>...]|<ticket>/<until>...`. The
-/// prefix itself, `lock:`, holds the namespace's fencing counter (it is never a lock: empty
+/// expiry), with a `PX` expiry: `<owner>:<hold>[:<hold>...]|<ticket>/<until>...`. A key
+/// held [shared](crate::Mode::Shared) lists its holds each with its own end (Redis time in
+/// ms), so that a reader that dies takes only its own hold with it:
+/// `*<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]|<ticket>/<until>...`, the key's
+/// own expiry at least its longest hold's. The prefix itself, `lock:`, holds the namespace's fencing counter (it is never a lock: empty
 /// keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
 /// through `EVALSHA` and are loaded again after a `SCRIPT FLUSH` or a restart:
 ///
 /// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what
-///   was there instead. A key the caller's owner holds is entered again; any conflict undoes
+///   was there instead. A key the caller's owner holds is entered again, and a shared key
+///   gains the caller's shared hold beside the others (parsed only then); any conflict undoes
 ///   the keys taken so far before the script ends, so nobody ever sees part of a batch. A
 ///   waiter in line then reserves the whole batch. A grant counts in the namespace's
 ///   counter, floored by Redis's clock (`TIME`), so that it never goes back after a
@@ -58,7 +62,9 @@ use crate::store::handle::Store;
 /// previous version of this crate) counts as held by someone else and is never changed.
 /// Processes of 0.1 (a hash per lock key) and of this version can share a Redis during a
 /// rolling upgrade: each counts the other's keys as held, so no batch is granted over a
-/// lock of the other version.
+/// lock of the other version. The same holds for the string format before shared holds:
+/// its values are this version's exclusive ones, and a shared value starts with `*`, which
+/// the earlier scripts take for foreign (they neither acquire nor release it).
 ///
 /// # Running it
 ///
