@@ -146,7 +146,12 @@ impl Lease {
     /// How this lease holds `key` (named as in [`keys`](Self::keys)), or `None` when it
     /// does not hold it.
     pub fn mode_of(&self, key: &str) -> Option<Mode> {
-        let index = self.keys().collect::<Vec<_>>().binary_search(&key).ok()?;
+        // One prefix in front of every key: sorted with it, sorted without it.
+        let prefix_len = self.locks.prefix_len();
+        let index = self
+            .keys
+            .binary_search_by(|held| held[prefix_len..].cmp(key))
+            .ok()?;
         Some(self.modes.at(index))
     }
 

@@ -83,7 +83,7 @@ pub(crate) fn normalize(
     let modes = if all_shared {
         Modes::All(Mode::Shared)
     } else {
-        Modes::of_each(keys.iter().map(|&(_, mode)| mode).collect())
+        Modes::of_each(keys.iter().map(|&(_, mode)| mode))
     };
     // One prefix in front of every key keeps them in the order just sorted.
     let keys = keys

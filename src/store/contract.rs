@@ -300,11 +300,15 @@ pub(crate) enum Modes {
 }
 
 impl Modes {
-    /// The modes of a batch whose keys have `modes`, in order: one for all when they agree.
-    pub(crate) fn of_each(modes: Vec<Mode>) -> Self {
-        match modes.first() {
-            Some(&first) if modes.iter().any(|&m| m != first) => Self::Each(modes.into()),
-            first => Self::All(first.copied().unwrap_or_default()),
+    /// The modes of a batch whose keys have `modes`, in order: one for all when they agree,
+    /// which allocates nothing.
+    pub(crate) fn of_each(modes: impl Iterator<Item = Mode> + Clone) -> Self {
+        let mut all = modes.clone();
+        let first = all.next().unwrap_or_default();
+        if all.all(|mode| mode == first) {
+            Self::All(first)
+        } else {
+            Self::Each(modes.collect())
         }
     }
 
@@ -330,7 +334,7 @@ impl Modes {
     pub(crate) fn part(&self, indices: &[usize]) -> Self {
         match self {
             Self::All(mode) => Self::All(*mode),
-            Self::Each(_) => Self::of_each(indices.iter().map(|&i| self.at(i)).collect()),
+            Self::Each(_) => Self::of_each(indices.iter().map(|&i| self.at(i))),
         }
     }
 
