@@ -9,7 +9,9 @@
 //!    `cluster::overlapping_batches_never_run_together_across_two_processes`,
 //!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates),
 //!    `wire::*` (under latency, a stall, lost replies and resets between service and Redis).
-//!    Not for shared holds: the crate has none yet.
+//!    Shared holds beside exclusive ones: `orders::*_quotes_and_orders_*_take_turns*` (on
+//!    memory, Redis and Redlock, beside a control whose quotes read under a working order);
+//!    that shared holds do run together: `orders::*_quotes_of_the_same_skus_run_together*`.
 //! 2. **All or nothing**: `redis::a_big_batch_with_one_held_key_is_refused_and_writes_nothing`,
 //!    `redis::a_frozen_server_*`, `redis::an_acquisition_stalled_on_the_server_*`,
 //!    `redis::an_acquisition_sent_just_before_the_server_froze_*`,
@@ -32,7 +34,7 @@
 //! 5. **Crash liveness**: `redis::a_killed_process_blocks_others_only_until_the_ttl`,
 //!    `redis::a_leaked_holder_blocks_others_only_until_the_ttl`,
 //!    `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`. Not for shared
-//!    holders: the crate has none yet.
+//!    holders yet.
 //! 6. **Lease**: `waiting::a_renewed_lease_outlives_its_ttl_and_never_its_release`,
 //!    `waiting::a_lost_lease_*`, `defaults::a_handler_slower_than_the_ttl_keeps_its_keys_*`,
 //!    `defaults::renewal_ends_at_max_hold`,
@@ -58,8 +60,9 @@
 //! `examples::*` runs each small example on the store it is for.
 //! 10. **Fairness**: `fairness::*`,
 //!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
-//!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`.
-//!     Not for exclusive requests behind shared ones: the crate has no shared holds yet.
+//!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`;
+//!     an exclusive request behind shared ones: `orders::*_quotes_and_orders_*_take_turns*`
+//!     (quotes sent while an order waits for earlier quotes go after it).
 //! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
 //!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
 //!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.
