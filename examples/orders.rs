@@ -14,6 +14,12 @@
 //!   before (nothing is taken twice); 422 if a SKU lacks stock (nothing is taken); 409
 //!   with `Retry-After` while another request holds one of its locks.
 //! - `GET /orders/{order_id}` reads an order, or 404.
+//! - `POST /quotes` with the body of an order (`order_id` optional) quotes it without
+//!   placing it: 200 with `{"available": true, "levels": {"apple": 7}}`, whether every item
+//!   is in stock and the level of each SKU (0 for one without a level). It holds the
+//!   locks `sku:{sku}` of its items *shared*: quotes run together, and never while an order
+//!   or a stock update holds one of their SKUs (409 with `Retry-After`, as for orders). It
+//!   writes nothing, and the idempotency layer leaves it alone.
 //!
 //! `POST /orders` also takes an optional `Idempotency-Key` header: a retry with the same
 //! key and body gets the first answer again, marked `Idempotent-Replayed: true`; the same
@@ -33,7 +39,8 @@
 //!   by any of its nodes, comma-separated (`redis://10.0.0.1:7000/,redis://10.0.0.2:7000/`);
 //!   needs the `cluster` feature. Set one of `REDIS_URL`, `REDIS_URLS` and
 //!   `REDIS_CLUSTER_URLS`.
-//! - `WORK_DELAY_MS`: how long an order's slow work takes inside the lock, default 0.
+//! - `WORK_DELAY_MS`: how long the slow work of an order or a quote takes inside its
+//!   locks, default 0.
 //! - `LOCK_TTL_MS`: the lease on the locks, default 30000; renewed every third of it while
 //!   an order works, so slow work never outlives its locks.
 //! - `LOCK_WAIT_MS`: how long a request waits for busy locks before it gets 409, default 0
@@ -56,6 +63,8 @@
 //! curl -X PUT localhost:3000/stock/apple -H 'content-type: application/json' -d '{"qty": 10}'
 //! curl -X POST localhost:3000/orders -H 'content-type: application/json' \
 //!      -d '{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}'
+//! curl -X POST localhost:3000/quotes -H 'content-type: application/json' \
+//!      -d '{"items": [{"sku": "apple", "qty": 3}]}'
 //! ```
 
 use std::{
@@ -78,12 +87,20 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
 
-/// The body of `POST /orders`.
+/// The body of `POST /orders` (`Id` a `String`) and of `POST /quotes`, where `order_id`
+/// may be left out (`Id` an `Option<String>`): one type, so that both routes read and
+/// refuse the same documents alike.
 #[derive(Debug, Deserialize)]
-struct NewOrder {
-    order_id: String,
+struct OrderBody<Id> {
+    order_id: Id,
     items: Vec<Item>,
 }
+
+/// The body of `POST /orders`.
+type NewOrder = OrderBody<String>;
+
+/// The body of `POST /quotes`.
+type QuoteRequest = OrderBody<Option<String>>;
 
 /// One line of an order: so many units of one SKU.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -103,6 +120,15 @@ struct Order {
     fence: Option<u64>,
 }
 
+/// The answer to `POST /quotes`.
+#[derive(Debug, Serialize)]
+struct Quote {
+    /// Whether every item's quantity is in stock.
+    available: bool,
+    /// The stock level of each SKU quoted.
+    levels: BTreeMap<String, u64>,
+}
+
 /// The body of `PUT /stock/{sku}`.
 #[derive(Debug, Deserialize)]
 struct StockLevel {
@@ -113,23 +139,31 @@ struct StockLevel {
 /// attempt) and every SKU it takes stock from. The layer adds the `lock:` prefix, drops
 /// duplicates and locks them all in one step.
 fn order_keys(order: NewOrder) -> impl Iterator<Item = String> {
-    // The very key `keys::path("sku")` makes for `PUT /stock/{sku}`: an order and a stock
-    // update of the same SKU must lock the same key, or they would not exclude each other.
-    let skus = order
-        .items
-        .into_iter()
-        .map(|item| format!("sku:{}", item.sku));
-    std::iter::once(format!("order:{}", order.order_id)).chain(skus)
+    std::iter::once(format!("order:{}", order.order_id)).chain(sku_keys(order.items))
 }
 
-/// The service's routes, on `store`, with orders that work for `work_delay` inside their
-/// locks.
+/// What a quote locks: the SKUs it reads, and not the order, which it never writes (the
+/// layer holds them shared).
+fn quote_keys(quote: QuoteRequest) -> impl Iterator<Item = String> {
+    sku_keys(quote.items)
+}
+
+fn sku_keys(items: Vec<Item>) -> impl Iterator<Item = String> {
+    // The very key `keys::path("sku")` makes for `PUT /stock/{sku}`: an order, a quote and
+    // a stock update of the same SKU must lock the same key, or they would not exclude
+    // each other.
+    items.into_iter().map(|item| format!("sku:{}", item.sku))
+}
+
+/// The service's routes, on `store`, with orders and quotes that work for `work_delay`
+/// inside their locks.
 ///
 /// `locks: None` leaves the lock layer out. Never do that in a service: it exists for the
 /// tests' control run, which shows the lost updates and overselling that the locks prevent.
 pub fn app(store: Store, locks: Option<Locks>, work_delay: Duration) -> Router {
     let mut set_stock = put(set_stock);
     let mut place_order = post(place_order);
+    let mut quote = post(quote);
     if let Some(locks) = locks {
         // `PUT /stock/apple` locks `sku:apple`.
         set_stock = set_stock.layer(locks.layer(keys::path("sku")));
@@ -138,12 +172,19 @@ pub fn app(store: Store, locks: Option<Locks>, work_delay: Duration) -> Router {
             place_order.layer(locks.layer(keys::json(order_keys))),
             &locks,
         );
+        // `POST /quotes` holds `sku:{sku}` of each item shared, as one batch. Only a quote
+        // without items names no key: it passes unlocked, and the handler refuses it as it
+        // refuses such an order (422), not the layer (400). No idempotency layer: a quote
+        // changes nothing, so a retry simply runs again.
+        let quote_locks = locks.require_keys(false);
+        quote = quote.layer(quote_locks.layer(keys::json(quote_keys)).shared());
     }
     Router::new()
         .route("/stock/{sku}", set_stock)
         .route("/stock/{sku}", get(get_stock))
         .route("/orders", place_order)
         .route("/orders/{order_id}", get(get_order))
+        .route("/quotes", quote)
         .with_state(AppState { store, work_delay })
 }
 
@@ -209,7 +250,8 @@ async fn place_order(
     lease: Option<Lease>,
     JsonBody(order): JsonBody<NewOrder>,
 ) -> Result<Response, Rejection> {
-    let wanted = quantities(&order)?;
+    check_order_id(&order.order_id)?;
+    let wanted = quantities(&order.items)?;
 
     // Placed before (a retry after a lost response, say): answer it again, take nothing.
     if let Some(placed) = app
@@ -266,18 +308,56 @@ async fn place_order(
     Ok((StatusCode::CREATED, Json(placed)).into_response())
 }
 
-/// The quantity of each SKU in `order`, duplicates summed; 422 for an order that makes no
-/// sense. (Malformed JSON never gets here: the lock layer refuses it while reading keys.)
-fn quantities(order: &NewOrder) -> Result<BTreeMap<String, u64>, Rejection> {
-    let invalid = |detail: String| Rejection::new(StatusCode::UNPROCESSABLE_ENTITY, detail);
-    if order.order_id.is_empty() {
-        return Err(invalid("`order_id` must not be empty".to_owned()));
+/// Runs with every SKU of the quote held shared, beside other quotes: no order or stock
+/// update changes a level between the read and the answer.
+async fn quote(
+    State(app): State<AppState>,
+    JsonBody(quote): JsonBody<QuoteRequest>,
+) -> Result<Json<Quote>, Rejection> {
+    // A quote is asked with the order it prices, so it refuses what the order would.
+    if let Some(order_id) = &quote.order_id {
+        check_order_id(order_id)?;
     }
-    if order.items.is_empty() {
+    let wanted = quantities(&quote.items)?;
+    let skus: Vec<&str> = wanted.keys().map(String::as_str).collect();
+    let levels = app.store.stock(&skus).await.map_err(store_failed)?;
+
+    // Pricing, whatever takes time: the shared locks keep the levels read above current.
+    tokio::time::sleep(app.work_delay).await;
+
+    // No stock level is no stock.
+    let levels: BTreeMap<String, u64> = wanted
+        .keys()
+        .cloned()
+        .zip(levels.into_iter().map(|level| level.unwrap_or(0)))
+        .collect();
+    let available = wanted
+        .values()
+        .zip(levels.values())
+        .all(|(want, have)| want <= have);
+    Ok(Json(Quote { available, levels }))
+}
+
+/// 422 for an empty `order_id`.
+fn check_order_id(order_id: &str) -> Result<(), Rejection> {
+    if order_id.is_empty() {
+        return Err(Rejection::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "`order_id` must not be empty",
+        ));
+    }
+    Ok(())
+}
+
+/// The quantity of each SKU in `items`, duplicates summed; 422 for items that make no
+/// sense. (Malformed JSON never gets here: the lock layer refuses it while reading keys.)
+fn quantities(items: &[Item]) -> Result<BTreeMap<String, u64>, Rejection> {
+    let invalid = |detail: String| Rejection::new(StatusCode::UNPROCESSABLE_ENTITY, detail);
+    if items.is_empty() {
         return Err(invalid("an order needs at least one item".to_owned()));
     }
     let mut wanted = BTreeMap::new();
-    for Item { sku, qty } in &order.items {
+    for Item { sku, qty } in items {
         if sku.is_empty() {
             return Err(invalid("every item needs a non-empty `sku`".to_owned()));
         }

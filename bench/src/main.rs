@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
-//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster
+//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
 //! ```
 //!
@@ -36,6 +36,7 @@ mod mixed;
 mod plot;
 mod progress;
 mod report;
+mod shared;
 mod stats;
 mod target;
 mod wake;
@@ -50,7 +51,9 @@ use serde_json::{json, Map, Value};
 
 /// The sections, in the order of the results. They run in this order, except http, which
 /// runs last (see [`run_sections`]).
-const SECTIONS: [&str; 6] = ["batch", "field", "http", "wake", "mixed", "cluster"];
+const SECTIONS: [&str; 7] = [
+    "batch", "field", "http", "wake", "mixed", "cluster", "shared",
+];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
 
@@ -192,6 +195,7 @@ async fn run_sections(
             "wake" => wake::run(server, options.quick).await,
             "mixed" => mixed::run(server, options.quick).await,
             "cluster" => cluster::run(server, &pool, options.quick).await,
+            "shared" => shared::run(server, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {

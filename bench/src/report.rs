@@ -37,6 +37,7 @@ pub(crate) fn markdown(document: &Value) -> String {
     wake(&mut out, &document["wake"]);
     mixed(&mut out, &document["mixed"]);
     cluster(&mut out, &document["cluster"]);
+    shared(&mut out, &document["shared"]);
     out
 }
 
@@ -433,11 +434,6 @@ fn cluster(out: &mut String, cluster: &Value) {
         return;
     };
     let ms = |case: &Value, field: &str| case[field].as_f64().map_or("–".to_owned(), duration);
-    let ratio = |value: &Value| {
-        value
-            .as_f64()
-            .map_or("–".to_owned(), |r| format!("{r:.2}×"))
-    };
     let _ = writeln!(
         out,
         "\nRedis Cluster: acquire + release of one {}-key batch, uncontended, through the layer, on one \
@@ -552,6 +548,109 @@ fn cluster(out: &mut String, cluster: &Value) {
     }
 }
 
+fn shared(out: &mut String, shared: &Value) {
+    let (Some(quotes), Some(orders)) = (shared["quotes"].as_array(), shared["orders"].as_array())
+    else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nShared holds through axum over loopback: {} clients post quotes back to back, each \
+         naming all {} skus of a hot set and holding them {} ms, waiting for busy keys (fair); \
+         the route holds them shared or exclusively, {} runs of {} s each, taking turns \
+         (quotes/s: median of the runs; ratio: median of the paired runs' ratios):\n",
+        shared["clients"],
+        shared["skus"],
+        shared["work_ms"],
+        shared["runs_per_mode"],
+        shared["run_seconds"],
+    );
+    let _ = writeln!(
+        out,
+        "| store | shared quotes/s | p99 | exclusive quotes/s | p99 | shared ÷ exclusive |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    for ratio_row in shared["ratios"].as_array().into_iter().flatten() {
+        let store = &ratio_row["store"];
+        let find = |mode: &str| {
+            quotes
+                .iter()
+                .find(|c| &c["store"] == store && c["mode"] == mode)
+        };
+        let rps = |case: Option<&Value>| {
+            case.and_then(|c| c["quotes_per_second"].as_f64())
+                .map_or("–".to_owned(), |r| thousands(r as u64))
+        };
+        let p99 = |case: Option<&Value>| {
+            case.and_then(|c| c["p99_ms"].as_f64())
+                .map_or("–".to_owned(), duration)
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            text(store),
+            rps(find("shared")),
+            p99(find("shared")),
+            rps(find("exclusive")),
+            p99(find("exclusive")),
+            ratio(&ratio_row["shared_over_exclusive"]),
+        );
+    }
+    redis_scripts(out, quotes);
+    let _ = writeln!(
+        out,
+        "\nAn order of the same {} skus (exclusive, waiting fair) behind the shared quotes, \
+         which stream on for {} s: one order at a time, each on a connection of its own; time \
+         to grant, from sending it until its handler starts:\n",
+        shared["skus"], shared["stream_seconds"],
+    );
+    let _ = writeln!(
+        out,
+        "| store | orders granted | time to grant p50 | p99 | max | quotes/s meanwhile | quote 409 |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for case in orders {
+        let ms = |field: &str| case[field].as_f64().map_or("–".to_owned(), duration);
+        let _ = writeln!(
+            out,
+            "| {} | {} / {} | {} | {} | {} | {} | {} |",
+            text(&case["store"]),
+            case["granted"],
+            case["orders"],
+            ms("grant_p50_ms"),
+            ms("grant_p99_ms"),
+            ms("grant_max_ms"),
+            thousands(case["stream_quotes_per_second"].as_f64().unwrap_or(0.0) as u64),
+            thousands(case["stream_409"].as_u64().unwrap_or(0)),
+        );
+    }
+}
+
+/// What the quotes on Redis cost Redis, held each way.
+fn redis_scripts(out: &mut String, quotes: &[Value]) {
+    let held: Vec<String> = quotes
+        .iter()
+        .filter(|case| case["redis_scripts"].is_object())
+        .map(|case| {
+            let scripts = &case["redis_scripts"];
+            format!(
+                "held {}, {:.2} script calls a quote of {:.0} µs each, Redis busy {:.0}% of the time",
+                text(&case["mode"]),
+                scripts["calls_per_quote"].as_f64().unwrap_or(0.0),
+                scripts["us_per_call"].as_f64().unwrap_or(0.0),
+                scripts["busy"].as_f64().unwrap_or(0.0) * 100.0,
+            )
+        })
+        .collect();
+    if !held.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nRedis's time in scripts over those runs (`INFO commandstats`, `evalsha` + `eval`): {}.",
+            held.join("; ")
+        );
+    }
+}
+
 /// Replaces what lies between the bench markers of `docs/bench/README.md` with the tables.
 pub(crate) fn update_readme(path: &Path, document: &Value) -> Result<(), String> {
     let readme = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
@@ -591,6 +690,13 @@ fn duration(ms: f64) -> String {
     } else {
         format!("{:.2} s", ms / 1e3)
     }
+}
+
+/// A ratio for people: `1.53×`.
+fn ratio(value: &Value) -> String {
+    value
+        .as_f64()
+        .map_or("–".to_owned(), |r| format!("{r:.2}×"))
 }
 
 fn thousands(n: u64) -> String {

@@ -10,9 +10,11 @@
 //!    `orders::*_racing_orders_*_never_oversell` (beside controls that lose updates),
 //!    `wire::*` (under latency, a stall, lost replies and resets between service and Redis);
 //!    for readers and writers, `shared::*` (on every store: readers overlap, a writer
-//!    overlaps nobody, mixed batches all or nothing) and
+//!    overlaps nobody, mixed batches all or nothing),
 //!    `redis::shared_holds_and_the_previous_versions_locks_keep_each_other_out` (a rolling
-//!    upgrade, both ways).
+//!    upgrade, both ways), `orders::*_quotes_and_orders_*_take_turns*` (beside a control
+//!    whose quotes read under a working order) and
+//!    `orders::*_quotes_of_the_same_skus_run_together*`.
 //! 2. **All or nothing**: `redis::a_big_batch_with_one_held_key_is_refused_and_writes_nothing`,
 //!    `redis::a_frozen_server_*`, `redis::an_acquisition_stalled_on_the_server_*`,
 //!    `redis::an_acquisition_sent_just_before_the_server_froze_*`,
@@ -62,7 +64,9 @@
 //! 10. **Fairness**: `fairness::*`,
 //!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
 //!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`;
-//!     a writer behind a stream of readers, and upgrades that never wait: `shared::*`.
+//!     a writer behind a stream of readers, and upgrades that never wait: `shared::*`,
+//!     `orders::*_quotes_and_orders_*_take_turns*` (quotes sent while an order waits for
+//!     earlier quotes go after it).
 //! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
 //!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
 //!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.

@@ -2,7 +2,9 @@
 //! store and on a real `redis-server`: truncated and deeply nested JSON, wrong types,
 //! invalid UTF-8, missing fields, wrong content types, oversized and chunked bodies, too
 //! many and over-long keys. Each must get the 4xx it deserves with a problem document that
-//! says what is wrong; none may crash the service or leave anything in Redis.
+//! says what is wrong; none may crash the service or leave anything in Redis. The bodies
+//! go to `POST /orders` and to `POST /quotes`, which takes the same body and must refuse
+//! it alike.
 //!
 //! And one upload over TCP, to show that a chunked body over the cap is answered without
 //! the server reading the rest.
@@ -43,9 +45,13 @@ struct Case {
     limit: Option<&'static str>,
 }
 
+const ORDERS: &str = "/orders";
+const QUOTES: &str = "/quotes";
+
 /// Builds the corpus, one request at a time.
-#[derive(Default)]
 struct Corpus {
+    /// Where the bodies go: [`ORDERS`] or [`QUOTES`].
+    route: &'static str,
     cases: Vec<Case>,
 }
 
@@ -71,9 +77,9 @@ impl Corpus {
         self.cases.last_mut().unwrap().limit = Some(limit);
     }
 
-    /// `POST /orders` with a JSON content type and these bytes.
+    /// `POST` to the route, with a JSON content type and these bytes.
     fn order(&mut self, what: &str, body: impl Into<Body>, status: StatusCode) {
-        self.add(what, post_json(body), status, By::Layer);
+        self.add(what, post_json(self.route, body), status, By::Layer);
     }
 }
 
@@ -93,8 +99,8 @@ fn request(
     request.body(body.into()).unwrap()
 }
 
-fn post_json(body: impl Into<Body>) -> Request<Body> {
-    request(Method::POST, "/orders", Some(b"application/json"), body)
+fn post_json(route: &str, body: impl Into<Body>) -> Request<Body> {
+    request(Method::POST, route, Some(b"application/json"), body)
 }
 
 fn put_stock(sku: &str, body: &str) -> Request<Body> {
@@ -119,11 +125,15 @@ fn chunked(chunks: Vec<Result<Bytes, std::io::Error>>) -> Body {
     Body::from_stream(futures_util::stream::iter(chunks))
 }
 
-/// Every malformed request, with its answer; `pulled` counts the bytes the server read of
-/// an endless chunked body.
-fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
+/// Every malformed request, with its answer, its bodies posted to `route`; `pulled` counts
+/// the bytes the server read of an endless chunked body. The stock route's cases come with
+/// the orders' corpus only.
+fn corpus(pulled: &Arc<AtomicUsize>, route: &'static str) -> Vec<Case> {
     use StatusCode as S;
-    let mut c = Corpus::default();
+    let mut c = Corpus {
+        route,
+        cases: Vec::new(),
+    };
     let fine = order_json("a", &[("x", 1)]);
 
     // Truncated JSON: 400.
@@ -316,7 +326,7 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
 
     // Wrong content types: 415, before the body is read.
     let post = |content_type: Option<&[u8]>, body: &str| {
-        request(Method::POST, "/orders", content_type, body.to_owned())
+        request(Method::POST, route, content_type, body.to_owned())
     };
     let media = S::UNSUPPORTED_MEDIA_TYPE;
     c.add(
@@ -362,7 +372,7 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
 
     // Oversized bodies, with a length or chunked: 413 without reading the rest.
     let oversized = fine.clone() + &" ".repeat(DEFAULT_BODY_LIMIT);
-    let mut announced = post_json(oversized.clone());
+    let mut announced = post_json(route, oversized.clone());
     announced
         .headers_mut()
         .insert(header::CONTENT_LENGTH, oversized.len().into());
@@ -374,11 +384,11 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
     );
     c.limit(
         "over 2 MiB, length known",
-        post_json(oversized),
+        post_json(route, oversized),
         S::PAYLOAD_TOO_LARGE,
         "body_limit",
     );
-    let mut lying = post_json("{}");
+    let mut lying = post_json(route, "{}");
     lying.headers_mut().insert(
         header::CONTENT_LENGTH,
         HeaderValue::from_static("10000000000"),
@@ -396,7 +406,7 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
     });
     c.limit(
         "an endless chunked body",
-        post_json(Body::from_stream(endless)),
+        post_json(route, Body::from_stream(endless)),
         S::PAYLOAD_TOO_LARGE,
         "body_limit",
     );
@@ -433,27 +443,30 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
     let items: Vec<(&str, u64)> = skus.iter().map(|s| (s.as_str(), 1)).collect();
     c.limit(
         "10,001 distinct SKUs",
-        post_json(order_json("a", &items)),
+        post_json(route, order_json("a", &items)),
         S::PAYLOAD_TOO_LARGE,
         "max_keys",
     );
     let long = "x".repeat(300);
     c.limit(
         "a 300-byte SKU",
-        post_json(order_json("a", &[(&long, 1)])),
+        post_json(route, order_json("a", &[(&long, 1)])),
         S::BAD_REQUEST,
         "max_key_len",
     );
-    c.limit(
-        "a 300-byte order_id",
-        post_json(order_json(&long, &[("x", 1)])),
-        S::BAD_REQUEST,
-        "max_key_len",
-    );
+    // Only an order locks its `order_id`: a quote takes one of any length.
+    if route == ORDERS {
+        c.limit(
+            "a 300-byte order_id",
+            post_json(route, order_json(&long, &[("x", 1)])),
+            S::BAD_REQUEST,
+            "max_key_len",
+        );
+    }
     let euros = "€".repeat(100); // 100 characters, 300 bytes: the limit counts bytes
     c.limit(
         "a SKU of 100 euro signs",
-        post_json(order_json("a", &[(&euros, 1)])),
+        post_json(route, order_json("a", &[(&euros, 1)])),
         S::BAD_REQUEST,
         "max_key_len",
     );
@@ -475,15 +488,27 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
     );
     handler(
         "no items, and 100,000 levels of nesting in an unknown field",
-        post_json(nested),
+        post_json(route, nested),
     );
-    handler("no items", post_json(r#"{"order_id": "a", "items": []}"#));
-    handler("qty 0", post_json(order_json("a", &[("x", 1), ("y", 0)])));
-    handler("an empty sku", post_json(order_json("a", &[("", 1)])));
-    handler("an empty order_id", post_json(order_json("", &[("x", 1)])));
+    handler(
+        "no items",
+        post_json(route, r#"{"order_id": "a", "items": []}"#),
+    );
+    handler(
+        "qty 0",
+        post_json(route, order_json("a", &[("x", 1), ("y", 0)])),
+    );
+    handler(
+        "an empty sku",
+        post_json(route, order_json("a", &[("", 1)])),
+    );
+    handler(
+        "an empty order_id",
+        post_json(route, order_json("", &[("x", 1)])),
+    );
     handler(
         "quantities that overflow",
-        post_json(order_json("a", &[("x", u64::MAX), ("x", 1)])),
+        post_json(route, order_json("a", &[("x", u64::MAX), ("x", 1)])),
     );
     handler("stock: a string qty", put_stock("x", r#"{"qty": "ten"}"#));
     handler("stock: no qty", put_stock("x", "{}"));
@@ -499,13 +524,21 @@ fn corpus(pulled: &Arc<AtomicUsize>) -> Vec<Case> {
         request(Method::PUT, "/stock/x", Some(b"text/plain"), "10"),
         S::UNSUPPORTED_MEDIA_TYPE,
     );
+    if route != ORDERS {
+        c.cases.retain(|case| case.request.uri().path() == route);
+    }
     c.cases
 }
 
 /// Sends `cases` and checks every answer.
 async fn send_cases(app: &Router, cases: Vec<Case>) {
     for case in cases {
-        let what = &case.what;
+        let what = format!(
+            "{} {}: {}",
+            case.request.method(),
+            case.request.uri(),
+            case.what
+        );
         let reply = send_text(app, case.request).await;
         assert_eq!(reply.status, case.status, "{what}: {}", reply.body);
         assert_eq!(
@@ -533,15 +566,15 @@ async fn send_cases(app: &Router, cases: Vec<Case>) {
 async fn still_serves(app: &Router) {
     let reply = send_text(app, put_stock("apple", r#"{"qty": 1}"#)).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-    let reply = send_text(app, post_json(order_json("after", &[("apple", 1)]))).await;
+    let reply = send_text(app, post_json(ORDERS, order_json("after", &[("apple", 1)]))).await;
     assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
 }
 
-/// The corpus, split into the cases the layer refuses and those the handler refuses, and
-/// the count of bytes read of its endless body.
-fn split_corpus() -> (Vec<Case>, Vec<Case>, Arc<AtomicUsize>) {
+/// The corpus of `route`, split into the cases the layer refuses and those the handler
+/// refuses, and the count of bytes read of its endless body.
+fn split_corpus(route: &'static str) -> (Vec<Case>, Vec<Case>, Arc<AtomicUsize>) {
     let pulled = Arc::new(AtomicUsize::new(0));
-    let cases = corpus(&pulled);
+    let cases = corpus(&pulled, route);
     assert!(cases.len() >= 40, "the corpus has {} cases", cases.len());
     let (layer, handler) = cases.into_iter().partition(|c| c.by == By::Layer);
     (layer, handler, pulled)
@@ -562,15 +595,17 @@ async fn memory_malformed_requests_get_the_right_4xx() {
         Some(Locks::new(tower_batch_lock::store::Store::isolated_memory())),
         Duration::ZERO,
     );
-    let (layer, handler, pulled) = split_corpus();
-    eprintln!(
-        "{} refused by the layer, {} by the handler",
-        layer.len(),
-        handler.len()
-    );
-    send_cases(&app, layer).await;
-    assert_read_at_most_the_cap(&pulled);
-    send_cases(&app, handler).await;
+    for route in [ORDERS, QUOTES] {
+        let (layer, handler, pulled) = split_corpus(route);
+        eprintln!(
+            "{route}: {} refused by the layer, {} by the handler",
+            layer.len(),
+            handler.len()
+        );
+        send_cases(&app, layer).await;
+        assert_read_at_most_the_cap(&pulled);
+        send_cases(&app, handler).await;
+    }
     let reply = send_text(&app, Request::get("/orders/a").body(Body::empty()).unwrap()).await;
     assert_eq!(
         reply.status,
@@ -592,18 +627,22 @@ async fn redis_malformed_requests_get_the_right_4xx_and_leave_nothing_behind() {
         )),
         Duration::ZERO,
     );
-    let (layer, handler, pulled) = split_corpus();
-
-    send_cases(&app, layer).await;
-    assert_read_at_most_the_cap(&pulled);
-    // Refused while the keys were read: nothing at all was written to Redis.
+    let mut handled = Vec::new();
+    for route in [ORDERS, QUOTES] {
+        let (layer, handler, pulled) = split_corpus(route);
+        send_cases(&app, layer).await;
+        assert_read_at_most_the_cap(&pulled);
+        handled.extend(handler);
+    }
+    // Refused while the keys were read (or, an empty quote, refused unlocked by the
+    // handler): nothing at all was written to Redis.
     assert_eq!(
         server.keys("*"),
         Vec::<String>::new(),
         "refused requests wrote to Redis"
     );
 
-    send_cases(&app, handler).await;
+    send_cases(&app, handled).await;
     // Refused by the handler: its locks were taken and released, and it wrote no data.
     // (`lock:` itself is the namespace's fencing counter, never a lock.)
     assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");

@@ -7,6 +7,7 @@
 //! layer must lose updates, which shows that the race tests can fail.
 
 use std::{
+    future::Future,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -14,8 +15,8 @@ use std::{
 use axum::{body::Body, Router};
 use http::{header, HeaderMap, HeaderName, Method, Request, StatusCode};
 use serde_json::{json, Value};
-use tokio::sync::Barrier;
-use tower_batch_lock::{store, Locks};
+use tokio::{sync::Barrier, task::JoinHandle};
+use tower_batch_lock::{store, Locks, Wait};
 
 use crate::orders_app::{self as orders, Store};
 use crate::support::{self, http::within};
@@ -109,20 +110,34 @@ async fn post_order(app: &Router, order: &Value) -> Reply {
     send(app, json_request(Method::POST, "/orders", order)).await
 }
 
+async fn post_quote(app: &Router, quote: &Value) -> Reply {
+    send(app, json_request(Method::POST, "/quotes", quote)).await
+}
+
 fn order<S: AsRef<str>>(order_id: &str, items: &[(S, u64)]) -> Value {
-    let items: Vec<Value> = items
+    json!({ "order_id": order_id, "items": lines(items) })
+}
+
+/// The body of a quote, without the `order_id` it may have.
+fn quote<S: AsRef<str>>(items: &[(S, u64)]) -> Value {
+    json!({ "items": lines(items) })
+}
+
+fn lines<S: AsRef<str>>(items: &[(S, u64)]) -> Vec<Value> {
+    items
         .iter()
         .map(|(sku, qty)| json!({ "sku": sku.as_ref(), "qty": qty }))
-        .collect();
-    json!({ "order_id": order_id, "items": items })
+        .collect()
 }
 
 fn memory_app(work_delay: Duration) -> Router {
-    orders::app(
-        Store::memory(),
-        Some(Locks::new(store::Store::isolated_memory())),
-        work_delay,
-    )
+    memory_app_waiting(work_delay, Wait::none())
+}
+
+/// With `LOCK_WAIT_MS`, as `main` sets it: busy locks are waited for as `wait` says.
+fn memory_app_waiting(work_delay: Duration, wait: Wait) -> Router {
+    let locks = Locks::new(store::Store::isolated_memory()).wait(wait);
+    orders::app(Store::memory(), Some(locks), work_delay)
 }
 
 /// One instance of the service on `server`, with its own pool: a process of its own, as
@@ -130,8 +145,44 @@ fn memory_app(work_delay: Duration) -> Router {
 #[cfg(feature = "redis")]
 fn redis_app(server: &support::RedisServer, work_delay: Duration, locked: bool) -> Router {
     let pool = server.pool();
-    let locks = locked.then(|| Locks::new(store::Redis::pool(pool.clone()).build().unwrap()));
+    let locks = locked.then(|| redis_locks(&pool));
     orders::app(Store::redis(pool), locks, work_delay)
+}
+
+/// `REDIS_URLS`: one instance of the service that locks with Redlock over `masters`, and
+/// keeps its data in the first; busy locks are waited for as `wait` says.
+#[cfg(feature = "redis")]
+fn redlock_app(masters: &[support::RedisServer], work_delay: Duration, wait: Wait) -> Router {
+    let urls: Vec<String> = masters.iter().map(support::RedisServer::url).collect();
+    // A generous per-master timeout: on a loaded two-core machine a debug build can starve
+    // a task past the 100 ms default, and the tests of the example are about what the
+    // locks keep apart, not about how fast a master must answer (the `redlock` module
+    // covers that).
+    let locks = Locks::new(
+        store::Redlock::new(&urls)
+            .node_timeout(Duration::from_secs(1))
+            .build()
+            .expect("valid URLs"),
+    );
+    orders::app(
+        Store::redis(masters[0].pool()),
+        Some(locks.wait(wait)),
+        work_delay,
+    )
+}
+
+/// [`redis_app`] with `LOCK_WAIT_MS`, as `main` sets it: busy locks are waited for as
+/// `wait` says.
+#[cfg(feature = "redis")]
+fn redis_app_waiting(server: &support::RedisServer, work_delay: Duration, wait: Wait) -> Router {
+    let pool = server.pool();
+    let locks = redis_locks(&pool).wait(wait);
+    orders::app(Store::redis(pool), Some(locks), work_delay)
+}
+
+#[cfg(feature = "redis")]
+fn redis_locks(pool: &deadpool_redis::Pool) -> Locks {
+    Locks::new(store::Redis::pool(pool.clone()).build().unwrap())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -234,10 +285,45 @@ async fn idempotent_orders(app: &Router) {
     assert_eq!(stock(app, "plum").await, Some(3));
 }
 
+/// `POST /quotes`, after [`basic_flows`] (5 apples and 3 pears in stock): whether an order
+/// would go through, and the levels it would take from; with or without an `order_id`. A
+/// quote takes nothing and stores nothing, and the idempotency layer leaves it alone.
+async fn quote_flows(app: &Router) {
+    // Duplicate SKUs are summed, as in an order: 5 apples of 5.
+    let quoted = post_quote(app, &quote(&[("apple", 2), ("pear", 3), ("apple", 3)])).await;
+    assert_eq!(quoted.status, StatusCode::OK, "{}", quoted.body);
+    let levels = json!({ "apple": 5, "pear": 3 });
+    assert_eq!(quoted.body, json!({ "available": true, "levels": levels }));
+
+    // Too many apples, and a SKU without a stock level: still a 200, not available. The
+    // `order_id` of a placed order changes nothing: a quote neither reads nor locks it.
+    let short = post_quote(app, &order("o-1", &[("apple", 6), ("kiwi", 1)])).await;
+    assert_eq!(short.status, StatusCode::OK, "{}", short.body);
+    let levels = json!({ "apple": 5, "kiwi": 0 });
+    assert_eq!(short.body, json!({ "available": false, "levels": levels }));
+    assert_eq!(stock(app, "apple").await, Some(5), "a quote takes nothing");
+    assert_eq!(stock(app, "kiwi").await, None, "a quote writes nothing");
+
+    // With an `Idempotency-Key`: no answer is stored for it, so the same key runs again,
+    // with the same quote or another one.
+    for (qty, available) in [(1, true), (1, true), (4, false)] {
+        let mut request = json_request(Method::POST, "/quotes", &quote(&[("pear", qty)]));
+        request
+            .headers_mut()
+            .insert("idempotency-key", "\"k-q\"".parse().unwrap());
+        let reply = support::http::send(app, request).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        assert!(!reply.headers.contains_key("idempotent-replayed"));
+        let body: Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(body["available"], available, "{body}");
+    }
+}
+
 #[tokio::test]
 async fn memory_basic_flows() {
     let app = memory_app(Duration::ZERO);
     basic_flows(&app).await;
+    quote_flows(&app).await;
     idempotent_orders(&app).await;
 }
 
@@ -291,6 +377,7 @@ async fn redis_basic_flows() {
     let server = support::RedisServer::start();
     let app = redis_app(&server, Duration::ZERO, true);
     basic_flows(&app).await;
+    quote_flows(&app).await;
     idempotent_orders(&app).await;
 
     assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
@@ -308,7 +395,8 @@ async fn redis_basic_flows() {
             "orders:stock:pear",
             "orders:stock:plum",
         ],
-        "the data lives under `orders:`, apart from the locks and the stored answers"
+        "the data lives under `orders:`, apart from the locks and the stored answers \
+         (none for quotes)"
     );
 }
 
@@ -324,6 +412,7 @@ async fn cluster_basic_flows() {
     let locks = Locks::new(store::RedisCluster::new(urls).build().unwrap());
     let app = orders::app(Store::redis_cluster(data), Some(locks), Duration::ZERO);
     basic_flows(&app).await;
+    quote_flows(&app).await;
     idempotent_orders(&app).await;
 
     assert!(
@@ -351,7 +440,8 @@ async fn cluster_basic_flows() {
 
 /// A stock update waits for (here: is refused during) an order of the same SKU, also for
 /// SKUs with `/` or `%`, which arrive percent-encoded in the path: both routes must lock
-/// the same key.
+/// the same key. So does a quote of those SKUs, which must not read what the order is
+/// about to change.
 #[tokio::test]
 async fn memory_stock_updates_and_orders_of_one_sku_exclude_each_other() {
     let app = memory_app(Duration::from_millis(1_000));
@@ -389,6 +479,10 @@ async fn memory_stock_updates_and_orders_of_one_sku_exclude_each_other() {
         reply.problem_detail();
         assert!(reply.retry_after.is_some(), "a 409 says when to retry");
     }
+    let quoted = post_quote(&app, &quote(&items)).await;
+    assert_eq!(quoted.status, StatusCode::CONFLICT, "{}", quoted.body);
+    quoted.problem_detail();
+    assert!(quoted.retry_after.is_some(), "a 409 says when to retry");
     let placed = within(Duration::from_secs(5), "the slow order", slow)
         .await
         .unwrap();
@@ -614,20 +708,11 @@ async fn redis_racing_orders_on_two_instances_never_oversell() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redlock_racing_orders_on_two_instances_never_oversell() {
     let masters: Vec<_> = (0..3).map(|_| support::RedisServer::start()).collect();
-    let urls: Vec<String> = masters.iter().map(support::RedisServer::url).collect();
-    let instance = || {
-        // A generous per-master timeout: on a loaded two-core machine a debug build can
-        // starve a task past the 100 ms default, and this test is about overselling, not
-        // about how fast a master must answer (the `redlock` module covers that).
-        let locks = Locks::new(
-            tower_batch_lock::store::Redlock::new(&urls)
-                .node_timeout(Duration::from_secs(1))
-                .build()
-                .expect("three valid URLs"),
-        );
-        orders::app(Store::redis(masters[0].pool()), Some(locks), WORK_DELAY)
-    };
-    let race = race(&[instance(), instance()]).await;
+    let apps = [
+        redlock_app(&masters, WORK_DELAY, Wait::none()),
+        redlock_app(&masters, WORK_DELAY, Wait::none()),
+    ];
+    let race = race(&apps).await;
     assert_no_overselling(&race);
     let released = within(Duration::from_secs(2), "every master released", async {
         while masters.iter().any(|m| !m.keys("lock:?*").is_empty()) {
@@ -649,7 +734,298 @@ async fn redis_control_without_locks_loses_updates() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. An order of 3,000 SKUs
+// 3. Quotes hold their SKUs shared: together, never beside an order
+
+/// How long each quote and order of this section works inside its locks.
+const TURN_WORK: Duration = Duration::from_millis(400);
+/// A request of this section sent "meanwhile" goes out this long after the one it follows,
+/// well inside that one's work.
+const TURN_STEP: Duration = Duration::from_millis(150);
+/// `LOCK_WAIT_MS` of this section's waiting apps.
+const TURN_WAIT: Wait = Wait::up_to(Duration::from_secs(5));
+const QUOTE_SKUS: [&str; 3] = ["q-a", "q-b", "q-c"];
+const QUOTE_STOCK: u64 = 10;
+/// How many quotes go out at once.
+const QUOTES: usize = 6;
+
+/// One of each quote SKU.
+fn quote_items() -> Vec<(&'static str, u64)> {
+    QUOTE_SKUS.iter().map(|&sku| (sku, 1)).collect()
+}
+
+/// A quote's answer when every quote SKU has `level` in stock.
+fn quoted_at(level: u64) -> Value {
+    let levels: serde_json::Map<String, Value> = QUOTE_SKUS
+        .iter()
+        .map(|&sku| (sku.to_owned(), json!(level)))
+        .collect();
+    json!({ "available": true, "levels": levels })
+}
+
+async fn stock_quote_skus(app: &Router) {
+    for sku in QUOTE_SKUS {
+        put_stock(app, sku, QUOTE_STOCK).await;
+    }
+}
+
+/// `count` requests from `request`, sent together once all are ready, round-robin over
+/// `apps`: their answers, and how long all of them took.
+async fn burst<F, Fut>(apps: &[Router], count: usize, request: F) -> (Vec<Reply>, Duration)
+where
+    F: Fn(Router, usize) -> Fut,
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    let start = Arc::new(Barrier::new(count + 1));
+    let sent: Vec<_> = (0..count)
+        .map(|i| {
+            let (start, reply) = (start.clone(), request(apps[i % apps.len()].clone(), i));
+            tokio::spawn(async move {
+                start.wait().await;
+                reply.await
+            })
+        })
+        .collect();
+    start.wait().await;
+    let started = Instant::now();
+    let mut replies = Vec::with_capacity(count);
+    for reply in sent {
+        replies.push(
+            within(Duration::from_secs(10), "a request", reply)
+                .await
+                .unwrap(),
+        );
+    }
+    (replies, started.elapsed())
+}
+
+/// `QUOTES` quotes of the same SKUs at once all answer 200 in little more than the time of
+/// one: they hold the SKUs together. The same burst of orders, which hold them
+/// exclusively, is refused but for the first (nothing waits here), which shows that the
+/// burst does collide.
+async fn quotes_run_together(apps: &[Router]) {
+    stock_quote_skus(&apps[0]).await;
+    let (quoted, took) = burst(apps, QUOTES, |app, _| async move {
+        post_quote(&app, &quote(&quote_items())).await
+    })
+    .await;
+    for reply in &quoted {
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+        assert_eq!(reply.body, quoted_at(QUOTE_STOCK));
+    }
+    // One after the other they would take `QUOTES` times as long.
+    assert!(
+        took < TURN_WORK * 3,
+        "{QUOTES} quotes of {TURN_WORK:?} of work each took {took:?}: they did not run together"
+    );
+    eprintln!("{QUOTES} quotes of {TURN_WORK:?} of work each, at once: {took:?} in all");
+
+    let (ordered, _) = burst(apps, QUOTES, |app, i| async move {
+        post_order(&app, &order(&format!("burst-{i}"), &quote_items())).await
+    })
+    .await;
+    let placed = ordered
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED)
+        .count();
+    let refused = ordered
+        .iter()
+        .filter(|r| r.status == StatusCode::CONFLICT)
+        .count();
+    assert_eq!(placed + refused, QUOTES, "orders answered otherwise");
+    assert!(
+        placed >= 1 && refused >= 1,
+        "of {QUOTES} orders at once, {placed} were placed and {refused} refused"
+    );
+    eprintln!("{QUOTES} orders at once: {placed} placed, {refused} refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_quotes_of_the_same_skus_run_together() {
+    quotes_run_together(&[memory_app(TURN_WORK)]).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_quotes_of_the_same_skus_run_together_on_two_instances() {
+    let server = support::RedisServer::start();
+    let apps = [
+        redis_app(&server, TURN_WORK, true),
+        redis_app(&server, TURN_WORK, true),
+    ];
+    quotes_run_together(&apps).await;
+    assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
+}
+
+/// A request's answer, and when it came.
+struct Answered {
+    reply: Reply,
+    at: Instant,
+}
+
+fn spawn_timed<Fut>(request: Fut) -> JoinHandle<Answered>
+where
+    Fut: Future<Output = Reply> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let reply = request.await;
+        Answered {
+            reply,
+            at: Instant::now(),
+        }
+    })
+}
+
+fn spawn_quote(app: &Router) -> JoinHandle<Answered> {
+    let app = app.clone();
+    spawn_timed(async move { post_quote(&app, &quote(&quote_items())).await })
+}
+
+fn spawn_order(app: &Router, order_id: &str) -> JoinHandle<Answered> {
+    let (app, body) = (app.clone(), order(order_id, &quote_items()));
+    spawn_timed(async move { post_order(&app, &body).await })
+}
+
+async fn answered(request: JoinHandle<Answered>) -> Answered {
+    within(Duration::from_secs(15), "a quote or an order", request)
+        .await
+        .unwrap()
+}
+
+/// An order of one of each quote SKU, and quotes of them sent while it works: the order's
+/// answer and theirs.
+async fn quotes_during_an_order(apps: &[Router]) -> (Answered, Vec<Answered>) {
+    stock_quote_skus(&apps[0]).await;
+    let order = spawn_order(&apps[0], "turn-1");
+    tokio::time::sleep(TURN_STEP).await;
+    let quotes: Vec<_> = (1..=3)
+        .map(|i| spawn_quote(&apps[i % apps.len()]))
+        .collect();
+    let order = answered(order).await;
+    let mut answers = Vec::with_capacity(quotes.len());
+    for quote in quotes {
+        answers.push(answered(quote).await);
+    }
+    (order, answers)
+}
+
+/// Orders and quotes of the same SKUs take turns (`TURN_WAIT` on `apps`): a quote sent
+/// while an order works waits for it and sees what it left, never the levels it was about
+/// to change; an order sent while quotes work waits for them and is then granted; and
+/// quotes sent while that order waits do not jump it (a waiting exclusive request keeps
+/// later shared ones out), so they see what it left too.
+async fn quotes_and_orders_take_turns(apps: &[Router]) {
+    let (first, quotes) = quotes_during_an_order(apps).await;
+    assert_eq!(
+        first.reply.status,
+        StatusCode::CREATED,
+        "{}",
+        first.reply.body
+    );
+    for quote in &quotes {
+        assert_eq!(quote.reply.status, StatusCode::OK, "{}", quote.reply.body);
+        assert_eq!(
+            quote.reply.body,
+            quoted_at(QUOTE_STOCK - 1),
+            "after the order"
+        );
+        assert!(
+            quote.at > first.at,
+            "a quote answered before the order it waited for"
+        );
+    }
+
+    let holding: Vec<_> = (0..3).map(|i| spawn_quote(&apps[i % apps.len()])).collect();
+    tokio::time::sleep(TURN_STEP).await;
+    let second = spawn_order(&apps[1 % apps.len()], "turn-2");
+    tokio::time::sleep(TURN_STEP).await;
+    let later: Vec<_> = (0..3).map(|i| spawn_quote(&apps[i % apps.len()])).collect();
+    let mut holding_ended = Vec::new();
+    for quote in holding {
+        let quote = answered(quote).await;
+        assert_eq!(quote.reply.status, StatusCode::OK, "{}", quote.reply.body);
+        assert_eq!(
+            quote.reply.body,
+            quoted_at(QUOTE_STOCK - 1),
+            "before the order"
+        );
+        holding_ended.push(quote.at);
+    }
+    let second = answered(second).await;
+    assert_eq!(
+        second.reply.status,
+        StatusCode::CREATED,
+        "the order waited for the quotes: {}",
+        second.reply.body
+    );
+    assert!(
+        holding_ended.iter().all(|&at| at < second.at),
+        "the order answered before the quotes that held its SKUs"
+    );
+    for quote in later {
+        let quote = answered(quote).await;
+        assert_eq!(quote.reply.status, StatusCode::OK, "{}", quote.reply.body);
+        assert_eq!(
+            quote.reply.body,
+            quoted_at(QUOTE_STOCK - 2),
+            "a quote sent while the order waited went before it"
+        );
+        assert!(
+            quote.at > second.at,
+            "a quote answered before the order it waited for"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_quotes_and_orders_of_the_same_skus_take_turns() {
+    quotes_and_orders_take_turns(&[memory_app_waiting(TURN_WORK, TURN_WAIT)]).await;
+}
+
+/// The control: without the locks, quotes sent while an order works read the levels it is
+/// about to change, and answer with them after it is placed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_control_without_locks_quotes_read_under_a_working_order() {
+    let app = orders::app(Store::memory(), None, TURN_WORK);
+    let (order, quotes) = quotes_during_an_order(&[app]).await;
+    assert_eq!(
+        order.reply.status,
+        StatusCode::CREATED,
+        "{}",
+        order.reply.body
+    );
+    for quote in &quotes {
+        assert_eq!(quote.reply.body, quoted_at(QUOTE_STOCK), "before the order");
+        assert!(quote.at > order.at, "answered after the order was placed");
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_quotes_and_orders_of_the_same_skus_take_turns_on_two_instances() {
+    let server = support::RedisServer::start();
+    let apps = [
+        redis_app_waiting(&server, TURN_WORK, TURN_WAIT),
+        redis_app_waiting(&server, TURN_WORK, TURN_WAIT),
+    ];
+    quotes_and_orders_take_turns(&apps).await;
+    assert_eq!(server.keys("lock:?*"), Vec::<String>::new(), "locks left");
+}
+
+/// `REDIS_URLS`: the same turns with the locks on three Redlock masters, where each
+/// master keeps its own holds and reservations.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_quotes_and_orders_of_the_same_skus_take_turns_on_two_instances() {
+    let masters: Vec<_> = (0..3).map(|_| support::RedisServer::start()).collect();
+    let apps = [
+        redlock_app(&masters, TURN_WORK, TURN_WAIT),
+        redlock_app(&masters, TURN_WORK, TURN_WAIT),
+    ];
+    quotes_and_orders_take_turns(&apps).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. An order of 3,000 SKUs
 
 const BIG: usize = 3_000;
 
@@ -798,10 +1174,10 @@ async fn redis_order_of_3000_skus_with_one_held_sku_is_refused_whole() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 4. Bad bodies: see the `malformed` module, which sends a corpus of them through this router
+// 5. Bad bodies: see the `malformed` module, which sends a corpus of them through this router
 
 // ---------------------------------------------------------------------------------------
-// 5. The real binary
+// 6. The real binary
 
 #[cfg(feature = "redis")]
 mod binary {
