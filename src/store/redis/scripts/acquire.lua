@@ -35,7 +35,7 @@ end
 
 -- This hold as a shared one, until the ttl from now.
 local function reader()
-  return '*' .. mine .. '/' .. string.format('%d', now() + ttl)
+  return reader_entry(owner, hold, now() + ttl)
 end
 
 local conflicts, earliest, named, upgrade = 0, -1, {}, 0
@@ -61,13 +61,18 @@ for i = 2, #KEYS do
       blocked = reserved_before(queue, ticket_n)
     elseif not is_shared(holds) then
       blocked = string.sub(holds, 1, 33) ~= ours
+    elseif shared then
+      -- Beside other readers, unless a waiter keeps it out: no entry needs reading.
+      local held = string.find(holds, '*' .. ours, 1, true)
+      blocked = not held and reserved_before(queue, ticket_n)
     else
       local held, others = sharers(holds, owner)
-      if shared then
-        blocked = not held and reserved_before(queue, ticket_n)
+      if others then
+        blocked = true
+        if #held > 0 then upgrade = 1 end
       else
-        blocked = others
-        if held and others then upgrade = 1 end
+        -- The owner's alone, or ended: as a free key, unless the owner holds it.
+        blocked = #held == 0 and reserved_before(queue, ticket_n)
       end
     end
     if blocked then
@@ -110,6 +115,12 @@ end
 for i, parts in pairs(found) do
   local holds, queue = parts[1], parts[2]
   if queue ~= '' then queue = requeue(queue, ticket) end
+  local ids = {}
+  if holds ~= '' and is_shared(holds) and not shared_at(i) then
+    -- Taken exclusively: the owner's shared holds that have not ended go with it.
+    ids = sharers(holds, owner)
+    if #ids == 0 then holds = '' end
+  end
   if holds == '' then
     redis.call('SET', KEYS[i], (shared_at(i) and reader() or mine) .. queue, 'PX', ttl)
   else
@@ -122,11 +133,7 @@ for i, parts in pairs(found) do
       if not string.find(holds, ':' .. hold .. '/', 1, true) then holds = holds .. reader() end
     else
       -- An upgrade: the owner's shared holds, alone on the key, become exclusive ones.
-      local ids = {}
-      for id in string.gmatch(holds, ':(%x+)/') do
-        if id ~= hold then ids[#ids + 1] = id end
-      end
-      ids[#ids + 1] = hold
+      if not string.find(holds, ':' .. hold .. '/', 1, true) then ids[#ids + 1] = hold end
       holds = owner .. ':' .. table.concat(ids, ':')
     end
     -- Never shortened: the key lives as long as its longest hold.

@@ -12,7 +12,7 @@ each_value(1, function(i, value)
   local holds, queue = split(value)
   if holds ~= nil and holds ~= '' and is_shared(holds) then
     local at = string.find(holds, reader, 1, true)
-    held = at ~= nil
+    held = at ~= nil and reader_until(holds, at) > now()
     shared[i] = {holds, queue, at}
   else
     held = holds ~= nil and string.sub(holds, 1, 33) == ours
@@ -22,11 +22,9 @@ end)
 if not held then return 0 end
 for i, parts in pairs(shared) do
   local holds, at = parts[1], parts[3]
-  local from = at + #reader
-  local to = (string.find(holds, '*', from, true) or #holds + 1) - 1
-  if tonumber(string.sub(holds, from, to)) < now() + ttl then
-    holds = string.sub(holds, 1, from - 1) .. string.format('%d', now() + ttl)
-      .. string.sub(holds, to + 1)
+  if reader_until(holds, at) < now() + ttl then
+    holds = string.sub(holds, 1, at - 1) .. reader_entry(ARGV[1], ARGV[2], now() + ttl)
+      .. string.sub(holds, at + READER_LEN)
     redis.call('SET', KEYS[i], holds .. parts[2], 'KEEPTTL')
   end
 end

@@ -9,6 +9,8 @@ each_value(1, function(i, value)
   if value == false then return end
   local holds, queue = split(value)
   if holds == nil or holds == '' then return end
+  -- Shared holds that have all ended hold nothing.
+  if is_shared(holds) and live_readers(holds) == '' then return end
   released = released + 1
   if queue == '' then
     redis.call('DEL', KEYS[i])

@@ -16,13 +16,13 @@ each_value(1, function(i, value)
     if held == nil then
       state = 2
     else
-      -- Empty when free, or when its shared holds all ended.
       if held ~= '' and is_shared(held) then
-        state = 3
-        holds = select(2, string.gsub(held, '%*', ''))
-        -- The key's ttl may outlast its holds, by a reader that released: the longest
-        -- hold's end is the key's.
-        for till in string.gmatch(held, '/(%d+)') do left = math.max(left, tonumber(till) - now()) end
+        -- Only the holds that have not ended; none: free. The key's ttl may outlast its
+        -- holds, by a reader that released: the longest hold's end is the key's.
+        local live, latest = live_readers(held)
+        if live ~= '' then
+          state, holds, left = 3, #live / READER_LEN, latest - now()
+        end
       elseif held ~= '' then
         state = 1
         holds = (#held - 32) / 17

@@ -9,8 +9,8 @@ local reader = '*' .. exact .. '/'
 local released, gone = 0, {}
 each_value(1, function(i, value)
   -- The common cases, a key with this hold and nothing else, need no parsing: it goes.
-  if value == exact or (type(value) == 'string' and string.sub(value, 1, #reader) == reader
-      and not string.find(value, '[*|]', 2)) then
+  if value == exact or (type(value) == 'string' and #value == READER_LEN
+      and string.sub(value, 1, #reader) == reader) then
     released = released + 1
     gone[#gone + 1] = KEYS[i]
     return
@@ -20,8 +20,9 @@ each_value(1, function(i, value)
   if is_shared(holds) then
     local at = string.find(holds, reader, 1, true)
     if not at then return end
-    local next_hold = string.find(holds, '*', at + 1, true)
-    holds = string.sub(holds, 1, at - 1) .. (next_hold and string.sub(holds, next_hold) or '')
+    -- The other readers' holds that have not ended: ended ones go here, so that the holds
+    -- of readers that died do not pile up on a key that others keep busy.
+    holds = live_readers(string.sub(holds, 1, at - 1) .. string.sub(holds, at + READER_LEN))
   else
     if string.sub(holds, 1, 33) ~= ours then return end
     local at = string.find(holds, hold, 33, true)

@@ -9,9 +9,9 @@
 -- <owner> is the 32 hex digits of the owner token and each <hold> the 16 hex digits of one
 -- acquisition by that owner (re-entry adds holds; the key goes with its last one). An
 -- exclusive value's holds end together, with the key's PX ttl. A shared hold ends on its
--- own, at its <until> (Redis time, ms), so that a reader that died takes only its own hold
--- with it; the key's ttl is at least its longest hold's, and holds past their <until> are
--- dropped as they are read. A reservation is a waiter's ticket (smaller is earlier) and the
+-- own, at its <until> (Redis time, ms, 13 digits), so that a reader that died takes only
+-- its own hold with it; the key's ttl is at least its longest hold's, and holds past their
+-- <until> keep nobody out, and go with the next release of the key. A reservation is a waiter's ticket (smaller is earlier) and the
 -- Redis time in milliseconds until which it counts; they are kept in ticket order, and
 -- keep later arrivals out whatever the modes. The key's PX ttl is its holds' when held,
 -- and its latest reservation's otherwise.
@@ -30,18 +30,14 @@ local function ours_in_form(holds)
   return string.gsub(string.sub(holds, 33), ':' .. string.rep('%x', 16), '') == ''
 end
 
--- One shared hold: its owner and hold id, and its end.
-local READER = '%*(' .. string.rep('%x', 32) .. ':' .. string.rep('%x', 16) .. ')/(%d+)'
+-- A shared hold is one entry of 64 bytes, so that a script finds each field by its offset
+-- rather than by parsing: '*', the owner (32 hex digits), ':', the hold id (16), '/', and
+-- its end as 13 digits of Redis time in milliseconds (until the year 2286).
+local READER_LEN = 64
 
--- The shared holds `holds` still live, or nil when they do not have the form of shared
--- holds (foreign).
-local function live_readers(holds)
-  if string.gsub(holds, READER, '') ~= '' then return nil end
-  local live = {}
-  for hold, till in string.gmatch(holds, READER) do
-    if tonumber(till) > now() then live[#live + 1] = '*' .. hold .. '/' .. till end
-  end
-  return table.concat(live)
+-- The entry of `owner`'s shared hold `hold`, until `till` (ms).
+local function reader_entry(owner, hold, till)
+  return '*' .. owner .. ':' .. hold .. '/' .. string.format('%013d', till)
 end
 
 -- Whether `holds` are shared ones.
@@ -49,29 +45,66 @@ local function is_shared(holds)
   return string.byte(holds, 1) == 42
 end
 
--- Whether the shared holds `holds` include one of `owner`, and one of another owner.
+-- Whether `holds` has the form of shared holds: whole entries, each with its '*', ':' and
+-- '/' in place. A few bytes an entry, whatever the number of readers.
+local function readers_in_form(holds)
+  if #holds % READER_LEN ~= 0 then return false end
+  for at = 1, #holds, READER_LEN do
+    if string.byte(holds, at) ~= 42 or string.byte(holds, at + 33) ~= 58
+        or string.byte(holds, at + 50) ~= 47 then
+      return false
+    end
+  end
+  return true
+end
+
+-- The end (ms) of the shared hold whose entry starts at `at` (0 if it is not a number).
+local function reader_until(holds, at)
+  return tonumber(string.sub(holds, at + 51, at + READER_LEN - 1)) or 0
+end
+
+-- The entries of `holds` whose hold has not ended, and the latest end among them (0 if
+-- none).
+local function live_readers(holds)
+  local live, latest = {}, 0
+  for at = 1, #holds, READER_LEN do
+    local till = reader_until(holds, at)
+    if till > now() then
+      live[#live + 1] = string.sub(holds, at, at + READER_LEN - 1)
+      if till > latest then latest = till end
+    end
+  end
+  return table.concat(live), latest
+end
+
+-- Whether the shared holds `holds` that have not ended include one of `owner`, and one of
+-- another owner; and the ids of `owner`'s.
 local function sharers(holds, owner)
-  local mine, others = false, false
-  for o in string.gmatch(holds, '%*(%x+):') do
-    if o == owner then mine = true else others = true end
+  local mine, others = {}, false
+  for at = 1, #holds, READER_LEN do
+    if reader_until(holds, at) > now() then
+      if string.sub(holds, at + 1, at + 32) == owner then
+        mine[#mine + 1] = string.sub(holds, at + 34, at + 49)
+      else
+        others = true
+      end
+    end
   end
   return mine, others
 end
 
--- The holds and the reservations of a value (shared holds only the live ones), or nil
--- when the value is foreign.
+-- The holds and the reservations of a value, or nil when the value is foreign. Shared
+-- holds come as they are stored, ended ones included: the scripts look at ends only where
+-- they matter, and a release drops the ended ones.
 local function split(value)
   if type(value) ~= 'string' or value == '' then return nil end
   local bar = string.find(value, '|', 1, true)
   local holds = bar and string.sub(value, 1, bar - 1) or value
   local queue = bar and string.sub(value, bar) or ''
   if holds ~= '' then
-    if is_shared(holds) then
-      holds = live_readers(holds)
-      if holds == nil then return nil end
-    elseif not ours_in_form(holds) then
-      return nil
-    end
+    local in_form
+    if is_shared(holds) then in_form = readers_in_form(holds) else in_form = ours_in_form(holds) end
+    if not in_form then return nil end
   end
   if queue ~= '' and string.gsub(queue, '|%d+/%d+', '') ~= '' then return nil end
   return holds, queue
