@@ -48,7 +48,7 @@ impl KeyState {
         &self.key
     }
 
-    /// Free, held, or foreign.
+    /// Free, held (exclusively), shared, or foreign.
     pub fn status(&self) -> KeyStatus {
         self.status
     }
@@ -85,13 +85,14 @@ impl KeyState {
 const LOGGED_KEYS: usize = 100;
 
 impl Locks {
-    /// What the store holds for each of `keys`, without changing anything: held or free,
-    /// the time left, the number of holds, the waiters in line. Never who holds them.
+    /// What the store holds for each of `keys`, without changing anything: held
+    /// (exclusively or shared) or free, the time left, the number of holds, the waiters in
+    /// line. Never who holds them.
     ///
     /// The keys are the ones requests name (the [prefix](Locks::prefix) goes in front), and
     /// the answer lists them as a request's batch would be: sorted, each once. On
     /// [Redlock](crate::store::Redlock), each key is what a majority of the masters see: held when
-    /// a majority holds it, since that is when it keeps requests out; a leftover on a
+    /// a majority holds it (in one mode), since that is when it keeps requests out; a leftover on a
     /// minority keeps nobody out and expires on its own, so it shows as free. The time
     /// left and the holds are those that a majority still has. A per-master view would
     /// answer a question the locks never ask; `redis-cli` on each master gives it.
