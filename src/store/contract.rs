@@ -521,7 +521,8 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
 
     /// Extends `holder`'s hold on every key (only that hold, where the key is shared) to at
-    /// least `ttl` from now if every key still has it; otherwise changes nothing and returns `false`: the lease is lost.
+    /// least `ttl` from now if every key still has it; otherwise changes nothing and
+    /// returns `false`: the lease is lost.
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool>;
 
     /// Ends `holder`'s hold on the keys that still have it, and returns how many had it.

@@ -196,7 +196,9 @@ fn work(headers: &HeaderMap) -> Duration {
 fn router(locks: &Locks, inside: &Arc<Inside>, gate: &Arc<Gate>) -> Router {
     let held = {
         let inside = inside.clone();
-        move |lease: Lease, headers: HeaderMap| async move { inside.hold(&lease, work(&headers)).await }
+        move |lease: Lease, headers: HeaderMap| async move {
+            inside.hold(&lease, work(&headers)).await;
+        }
     };
     let upgrade = |lease: Lease| async move {
         let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
