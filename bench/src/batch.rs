@@ -1,5 +1,5 @@
 //! Cost of one uncontended acquire + release of a batch of n keys on one local Redis: the
-//! crate through its public API, two ways peers do it, and Redis's own time for the crate's
+//! crate through its public API, four ways peers do it, and Redis's own time for the crate's
 //! two scripts (the floor).
 //!
 //! - `tower-batch-lock`: a tower service behind `locks.layer(extractor)`, called with
@@ -11,6 +11,14 @@
 //!   deletes keys whoever holds them.)
 //! - `naive SET NX PX`: n sequential `SET key token NX PX 30000` round trips, and n
 //!   sequential `DEL key` round trips to release: a lock per resource, taken one by one.
+//! - `node-redlock's scripts` and `redislock's ObtainMulti`: the batch algorithms of two
+//!   libraries in other languages (node-redlock 5 without retries, bsm/redislock for Go), each
+//!   an acquire script and a release script over the whole batch (`bench/scripts/`, written
+//!   for this bench from the libraries' descriptions), loaded with `SCRIPT LOAD` and run with
+//!   `EVALSHA` by this bench's client, as the crate's store runs its own: the same client,
+//!   Redis and run for all, so that only the algorithms differ. redislock's scripts `unpack`
+//!   the whole batch, which Lua refuses near 8,000 values: above about 4,000 keys they fail,
+//!   and the case records the error.
 //! - `floor`: `CONFIG RESETSTAT` before the crate's measured rounds, then the `usec` of
 //!   `evalsha` and `eval` in `INFO commandstats`, divided by the rounds: the time Redis
 //!   itself spends running the two scripts of one cycle. No client can beat it. The
@@ -22,7 +30,7 @@
 use std::{
     collections::BTreeMap,
     convert::Infallible,
-    sync::Arc,
+    sync::{Arc, LazyLock},
     time::{Duration, Instant},
 };
 use tower_batch_lock::store::Redis;
@@ -30,7 +38,7 @@ use tower_batch_lock::store::Redis;
 use axum::body::Body;
 use deadpool_redis::Pool;
 use http::{request::Parts, Request, Response, StatusCode};
-use redis::aio::MultiplexedConnection;
+use redis::{aio::MultiplexedConnection, Script};
 use serde_json::{json, Value};
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 use tower_batch_lock::Locks;
@@ -47,6 +55,8 @@ pub(crate) const SIZES: [usize; 7] = [1, 10, 100, 1_000, 3_000, 10_000, 100_000]
 pub(crate) const CRATE: &str = "tower-batch-lock";
 pub(crate) const PIPELINED: &str = "pipelined SETNX + EXPIRE";
 pub(crate) const NAIVE: &str = "naive SET NX PX loop";
+pub(crate) const NODE_REDLOCK: &str = "node-redlock's scripts";
+pub(crate) const REDISLOCK: &str = "redislock's ObtainMulti";
 pub(crate) const FLOOR: &str = "floor: Redis time of our scripts";
 
 const TTL: Duration = Duration::from_secs(30);
@@ -57,10 +67,28 @@ const LONGEST_SIZES: [usize; 3] = [3_000, 10_000, 100_000];
 /// The cycles run with the SLOWLOG on, after the measured rounds.
 const LONGEST_CYCLES: u64 = 3;
 
+/// A peer's two scripts over the whole batch.
+struct PeerScripts {
+    acquire: Script,
+    release: Script,
+}
+
+static NODE_REDLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
+    acquire: Script::new(include_str!("../scripts/node-redlock-acquire.lua")),
+    release: Script::new(include_str!("../scripts/node-redlock-release.lua")),
+});
+
+static REDISLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
+    acquire: Script::new(include_str!("../scripts/redislock-obtain.lua")),
+    release: Script::new(include_str!("../scripts/redislock-release.lua")),
+});
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Algorithm {
     Crate,
     Pipelined,
+    NodeRedlock,
+    Redislock,
     Naive,
 }
 
@@ -69,16 +97,26 @@ impl Algorithm {
         match self {
             Self::Crate => CRATE,
             Self::Pipelined => PIPELINED,
+            Self::NodeRedlock => NODE_REDLOCK,
+            Self::Redislock => REDISLOCK,
             Self::Naive => NAIVE,
         }
     }
 
+    fn scripts(self) -> Option<&'static PeerScripts> {
+        match self {
+            Self::NodeRedlock => Some(&NODE_REDLOCK_SCRIPTS),
+            Self::Redislock => Some(&REDISLOCK_SCRIPTS),
+            _ => None,
+        }
+    }
+
     /// The commands whose server time is this algorithm's. Redis 7 also counts the
-    /// commands a script calls under their own names, so the crate's are `evalsha` and
-    /// `eval` alone.
+    /// commands a script calls under their own names, so the scripted algorithms' are
+    /// `evalsha` and `eval` alone.
     fn commands(self) -> &'static [&'static str] {
         match self {
-            Self::Crate => &["evalsha", "eval"],
+            Self::Crate | Self::NodeRedlock | Self::Redislock => &["evalsha", "eval"],
             Self::Pipelined => &["setnx", "expire", "del"],
             Self::Naive => &["set", "del"],
         }
@@ -88,7 +126,7 @@ impl Algorithm {
     /// none for the naive loop, whose every command names one key.
     fn longest_command(self) -> Option<&'static str> {
         match self {
-            Self::Crate => Some("evalsha"),
+            Self::Crate | Self::NodeRedlock | Self::Redislock => Some("evalsha"),
             Self::Pipelined => Some("del"),
             Self::Naive => None,
         }
@@ -110,6 +148,17 @@ impl Algorithm {
                 }
             }
             Self::Pipelined if command == "del" => Some("DEL"),
+            // A peer's two scripts both name the batch alone: their hashes tell them apart.
+            Self::NodeRedlock | Self::Redislock if command == "evalsha" => {
+                let (scripts, sha) = (self.scripts()?, args.get(1)?);
+                if *sha == scripts.acquire.get_hash() {
+                    Some("acquire")
+                } else if *sha == scripts.release.get_hash() {
+                    Some("release")
+                } else {
+                    None
+                }
+            }
             _ => None,
         }
     }
@@ -152,7 +201,13 @@ impl Algorithm {
 
 /// Runs every size with every algorithm, smallest first.
 pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
-    let algorithms = [Algorithm::Crate, Algorithm::Pipelined, Algorithm::Naive];
+    let algorithms = [
+        Algorithm::Crate,
+        Algorithm::Pipelined,
+        Algorithm::NodeRedlock,
+        Algorithm::Redislock,
+        Algorithm::Naive,
+    ];
     let total = SIZES.len() * algorithms.len();
     let mut cases = Vec::new();
     let mut index = 0;
@@ -191,19 +246,28 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         }
     }
     let targets = targets(&cases);
+    let (node_redlock, redislock) = (over(&cases, NODE_REDLOCK), over(&cases, REDISLOCK));
     Ok(json!({
         "method": {
             CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
             PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys, on one multiplexed connection shared by the case's cycles",
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
-            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands",
-            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate and of the pipelined baseline, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's acquire (numkeys n + 1) and release (numkeys n) scripts and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
+            NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
+            REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
+            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
+            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's acquire (numkeys n + 1) and release (numkeys n) scripts, the peers' acquire and release scripts (told apart by their hashes) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
         },
         "ttl_ms": TTL.as_millis() as u64,
         "longest_call_cycles": LONGEST_CYCLES,
         "sizes": SIZES,
         "cases": cases,
+        "ratios_at_3000_keys": {
+            "cycle_crate_over_node_redlock": node_redlock.0.map(|r| stats::round(r, 3)),
+            "redis_time_crate_over_node_redlock": node_redlock.1.map(|r| stats::round(r, 3)),
+            "cycle_crate_over_redislock": redislock.0.map(|r| stats::round(r, 3)),
+            "redis_time_crate_over_redislock": redislock.1.map(|r| stats::round(r, 3)),
+        },
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
     }))
 }
@@ -420,9 +484,15 @@ impl Cycle {
             layered(&locks, names)
         });
         let pooled = pool.get().await.map_err(|e| e.to_string())?;
+        let mut conn = deadpool_redis::Connection::take(pooled);
+        if let Some(scripts) = algorithm.scripts() {
+            for script in [&scripts.acquire, &scripts.release] {
+                script.load_async(&mut conn).await.map_err(redis_error)?;
+            }
+        }
         Ok(Self {
             algorithm,
-            conn: deadpool_redis::Connection::take(pooled),
+            conn,
             stored,
             service,
         })
@@ -433,6 +503,7 @@ impl Cycle {
         match self.algorithm {
             Algorithm::Crate => self.through_layer().await?,
             Algorithm::Pipelined => self.pipelined().await?,
+            Algorithm::NodeRedlock | Algorithm::Redislock => self.scripted().await?,
             Algorithm::Naive => self.naive().await?,
         }
         Ok(started.elapsed())
@@ -469,6 +540,40 @@ impl Cycle {
             .map_err(redis_error)?;
         if deleted != self.stored.len() {
             return Err(format!("DEL deleted {deleted} of {}", self.stored.len()));
+        }
+        Ok(())
+    }
+
+    /// A peer's cycle: its acquire script over the batch, then its release script, each
+    /// answering how many keys it took or freed.
+    async fn scripted(&self) -> Result<(), String> {
+        let scripts = self
+            .algorithm
+            .scripts()
+            .expect("a peer's case has its scripts");
+        let mut conn = self.conn.clone();
+        let token = token();
+        let n = self.stored.len();
+        let taken: usize = scripts
+            .acquire
+            .key(&*self.stored)
+            .arg(&token)
+            .arg(TTL.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        if taken != n {
+            return Err(format!("an uncontended acquire took {taken} of {n} keys"));
+        }
+        let released: usize = scripts
+            .release
+            .key(&*self.stored)
+            .arg(&token)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        if released != n {
+            return Err(format!("the release freed {released} of {n} keys"));
         }
         Ok(())
     }
@@ -587,9 +692,19 @@ fn find(cases: &[Value], algorithm: &str, keys: usize) -> Option<(f64, f64)> {
     Some((case["median_ms"].as_f64()?, case["server_ms"].as_f64()?))
 }
 
+/// Ours over `theirs` at 3,000 keys: the cycle's median, and Redis's time per cycle.
+fn over(cases: &[Value], theirs: &str) -> (Option<f64>, Option<f64>) {
+    find(cases, CRATE, 3_000)
+        .zip(find(cases, theirs, 3_000))
+        .map(|((ours, our_server), (theirs, their_server))| {
+            (ours / theirs, our_server / their_server)
+        })
+        .unzip()
+}
+
 fn targets(cases: &[Value]) -> Vec<Target> {
     let crate_3k = find(cases, CRATE, 3_000);
-    let pipelined_3k = find(cases, PIPELINED, 3_000);
+    let node_redlock = over(cases, NODE_REDLOCK);
     let crate_1k = find(cases, CRATE, 1_000);
     let crate_100k = find(cases, CRATE, 100_000);
     vec![
@@ -600,10 +715,18 @@ fn targets(cases: &[Value]) -> Vec<Target> {
         ),
         Target::at_most(
             "3,000-key cycle: crate / pipelined SETNX+EXPIRE baseline",
-            crate_3k
-                .zip(pipelined_3k)
-                .map(|((ours, _), (theirs, _))| ours / theirs),
+            over(cases, PIPELINED).0,
             1.0,
+        ),
+        Target::at_most(
+            "3,000-key cycle: crate / node-redlock's scripts",
+            node_redlock.0,
+            0.7,
+        ),
+        Target::at_most(
+            "Redis time per 3,000-key cycle: crate / node-redlock's",
+            node_redlock.1,
+            0.6,
         ),
         Target::holds(
             "100,000 keys in one batch without error",

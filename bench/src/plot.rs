@@ -1,12 +1,12 @@
-//! The cost per key of each batch size, for the crate, the baselines and the floor: a
-//! log-log line chart in SVG.
+//! The cost per key of each batch size, for the crate, the baselines, the peers' scripts
+//! and the floor: a log-log line chart in SVG.
 
 use std::path::Path;
 
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::batch::{CRATE, FLOOR, NAIVE, PIPELINED};
+use crate::batch::{CRATE, FLOOR, NAIVE, NODE_REDLOCK, PIPELINED, REDISLOCK};
 
 /// The series as (name, colour, points of (keys, microseconds per key)).
 type Series = (&'static str, RGBColor, Vec<(f64, f64)>);
@@ -27,6 +27,16 @@ fn series(batch: &Value) -> Vec<Series> {
             PIPELINED,
             RGBColor(153, 51, 153),
             points(PIPELINED, "per_key_us"),
+        ),
+        (
+            NODE_REDLOCK,
+            RGBColor(0, 153, 102),
+            points(NODE_REDLOCK, "per_key_us"),
+        ),
+        (
+            REDISLOCK,
+            RGBColor(204, 51, 51),
+            points(REDISLOCK, "per_key_us"),
         ),
         (CRATE, RGBColor(0, 102, 204), points(CRATE, "per_key_us")),
         (

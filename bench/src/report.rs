@@ -6,7 +6,7 @@ use std::{fmt::Write, path::Path};
 use serde_json::Value;
 
 use crate::{
-    batch::{CRATE, NAIVE, PIPELINED},
+    batch::{CRATE, NAIVE, NODE_REDLOCK, PIPELINED, REDISLOCK},
     cluster::{CLUSTER, ONE_REDIS},
 };
 
@@ -82,11 +82,11 @@ fn batch(out: &mut String, batch: &Value) {
     );
     let _ = writeln!(
         out,
-        "| keys | {CRATE} | per key | floor (Redis's time) | ÷ floor | {PIPELINED} | ÷ ours | {NAIVE} | ÷ ours |"
+        "| keys | {CRATE} | per key | floor (Redis's time) | ÷ floor | {PIPELINED} | ÷ ours | {NODE_REDLOCK} | ÷ ours | {REDISLOCK} | ÷ ours | {NAIVE} | ÷ ours |"
     );
     let _ = writeln!(
         out,
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     let sizes: Vec<u64> = batch["sizes"]
         .as_array()
@@ -107,10 +107,12 @@ fn batch(out: &mut String, batch: &Value) {
             _ => "–".to_owned(),
         };
         let pipelined = find(PIPELINED, keys);
+        let node_redlock = find(NODE_REDLOCK, keys);
+        let redislock = find(REDISLOCK, keys);
         let naive = find(NAIVE, keys);
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             thousands(keys),
             cell(ours),
             ours.and_then(|c| c["per_key_us"].as_f64())
@@ -119,46 +121,99 @@ fn batch(out: &mut String, batch: &Value) {
             ratio(ours_ms, floor_ms),
             cell(pipelined),
             ratio(median(pipelined), ours_ms),
+            cell(node_redlock),
+            ratio(median(node_redlock), ours_ms),
+            cell(redislock),
+            ratio(median(redislock), ours_ms),
             cell(naive),
             ratio(median(naive), ours_ms),
         );
     }
+    failed(out, cases);
+    peers_at_3000(out, batch);
     server_time(out, cases, &sizes);
     longest_calls(out, batch, cases);
     round_trips(out, cases);
 }
 
-/// At one key a cycle is its round trips: say how many each made.
-fn round_trips(out: &mut String, cases: &[Value]) {
-    let trips = |algorithm: &str, own: f64| {
-        cases
-            .iter()
-            .find(|c| c["algorithm"] == algorithm && c["keys"] == 1)
-            .and_then(|c| c["pool_pings_per_cycle"].as_f64())
-            .map(|pings| (own + pings, pings))
-    };
-    let (Some(ours), Some(pipelined), Some(naive)) =
-        (trips(CRATE, 2.0), trips(PIPELINED, 3.0), trips(NAIVE, 2.0))
-    else {
-        return;
-    };
-    let pings = |(_, pings): (f64, f64)| {
-        if pings > 0.05 {
-            format!(", {pings:.0} of them a `PING` of deadpool-redis checking a connection")
-        } else {
-            String::new()
+/// What the cases that ended in an error answered, each answer once with the sizes that got
+/// it: a peer's script may refuse every batch above some size.
+fn failed(out: &mut String, cases: &[Value]) {
+    let mut errors: Vec<(&str, &str, Vec<String>)> = Vec::new();
+    for case in cases {
+        let (Some(algorithm), Some(error), Some(keys)) = (
+            case["algorithm"].as_str(),
+            case["error"].as_str(),
+            case["keys"].as_u64(),
+        ) else {
+            continue;
+        };
+        match errors
+            .iter_mut()
+            .find(|(a, e, _)| *a == algorithm && *e == error)
+        {
+            Some((_, _, sizes)) => sizes.push(thousands(keys)),
+            None => errors.push((algorithm, error, vec![thousands(keys)])),
         }
-    };
+    }
+    for (algorithm, error, sizes) in errors {
+        let _ = writeln!(
+            out,
+            "\n{algorithm} failed at {} keys: `{}`",
+            sizes.join(" and "),
+            error.trim()
+        );
+    }
+}
+
+/// The peers' scripts at the size of the issue's targets: ours over theirs.
+fn peers_at_3000(out: &mut String, batch: &Value) {
+    let ratios = &batch["ratios_at_3000_keys"];
+    if !ratios.is_object() {
+        return;
+    }
     let _ = writeln!(
         out,
-        "\nAt 1 key a cycle is its round trips: {:.0} for ours{}, {:.0} for the pipelined \
-         baseline{}, {:.0} for the naive loop{}.",
-        ours.0,
-        pings(ours),
-        pipelined.0,
-        pings(pipelined),
-        naive.0,
-        pings(naive),
+        "\nAt 3,000 keys, ours ÷ {NODE_REDLOCK}: {} a cycle, {} of Redis's time; ours ÷ \
+         {REDISLOCK}: {} a cycle, {} of Redis's time.",
+        ratio(&ratios["cycle_crate_over_node_redlock"]),
+        ratio(&ratios["redis_time_crate_over_node_redlock"]),
+        ratio(&ratios["cycle_crate_over_redislock"]),
+        ratio(&ratios["redis_time_crate_over_redislock"]),
+    );
+}
+
+/// At one key a cycle is its round trips: say how many each made.
+fn round_trips(out: &mut String, cases: &[Value]) {
+    let algorithms = [
+        (CRATE, "ours", 2.0),
+        (PIPELINED, "the pipelined baseline", 3.0),
+        (NODE_REDLOCK, NODE_REDLOCK, 2.0),
+        (REDISLOCK, REDISLOCK, 2.0),
+        (NAIVE, "the naive loop", 2.0),
+    ];
+    let trips: Vec<String> = algorithms
+        .iter()
+        .filter_map(|&(algorithm, name, own)| {
+            let pings = cases
+                .iter()
+                .find(|c| c["algorithm"] == algorithm && c["keys"] == 1)?["pool_pings_per_cycle"]
+                .as_f64()?;
+            let checks = if pings > 0.05 {
+                format!(", {pings:.0} of them a `PING` of deadpool-redis checking a connection")
+            } else {
+                String::new()
+            };
+            Some(format!("{:.0} for {name}{checks}", own + pings))
+        })
+        .collect();
+    if trips.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nAt 1 key a cycle is its round trips: {}.",
+        trips.join(", ")
     );
 }
 
@@ -174,24 +229,36 @@ fn server_time(out: &mut String, cases: &[Value], sizes: &[u64]) {
     let _ = writeln!(
         out,
         "\nRedis's own time per key over the same rounds (`INFO commandstats`; parsing and \
-         replies not counted): our two scripts, and the pipelined baseline's `SETNX`, `EXPIRE` \
-         and `DEL`:\n"
+         replies not counted): our two scripts, the pipelined baseline's `SETNX`, `EXPIRE` \
+         and `DEL`, and the peers' two scripts:\n"
     );
-    let _ = writeln!(out, "| keys | ours | {PIPELINED} | ours ÷ pipelined |");
-    let _ = writeln!(out, "| ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        out,
+        "| keys | ours | {PIPELINED} | ours ÷ pipelined | {NODE_REDLOCK} | ours ÷ node-redlock | {REDISLOCK} | ours ÷ redislock |"
+    );
+    let _ = writeln!(
+        out,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for &keys in sizes {
-        let (ours, theirs) = (per_key(CRATE, keys), per_key(PIPELINED, keys));
+        let ours = per_key(CRATE, keys);
         let us = |value: Option<f64>| value.map_or("–".to_owned(), |us| format!("{us:.2} µs"));
-        let ratio = match (ours, theirs) {
-            (Some(o), Some(t)) if t > 0.0 => format!("{:.2}×", o / t),
-            _ => "–".to_owned(),
+        let against = |theirs: &str| {
+            let theirs = per_key(theirs, keys);
+            let ratio = match (ours, theirs) {
+                (Some(o), Some(t)) if t > 0.0 => format!("{:.2}×", o / t),
+                _ => "–".to_owned(),
+            };
+            format!("{} | {ratio}", us(theirs))
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {ratio} |",
+            "| {} | {} | {} | {} | {} |",
             thousands(keys),
             us(ours),
-            us(theirs)
+            against(PIPELINED),
+            against(NODE_REDLOCK),
+            against(REDISLOCK),
         );
     }
 }
@@ -222,20 +289,27 @@ fn longest_calls(out: &mut String, batch: &Value, cases: &[Value]) {
     );
     let _ = writeln!(
         out,
-        "| keys | our acquire script | our release script | pipelined baseline's `DEL` |"
+        "| keys | our acquire script | our release script | pipelined baseline's `DEL` | node-redlock's acquire script | its release script | redislock's acquire script | its release script |"
     );
-    let _ = writeln!(out, "| ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        out,
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for keys in sizes {
         let cell = |algorithm: &str, kind: &str| {
             longest(algorithm, keys, kind).map_or("–".to_owned(), |us| duration(us / 1e3))
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             thousands(keys),
             cell(CRATE, "acquire"),
             cell(CRATE, "release"),
             cell(PIPELINED, "DEL"),
+            cell(NODE_REDLOCK, "acquire"),
+            cell(NODE_REDLOCK, "release"),
+            cell(REDISLOCK, "acquire"),
+            cell(REDISLOCK, "release"),
         );
     }
 }
