@@ -287,19 +287,30 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
     // Values that only look like this version's: foreign, so refused, by a waiter in line
     // too, and left alone.
     let looks_like_holds = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx:foreign";
+    // The shape of a shared hold (64 bytes, its separators in place), not its characters.
+    let looks_shared = format!("*{}:{}/{}", "z".repeat(32), "z".repeat(16), "z".repeat(13));
     let waiting = locks.clone().wait(Wait::up_to(Duration::from_millis(50)));
     for (key, value) in [
         ("doc:3", "|1/2|garbage"),
         ("doc:4", ""),
         ("doc:5", "x:y"),
         ("doc:7", looks_like_holds),
+        ("doc:8", &looks_shared),
     ] {
         observer.set(&format!("lock:{key}"), value);
         for locks in [&locks, &waiting] {
-            let refused = send(&counting_router(locks, &runs), batch(&[key])).await;
-            assert_eq!(refused.status, StatusCode::CONFLICT, "{value:?}");
-            let now: String = observer.cmd(redis::cmd("GET").arg(format!("lock:{key}")));
-            assert_eq!(now, value);
+            // Exclusive or shared: refused, and the value left as it was.
+            let readers = Router::new().route(
+                "/batch",
+                post(counting_handler(&runs))
+                    .layer(locks.layer(keys::json(|keys: Vec<String>| keys)).shared()),
+            );
+            for app in [counting_router(locks, &runs), readers] {
+                let refused = send(&app, batch(&[key])).await;
+                assert_eq!(refused.status, StatusCode::CONFLICT, "{value:?}");
+                let now: String = observer.cmd(redis::cmd("GET").arg(format!("lock:{key}")));
+                assert_eq!(now, value);
+            }
         }
     }
 

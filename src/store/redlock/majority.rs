@@ -40,7 +40,7 @@ fn reached_by<T: Ord + Copy>(mut values: Vec<T>, quorum: usize) -> Option<T> {
 }
 
 /// One key as a majority of the masters that answered see it: held (exclusively, or
-/// shared) when `quorum` of them hold it so (then no acquisition that the mode excludes can
+/// shared) when `quorum` of them hold it so, held when they hold it in different modes (then no acquisition that the mode excludes can
 /// get a majority), with the time left and the holds that `quorum` of them still have;
 /// foreign when `quorum` of them are kept out by something else; free otherwise, even if a
 /// minority still holds it (what is left there expires, and keeps nobody out). The waiters
@@ -52,11 +52,16 @@ pub(super) fn majority_view(views: &[KeyView], quorum: usize) -> KeyView {
     let waiters = reached_by(views.iter().map(|v| v.waiters).collect(), quorum).unwrap_or(0);
     let held = with(|s| s == KeyStatus::Held);
     let shared = with(|s| s == KeyStatus::Shared);
+    let either = with(|s| matches!(s, KeyStatus::Held | KeyStatus::Shared));
     let blocked = with(|s| s != KeyStatus::Free);
     let (status, seen) = if held.len() >= quorum {
         (KeyStatus::Held, held)
     } else if shared.len() >= quorum {
         (KeyStatus::Shared, shared)
+    } else if either.len() >= quorum {
+        // Held by a majority, in modes that differ from master to master (a late grant
+        // or release on some): it keeps an exclusive request out, as held does.
+        (KeyStatus::Held, either)
     } else if blocked.len() >= quorum {
         (KeyStatus::Foreign, blocked)
     } else {

@@ -62,9 +62,13 @@ for i = 2, #KEYS do
     elseif not is_shared(holds) then
       blocked = string.sub(holds, 1, 33) ~= ours
     elseif shared then
-      -- Beside other readers, unless a waiter keeps it out: no entry needs reading.
-      local held = string.find(holds, '*' .. ours, 1, true)
-      blocked = not held and reserved_before(queue, ticket_n)
+      -- Beside other readers, unless a waiter keeps it out: only the owner's own entries
+      -- need reading, to let it past the waiters when it holds the key already.
+      local at = string.find(holds, '*' .. ours, 1, true)
+      while at and reader_until(holds, at) <= now() do
+        at = string.find(holds, '*' .. ours, at + READER_LEN, true)
+      end
+      blocked = not at and reserved_before(queue, ticket_n)
     else
       local held, others = sharers(holds, owner)
       if others then
@@ -79,7 +83,14 @@ for i = 2, #KEYS do
       conflicts = conflicts + 1
       if #named < report then named[#named + 1] = KEYS[i] end
       if holds ~= '' then
-        local left = redis.call('PTTL', KEYS[i])
+        -- A shared key's ttl may outlast its holds (a long reader released): its latest
+        -- live hold's end is when it frees.
+        local left
+        if holds ~= nil and is_shared(holds) then
+          left = select(2, live_readers(holds)) - now()
+        else
+          left = redis.call('PTTL', KEYS[i])
+        end
         if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
       end
     end

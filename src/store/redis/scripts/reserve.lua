@@ -8,7 +8,8 @@ local ticket, reserve_ms = ARGV[1], tonumber(ARGV[2])
 local till = now() + reserve_ms
 each_value(1, function(i, value)
   if not value then
-    redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
+    -- NX: a key of another type also reads as no value, and stays as it is.
+    redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms, 'NX')
     return
   end
   local holds, queue = split(value)
