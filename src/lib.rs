@@ -103,8 +103,8 @@
 //! - **Re-entry and upgrades.** An owner is never kept out of its own keys: holding a key
 //!   exclusively, it takes it shared freely; holding it shared, it takes it exclusively
 //!   only while no one else holds it, and is refused at once otherwise (two readers
-//!   waiting to upgrade would wait for each other). An upgraded key stays exclusive until
-//!   the owner's last hold on it ends. [`Mode`] says the rest.
+//!   waiting to upgrade would wait for each other). When the exclusive hold ends, the key
+//!   is shared again, with the owner's shared holds. [`Mode`] says the rest.
 //!
 //! The operator's view shows a shared key as [`KeyStatus::Shared`] with its number of
 //! holds, and the metrics carry a `mode` label.

@@ -264,7 +264,8 @@ impl fmt::Display for FencingToken {
 /// keys: holding a key exclusively, it takes it shared as well; holding it shared, it
 /// takes it exclusively only while nobody else holds it (an *upgrade*), and is refused at
 /// once otherwise, without waiting: two readers that both wait to upgrade would wait for
-/// each other. An upgraded key stays exclusive until its owner's last hold on it ends.
+/// each other. A key is exclusive while one of its owner's exclusive holds lasts, and
+/// shared again, with the owner's shared holds, once the last of them ends.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Mode {
     /// Nobody else holds the key: the default, for requests that change what it names.

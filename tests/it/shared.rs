@@ -190,7 +190,8 @@ fn work(headers: &HeaderMap) -> Duration {
 ///   `x-keys` exclusively and `x-read` shared. Each works `x-work-ms` inside `inside`.
 /// - `POST /gated-read`: the `x-keys` shared, until `gate` opens.
 /// - `POST /upgrade`: the `x-keys` shared, then the handler locks them exclusively; it
-///   answers the status of that and how long it took (`x-took-ms`).
+///   answers the status of that and how long it took (`x-took-ms`). `POST
+///   /upgrade-and-back`: the same, then it releases the exclusive hold and waits for `gate`.
 /// - `POST /nested`: an outer layer holds `x-keys` exclusively, an inner one `x-read`
 ///   shared; `POST /nested-upgrade`: outer `x-read` shared, inner `x-keys` exclusively.
 fn router(locks: &Locks, inside: &Arc<Inside>, gate: &Arc<Gate>) -> Router {
@@ -210,6 +211,15 @@ fn router(locks: &Locks, inside: &Arc<Inside>, gate: &Arc<Gate>) -> Router {
         let took = started.elapsed().as_millis().to_string();
         (status, [("x-took-ms", took)])
     };
+    let upgrade_and_back = {
+        let gate = gate.clone();
+        move |lease: Lease| async move {
+            let keys: Vec<String> = lease.keys().map(str::to_owned).collect();
+            let upgraded = lease.lock(keys).await.expect("a sole reader upgrades");
+            upgraded.release().await;
+            gate.pass().await;
+        }
+    };
     let entered = |lease: Lease| async move { lease.keys().collect::<Vec<_>>().join(",") };
     Router::new()
         .route(
@@ -225,6 +235,10 @@ fn router(locks: &Locks, inside: &Arc<Inside>, gate: &Arc<Gate>) -> Router {
         .route(
             "/upgrade",
             post(upgrade).layer(locks.layer(header_keys).shared()),
+        )
+        .route(
+            "/upgrade-and-back",
+            post(upgrade_and_back).layer(locks.layer(header_keys).shared()),
         )
         .route(
             "/nested",
@@ -509,6 +523,29 @@ async fn upgrades_go_to_a_sole_reader_at_once_and_nested_layers_reenter(target: 
     assert!(took < 1000, "{name}: the refused upgrade waited {took} ms");
     gate.open();
     assert_eq!(reading.await.unwrap().status, StatusCode::OK);
+
+    // Once the upgrade ends, the key is shared again: readers come in beside the owner's
+    // remaining shared hold, writers do not.
+    let back = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, request("/upgrade-and-back", "u:3", "", 0)).await })
+    };
+    gate.wait_entered().await;
+    let other = router(&target.locks[1], &inside, &Gate::new());
+    let reader = send(&other, request("/read", "u:3", "", 0)).await;
+    assert_eq!(
+        reader.status,
+        StatusCode::OK,
+        "{name}: a reader after the upgrade ended"
+    );
+    let writer = send(&other, request("/write", "u:3", "", 0)).await;
+    assert_eq!(
+        writer.status,
+        StatusCode::CONFLICT,
+        "{name}: a writer beside the reader"
+    );
+    gate.open();
+    assert_eq!(back.await.unwrap().status, StatusCode::OK);
 
     // Nested layers share the owner: exclusive then shared re-enters, and shared then
     // exclusive upgrades, alone.

@@ -71,8 +71,9 @@ enum Holds {
     /// One owner's holds (re-entry adds more), which end together.
     Exclusive {
         owner: OwnerToken,
-        /// The owner's holds on the key: it is free when the last one is released.
-        holds: Vec<u64>,
+        /// The owner's holds on the key, each in the mode it was taken in: it is free when
+        /// the last one is released, and shared again when the last exclusive one is.
+        holds: Vec<(u64, Mode)>,
         expires_at: Instant,
     },
     /// Shared holds, each ending on its own: a reader that dies takes only its own hold
@@ -105,7 +106,11 @@ impl Holds {
                 owner,
                 holds,
                 expires_at,
-            } => *expires_at > now && *owner == holder.owner && holds.contains(&holder.hold),
+            } => {
+                *expires_at > now
+                    && *owner == holder.owner
+                    && holds.iter().any(|&(h, _)| h == holder.hold)
+            }
             Self::Shared(holds) => holds.iter().any(|&(h, until)| h == holder && until > now),
         }
     }
@@ -167,7 +172,7 @@ impl Entry {
                 }),
                 _,
             ) => {
-                holds.push(holder.hold);
+                holds.push((holder.hold, mode));
                 Holds::Exclusive {
                     owner,
                     holds,
@@ -179,22 +184,23 @@ impl Entry {
                 holds.push((holder, expires_at));
                 Holds::Shared(holds)
             }
-            // Blocks found nobody else: the owner's shared holds are upgraded.
+            // Blocks found nobody else: the owner's shared holds are carried under the
+            // exclusive one, until it ends.
             (Some(Holds::Shared(holds)), Mode::Exclusive) => {
                 let mine = holds.iter().filter(|&&(_, until)| until > now);
                 Holds::Exclusive {
                     owner: holder.owner,
                     holds: mine
                         .clone()
-                        .map(|(h, _)| h.hold)
-                        .chain([holder.hold])
+                        .map(|(h, _)| (h.hold, Mode::Shared))
+                        .chain([(holder.hold, Mode::Exclusive)])
                         .collect(),
                     expires_at: mine.map(|&(_, until)| until).fold(expires_at, Instant::max),
                 }
             }
             (None, Mode::Exclusive) => Holds::Exclusive {
                 owner: holder.owner,
-                holds: vec![holder.hold],
+                holds: vec![(holder.hold, Mode::Exclusive)],
                 expires_at,
             },
             (None, Mode::Shared) => Holds::Shared(vec![(holder, expires_at)]),
@@ -384,12 +390,27 @@ impl MemoryStore {
         let now = Instant::now();
         let released = self.each_entry(keys, now, |entry| {
             let (had, left) = match &mut entry.holds {
-                Some(Holds::Exclusive { owner, holds, .. }) if *owner == holder.owner => {
-                    let at = holds.iter().position(|&h| h == holder.hold);
+                Some(Holds::Exclusive {
+                    owner,
+                    holds,
+                    expires_at,
+                }) if *owner == holder.owner => {
+                    let at = holds.iter().position(|&(h, _)| h == holder.hold);
                     if let Some(at) = at {
                         holds.swap_remove(at);
                     }
-                    (at.is_some(), holds.len())
+                    let (owner, left) = (*owner, holds.len());
+                    // Its last exclusive hold ended: the owner's shared holds under it are
+                    // shared ones again, until the key's end, and other readers may come in.
+                    if left > 0 && holds.iter().all(|&(_, mode)| mode == Mode::Shared) {
+                        let until = *expires_at;
+                        let readers = holds
+                            .iter()
+                            .map(|&(hold, _)| (Holder { owner, hold }, until))
+                            .collect();
+                        entry.holds = Some(Holds::Shared(readers));
+                    }
+                    (at.is_some(), left)
                 }
                 Some(Holds::Shared(holds)) => {
                     let had = holds.iter().any(|&(h, _)| h == holder);

@@ -407,7 +407,19 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         holder(),
         Line::Outside
     )));
+    // Its exclusive hold ended, the key is shared again: another reader comes in.
     assert_eq!(store.release_owned(&batch, write), 1);
+    let view = store.view(&batch);
+    assert_eq!((view[0].status, view[0].holds), (KeyStatus::Shared, 1));
+    let beside = holder();
+    assert!(granted(attempt_in(
+        &store,
+        &batch,
+        SHARED,
+        beside,
+        Line::Outside
+    )));
+    assert_eq!(store.release_owned(&batch, beside), 1);
     assert_eq!(store.release_owned(&batch, read), 1);
 
     // With another reader: contention that says it is an upgrade.

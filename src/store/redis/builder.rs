@@ -37,10 +37,11 @@ use crate::store::handle::Store;
 /// release sent twice stay exact), then the reservations of waiters in line (ticket and
 /// expiry), with a `PX` expiry: `<owner>:<hold>[:<hold>...]|<ticket>/<until>...`. A key
 /// held [shared](crate::Mode::Shared) lists its holds each with its own end (Redis time in
-/// ms), so that a reader that dies takes only its own hold with it:
-/// `*<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]|<ticket>/<until>...`, the key's
-/// own expiry at least its longest hold's. The prefix itself, `lock:`, holds the namespace's fencing counter (it is never a lock: empty
-/// keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
+/// ms, 13 digits, so that every entry is 64 bytes), so that a reader that dies takes only
+/// its own hold with it: `*<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]|...`, the
+/// key's own expiry at least its longest hold's; in an exclusive value, a hold its owner
+/// took shared follows a `;`. The prefix itself, `lock:`, holds the namespace's fencing
+/// counter (it is never a lock: empty keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
 /// through `EVALSHA` and are loaded again after a `SCRIPT FLUSH` or a restart:
 ///
 /// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what

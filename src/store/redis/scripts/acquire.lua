@@ -60,7 +60,7 @@ for i = 2, #KEYS do
     elseif holds == '' then
       blocked = reserved_before(queue, ticket_n)
     elseif not is_shared(holds) then
-      blocked = string.sub(holds, 1, 33) ~= ours
+      blocked = string.sub(holds, 1, 32) ~= owner
     elseif shared then
       -- Beside other readers, unless a waiter keeps it out: only the owner's own entries
       -- need reading, to let it past the waiters when it holds the key already.
@@ -138,14 +138,19 @@ for i, parts in pairs(found) do
     -- A hold that is already there is this very acquisition, run again after a broken
     -- connection: once is enough.
     if not is_shared(holds) then
-      -- The owner's own: enter it again, in any mode.
-      if not string.find(holds, ':' .. hold, 33, true) then holds = holds .. ':' .. hold end
+      -- The owner's own: enter it again, a shared hold after ';'.
+      if not string.find(holds, hold, 34, true) then
+        holds = holds .. (shared_at(i) and ';' or ':') .. hold
+      end
     elseif shared_at(i) then
       if not string.find(holds, ':' .. hold .. '/', 1, true) then holds = holds .. reader() end
     else
-      -- An upgrade: the owner's shared holds, alone on the key, become exclusive ones.
-      if not string.find(holds, ':' .. hold .. '/', 1, true) then ids[#ids + 1] = hold end
-      holds = owner .. ':' .. table.concat(ids, ':')
+      -- An upgrade: the owner's shared holds, alone on the key, are carried under this
+      -- exclusive one, marked shared, until it ends.
+      holds = owner .. ':' .. hold
+      for _, id in ipairs(ids) do
+        if id ~= hold then holds = holds .. ';' .. id end
+      end
     end
     -- Never shortened: the key lives as long as its longest hold.
     redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')

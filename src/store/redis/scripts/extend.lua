@@ -2,8 +2,8 @@
 -- Extends the hold on every key to at least the ttl if every key still has it, and returns
 -- 1; otherwise changes nothing and returns 0: a lease that lost one key has lost the batch.
 -- On a shared key only this hold is extended: the other readers' end on their own.
-local ours, hold, ttl = ARGV[1] .. ':', ':' .. ARGV[2], tonumber(ARGV[3])
-local exact = ARGV[1] .. hold
+local owner, hold, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
 local held, shared = true, {}
 each_value(1, function(i, value)
@@ -15,8 +15,7 @@ each_value(1, function(i, value)
     held = at ~= nil and reader_until(holds, at) > now()
     shared[i] = {holds, queue, at}
   else
-    held = holds ~= nil and string.sub(holds, 1, 33) == ours
-      and string.find(holds, hold, 33, true) ~= nil
+    held = holds ~= nil and select(2, exclusive_hold(holds, owner, hold)) ~= nil
   end
 end)
 if not held then return 0 end

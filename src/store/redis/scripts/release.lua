@@ -3,8 +3,8 @@
 -- for the waiters that reserved it), so that a late release never frees a key that expired
 -- and went to someone else, nor another hold of the same owner, nor another reader's; and
 -- announces the release to waiters in other processes. Returns how many keys had the hold.
-local ours, hold = ARGV[1] .. ':', ':' .. ARGV[2]
-local exact = ARGV[1] .. hold
+local owner, hold = ARGV[1], ARGV[2]
+local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
 local released, gone = 0, {}
 each_value(1, function(i, value)
@@ -24,11 +24,20 @@ each_value(1, function(i, value)
     -- of readers that died do not pile up on a key that others keep busy.
     holds = live_readers(string.sub(holds, 1, at - 1) .. string.sub(holds, at + READER_LEN))
   else
-    if string.sub(holds, 1, 33) ~= ours then return end
-    local at = string.find(holds, hold, 33, true)
+    local _, at = exclusive_hold(holds, owner, hold)
     if not at then return end
-    holds = string.sub(holds, 1, at - 1) .. string.sub(holds, at + 17)
-    if #holds == 32 then holds = '' end
+    holds = string.sub(holds, 1, at - 2) .. string.sub(holds, at + 16)
+    if #holds == 32 then
+      holds = ''
+    elseif not string.find(holds, ':', 33, true) then
+      -- Its last exclusive hold ended: the owner's shared holds under it are shared ones
+      -- again, each until the key's end, and other readers may come in.
+      local till, readers = now() + math.max(redis.call('PTTL', KEYS[i]), 0), {}
+      for id in string.gmatch(holds, ';(%x+)') do
+        readers[#readers + 1] = reader_entry(owner, id, till)
+      end
+      holds = table.concat(readers)
+    end
   end
   released = released + 1
   if holds ~= '' then

@@ -8,11 +8,13 @@
 --
 -- <owner> is the 32 hex digits of the owner token and each <hold> the 16 hex digits of one
 -- acquisition by that owner (re-entry adds holds; the key goes with its last one). An
--- exclusive value's holds end together, with the key's PX ttl. A shared hold ends on its
--- own, at its <until> (Redis time, ms, 13 digits), so that a reader that died takes only
--- its own hold with it; the key's ttl is at least its longest hold's, and holds past their
--- <until> keep nobody out, and go with the next release of the key. A reservation is a waiter's ticket (smaller is earlier) and the
--- Redis time in milliseconds until which it counts; they are kept in ticket order, and
+-- exclusive value's holds end together, with the key's PX ttl; a hold its owner took
+-- shared follows a ';' rather than a ':', so that the key turns shared again when its
+-- last ':' hold ends. A shared hold ends on its own, at its <until> (Redis time, ms, 13
+-- digits), so that a reader that died takes only its own hold with it; the key's ttl is
+-- at least its longest hold's, and holds past their <until> keep nobody out, and go with
+-- the next release of the key. A reservation is a waiter's ticket (smaller is earlier)
+-- and the Redis time in milliseconds until which it counts; they are kept in ticket order, and
 -- keep later arrivals out whatever the modes. The key's PX ttl is its holds' when held,
 -- and its latest reservation's otherwise.
 --
@@ -21,13 +23,20 @@
 -- '*', neither a hex digit nor '|', so that the previous version's scripts take them for
 -- foreign too, rather than for free.
 
--- Whether `holds` has the form of holds: 32 hex digits, then ':' and 16 hex digits once
--- or more. Anything else (a value of another program that merely has a ':' in the same
--- place) is foreign, and never written to.
+-- Whether `holds` has the form of exclusive holds: 32 hex digits, then ':' or ';' and 16
+-- hex digits once or more. Anything else (a value of another program that merely has a
+-- ':' in the same place) is foreign, and never written to.
 local function ours_in_form(holds)
   if #holds < 49 or (#holds - 32) % 17 ~= 0 then return false end
   if string.find(string.sub(holds, 1, 32), '%X') then return false end
-  return string.gsub(string.sub(holds, 33), ':' .. string.rep('%x', 16), '') == ''
+  return string.gsub(string.sub(holds, 33), '[:;]' .. string.rep('%x', 16), '') == ''
+end
+
+-- Whether the exclusive holds `holds` belong to `owner`, and where its hold `hold` (16 hex
+-- digits) is in them, if there.
+local function exclusive_hold(holds, owner, hold)
+  if string.sub(holds, 1, 32) ~= owner then return false end
+  return true, string.find(holds, hold, 34, true)
 end
 
 -- A shared hold is one entry of 64 bytes, so that a script finds each field by its offset
