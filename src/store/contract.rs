@@ -331,7 +331,7 @@ impl Modes {
     }
 
     /// The modes of the keys at `indices`, in that order: a part of the batch.
-    #[cfg(feature = "cluster")]
+    #[cfg(feature = "redis")]
     pub(crate) fn part(&self, indices: &[usize]) -> Self {
         match self {
             Self::All(mode) => Self::All(*mode),
@@ -410,8 +410,8 @@ pub(crate) struct AcquireRequest {
 }
 
 impl AcquireRequest {
-    /// The same acquisition, of the keys at `indices`: one node's group.
-    #[cfg(feature = "cluster")]
+    /// The same acquisition, of the keys at `indices`: one node's group, or one step.
+    #[cfg(feature = "redis")]
     pub(crate) fn of(&self, indices: &[usize]) -> Self {
         Self {
             keys: indices.iter().map(|&i| self.keys[i].clone()).collect(),

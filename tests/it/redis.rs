@@ -490,6 +490,7 @@ async fn an_acquisition_run_twice_is_one_hold() {
             .arg("")
             .arg(0)
             .arg("x")
+            .arg("1")
             .invoke(&mut observer.connection())
             .unwrap();
         assert_eq!(granted, 1);
@@ -504,6 +505,116 @@ async fn an_acquisition_run_twice_is_one_hold() {
         .invoke(&mut observer.connection())
         .unwrap();
     assert_eq!(released, 1);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+}
+
+// ---------------------------------------------------------------------------------------
+// 12. Bounded stall: big batches in steps
+// ---------------------------------------------------------------------------------------
+
+/// The largest number of keys any script call carried since `SLOWLOG RESET`, with every
+/// call logged (`slowlog-log-slower-than 0`): `EVALSHA sha numkeys ...`.
+fn most_keys_a_call(observer: &Observer) -> usize {
+    let log: redis::Value = observer.cmd(redis::cmd("SLOWLOG").arg("GET").arg(-1));
+    let redis::Value::Array(entries) = log else {
+        panic!("SLOWLOG GET answers a list: {log:?}");
+    };
+    entries
+        .iter()
+        .filter_map(|entry| {
+            let redis::Value::Array(fields) = entry else {
+                return None;
+            };
+            let redis::Value::Array(args) = fields.get(3)? else {
+                return None;
+            };
+            let text = |value: &redis::Value| match value {
+                redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+                _ => None,
+            };
+            let command = text(args.first()?)?.to_ascii_lowercase();
+            (command == "evalsha" || command == "eval")
+                .then(|| text(args.get(2)?)?.parse().ok())
+                .flatten()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    observer.cmd::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-max-len")
+            .arg(100_000),
+    );
+    observer.cmd::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-log-slower-than")
+            .arg(0),
+    );
+    let store = || Redis::pool(server.pool()).step_keys(100).build().unwrap();
+    let locks = Locks::new(store()).ttl(Duration::from_secs(10));
+    let keys: Vec<String> = (0..1000).map(|i| format!("s:{i:04}")).collect();
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    // Granted and released in steps of at most 100 keys (the acquisitions add the
+    // fencing counter to their keys).
+    observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
+    let granted = send(&counting_router(&locks, &runs), batch(&keys)).await;
+    assert_eq!(granted.status, StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+    let most = most_keys_a_call(&observer);
+    assert!(
+        (90..=101).contains(&most),
+        "the largest call carried {most} keys"
+    );
+
+    // A key of the second step held elsewhere: refused, and the step before it undone.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["s:0150"])).await });
+    gate.wait_entered().await;
+    let refused = send(&counting_router(&locks, &runs), batch(&keys)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["s:0150"])
+    );
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:s:0150".to_owned()]),
+        "nothing of the refused batch is left"
+    );
+
+    // A waiter kept out at its second step keeps its place on every key of the batch,
+    // those of the step it undid and those it never tried, and gets in after the holder.
+    let waiting = Locks::new(store())
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let waiter = {
+        let (app, keys) = (counting_router(&waiting, &runs), keys.clone());
+        tokio::spawn(async move { send(&app, batch(&keys)).await })
+    };
+    let reserved = |key: &str| {
+        observer
+            .lock(key)
+            .is_some_and(|v| !v.reservations.is_empty())
+    };
+    let line = poll_every(Duration::from_millis(10), Duration::from_secs(5), || {
+        reserved("lock:s:0000") && reserved("lock:s:0500") && reserved("lock:s:0999")
+    })
+    .await;
+    assert!(line.is_some(), "the waiter reserved its whole batch");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
 

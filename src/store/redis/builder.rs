@@ -4,7 +4,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use deadpool_redis::Pool;
 
-use super::{replicas::ReplicaAck, RedisStore};
+use super::{replicas::ReplicaAck, steps::DEFAULT_STEP, RedisStore};
 use crate::store::handle::Store;
 
 /// Locks in one Redis, shared by every process that uses it with the same
@@ -101,6 +101,8 @@ pub struct Redis {
     wakeups: Option<String>,
     /// How many replicas must have a grant before it counts.
     replicas: Option<ReplicaAck>,
+    /// How many keys one script takes at most.
+    step: usize,
 }
 
 #[derive(Clone)]
@@ -120,6 +122,7 @@ impl fmt::Debug for Redis {
             .field("source", &source)
             .field("wakeups", &self.wakeups.is_some())
             .field("replicas", &self.replicas)
+            .field("step", &self.step)
             .finish()
     }
 }
@@ -134,6 +137,7 @@ impl Redis {
             wakeups: Some(url.clone()),
             source: Source::Url(url),
             replicas: None,
+            step: DEFAULT_STEP,
         }
     }
 
@@ -147,6 +151,7 @@ impl Redis {
             source: Source::Pool(pool),
             wakeups: None,
             replicas: None,
+            step: DEFAULT_STEP,
         }
     }
 
@@ -199,6 +204,28 @@ impl Redis {
         self
     }
 
+    /// How many keys one script takes at most (1,000 by default): a bigger batch is
+    /// acquired, extended and released in steps of this many keys, so that no single
+    /// script keeps Redis from its other clients for long, whatever the batch.
+    ///
+    /// Each step of an acquisition holds its keys while the next is tried, and only the
+    /// last step grants: a step that is refused releases the steps before it (a waiter in
+    /// line keeps its reservation on the whole batch). What other clients see meanwhile:
+    /// the keys of the steps taken so far, held, as they would see them a moment later
+    /// once the batch is granted; a batch that is refused at a later step held its first
+    /// steps' keys for those round trips. At about 2 µs of Redis's time a key for an
+    /// acquisition, a step of 1,000 keys keeps Redis for about 2 ms; a batch of 100,000
+    /// keys takes 100 steps, and 100 round trips, instead of one call of about 400 ms.
+    ///
+    /// # Panics
+    ///
+    /// If `keys` is zero.
+    pub fn step_keys(mut self, keys: usize) -> Self {
+        assert!(keys > 0, "a step must take at least one key");
+        self.step = keys;
+        self
+    }
+
     /// The store. The subscription opens at once when this is called inside a Tokio
     /// runtime, and otherwise when the first request waits.
     ///
@@ -222,7 +249,9 @@ impl Redis {
             .wakeups
             .map(|url| redis::Client::open(url.as_str()))
             .transpose()?;
-        let store = RedisStore::new(pool, subscriber).with_replicas(self.replicas);
+        let store = RedisStore::new(pool, subscriber)
+            .with_replicas(self.replicas)
+            .with_step(self.step);
         Ok(Store::of(Arc::new(store)))
     }
 }

@@ -31,12 +31,14 @@ use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck}
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
 use scripts::{Scripts, RAISE_FENCE, SINGLE};
+use steps::DEFAULT_STEP;
 
 pub(super) mod builder;
 mod connection;
 pub(super) mod pubsub;
 pub(super) mod replicas;
 pub(super) mod scripts;
+mod steps;
 
 /// One Redis, or one node of a Redlock or a cluster.
 pub(crate) struct RedisStore {
@@ -49,6 +51,8 @@ pub(crate) struct RedisStore {
     subscribed: OnceLock<()>,
     /// How many replicas must have a grant before it counts, if any.
     replicas: Option<ReplicaAck>,
+    /// How many keys one script takes at most (see `steps.rs`).
+    step: usize,
 }
 
 impl fmt::Debug for RedisStore {
@@ -57,6 +61,7 @@ impl fmt::Debug for RedisStore {
             .field("pool", &self.connection.status())
             .field("subscribes", &self.subscriber.is_some())
             .field("replicas", &self.replicas)
+            .field("step", &self.step)
             .finish()
     }
 }
@@ -88,6 +93,7 @@ impl RedisStore {
             subscriber,
             subscribed: OnceLock::new(),
             replicas: None,
+            step: DEFAULT_STEP,
         };
         // Built inside a runtime (the usual case), subscribe now, so that the first waiter
         // already hears of releases; otherwise on first use.
@@ -101,6 +107,12 @@ impl RedisStore {
     /// [`Redis::replicas`]).
     pub(crate) fn with_replicas(mut self, replicas: Option<ReplicaAck>) -> Self {
         self.replicas = replicas;
+        self
+    }
+
+    /// The same store, whose scripts take at most `step` keys each.
+    pub(crate) fn with_step(mut self, step: usize) -> Self {
+        self.step = step;
         self
     }
 
@@ -139,13 +151,15 @@ impl RedisStore {
     }
 
     /// Puts the reservation of the waiter with `ticket` on `keys`, for
-    /// [`RESERVATION_TTL`]: the part of a batch that the cluster store granted, before
-    /// it rolls it back, when another part kept the waiter out.
-    #[cfg(feature = "cluster")]
+    /// [`RESERVATION_TTL`], a step at a time: the part of a batch that the cluster store
+    /// or an earlier step granted, before it is rolled back, when another part kept the
+    /// waiter out.
     pub(crate) async fn reserve(&self, keys: &[String], ticket: Ticket) -> Result<(), StoreError> {
-        let mut script = self.scripts.prepare(&self.scripts.reserve, keys);
-        script.arg(ticket.get()).arg(millis(RESERVATION_TTL));
-        self.invoke::<i64>(&script).await?;
+        for step in keys.chunks(self.step) {
+            let mut script = self.scripts.prepare(&self.scripts.reserve, step);
+            script.arg(ticket.get()).arg(millis(RESERVATION_TTL));
+            self.invoke::<i64>(&script).await?;
+        }
         Ok(())
     }
 
@@ -194,102 +208,140 @@ impl RedisStore {
             }
         }
     }
+
+    /// One script of an acquisition: the whole batch, or one step of it, which counts the
+    /// grant when `count` (the last step).
+    async fn acquire_step(
+        &self,
+        request: &AcquireRequest,
+        count: bool,
+    ) -> Result<Acquire, StoreError> {
+        let (keys, line) = (&*request.keys, request.line);
+        let mut script = self.scripts.acquire.prepare_invoke();
+        if self.scripts.keys_as_args {
+            // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
+            script.arg(keys.len() + 1).arg("").arg(keys);
+        } else {
+            script.key(&*request.namespace).key(keys);
+        }
+        script
+            .arg(request.holder.owner.as_hex())
+            .arg(request.holder.hold_hex())
+            .arg(millis(request.ttl))
+            .arg(request.report)
+            .arg(match line {
+                Line::Outside => String::new(),
+                Line::At(ticket) => ticket.get().to_string(),
+                // Earlier than every ticket: no reservation keeps it out.
+                Line::Holder => "0".to_owned(),
+            })
+            .arg(match line {
+                Line::At(_) => millis(RESERVATION_TTL),
+                Line::Outside | Line::Holder => 0,
+            })
+            .arg(request.modes.script_arg())
+            .arg(if count { "1" } else { "0" });
+        let (granted, count, earliest, named, upgrade): AcquireReply = match self.replicas {
+            None => self.invoke(&script).await?,
+            Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
+        };
+        if granted == 1 {
+            let fence = u64::try_from(count).map_err(|_| {
+                let counter = &request.namespace;
+                StoreError::unknown(format!("the fencing counter {counter:?} is negative"))
+            })?;
+            return Ok(Acquire::Granted(FencingToken::new(fence)));
+        }
+        Ok(Acquire::Held(Contention {
+            keys: named,
+            total: usize::try_from(count).unwrap_or(1),
+            // -1: no conflicting key had a ttl the script could read.
+            earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
+            upgrade: upgrade == 1,
+        }))
+    }
 }
 
 impl LockStore for RedisStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
-            let (keys, line) = (&*request.keys, request.line);
-            let mut script = self.scripts.acquire.prepare_invoke();
-            if self.scripts.keys_as_args {
-                // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
-                script.arg(keys.len() + 1).arg("").arg(keys);
+            if request.keys.len() <= self.step {
+                self.acquire_step(request, true).await
             } else {
-                script.key(&*request.namespace).key(keys);
+                self.acquire_in_steps(request).await
             }
-            script
-                .arg(request.holder.owner.as_hex())
-                .arg(request.holder.hold_hex())
-                .arg(millis(request.ttl))
-                .arg(request.report)
-                .arg(match line {
-                    Line::Outside => String::new(),
-                    Line::At(ticket) => ticket.get().to_string(),
-                    // Earlier than every ticket: no reservation keeps it out.
-                    Line::Holder => "0".to_owned(),
-                })
-                .arg(match line {
-                    Line::At(_) => millis(RESERVATION_TTL),
-                    Line::Outside | Line::Holder => 0,
-                })
-                .arg(request.modes.script_arg());
-            let (granted, count, earliest, named, upgrade): AcquireReply = match self.replicas {
-                None => self.invoke(&script).await?,
-                Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
-            };
-            if granted == 1 {
-                let fence = u64::try_from(count).map_err(|_| {
-                    let counter = &request.namespace;
-                    StoreError::unknown(format!("the fencing counter {counter:?} is negative"))
-                })?;
-                return Ok(Acquire::Granted(FencingToken::new(fence)));
-            }
-            Ok(Acquire::Held(Contention {
-                keys: named,
-                total: usize::try_from(count).unwrap_or(1),
-                // -1: no conflicting key had a ttl the script could read.
-                earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
-                upgrade: upgrade == 1,
-            }))
         })
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
         Box::pin(async move {
-            let mut script = self.scripts.prepare(&self.scripts.extend, keys);
-            script
-                .arg(holder.owner.as_hex())
-                .arg(holder.hold_hex())
-                .arg(millis(ttl));
-            Ok(self.invoke::<i64>(&script).await? == 1)
+            // A step that lost a key ends it: the lease is lost, and the keys extended
+            // before are released with it.
+            for step in keys.chunks(self.step) {
+                let mut script = self.scripts.prepare(&self.scripts.extend, step);
+                script
+                    .arg(holder.owner.as_hex())
+                    .arg(holder.hold_hex())
+                    .arg(millis(ttl));
+                if self.invoke::<i64>(&script).await? != 1 {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
         })
     }
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut script = self.scripts.prepare(&self.scripts.release, keys);
-            script.arg(holder.owner.as_hex()).arg(holder.hold_hex());
-            self.invoke_announcing(script, keys).await
+            let mut released = 0;
+            for step in keys.chunks(self.step) {
+                let mut script = self.scripts.prepare(&self.scripts.release, step);
+                script.arg(holder.owner.as_hex()).arg(holder.hold_hex());
+                released += self.invoke_announcing(script, step).await?;
+            }
+            Ok(released)
         })
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut script = self.scripts.prepare(&self.scripts.withdraw, keys);
-            script.arg(ticket.get());
-            self.invoke_announcing(script, keys).await
+            let mut withdrawn = 0;
+            for step in keys.chunks(self.step) {
+                let mut script = self.scripts.prepare(&self.scripts.withdraw, step);
+                script.arg(ticket.get());
+                withdrawn += self.invoke_announcing(script, step).await?;
+            }
+            Ok(withdrawn)
         })
     }
 
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
         Box::pin(async move {
-            let script = self.scripts.prepare(&self.scripts.inspect, keys);
-            let reply: Vec<i64> = self.invoke(&script).await?;
-            if reply.len() != keys.len() * 4 {
-                return Err(StoreError::unknown(format!(
-                    "the inspect script answered {} numbers for {} keys",
-                    reply.len(),
-                    keys.len()
-                )));
+            let mut views = Vec::with_capacity(keys.len());
+            for step in keys.chunks(self.step) {
+                let script = self.scripts.prepare(&self.scripts.inspect, step);
+                let reply: Vec<i64> = self.invoke(&script).await?;
+                if reply.len() != step.len() * 4 {
+                    return Err(StoreError::unknown(format!(
+                        "the inspect script answered {} numbers for {} keys",
+                        reply.len(),
+                        step.len()
+                    )));
+                }
+                views.extend(reply.chunks_exact(4).map(key_view));
             }
-            Ok(reply.chunks_exact(4).map(key_view).collect())
+            Ok(views)
         })
     }
 
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
         Box::pin(async move {
-            let script = self.scripts.prepare(&self.scripts.force_release, keys);
-            self.invoke_announcing(script, keys).await
+            let mut released = 0;
+            for step in keys.chunks(self.step) {
+                let script = self.scripts.prepare(&self.scripts.force_release, step);
+                released += self.invoke_announcing(script, step).await?;
+            }
+            Ok(released)
         })
     }
 

@@ -25,8 +25,8 @@ pub(crate) struct Scripts {
     pub(super) inspect: Script,
     /// Ends every hold on keys, whoever has it, and announces it.
     pub(super) force_release: Script,
-    /// Puts a waiter's reservation on keys (the cluster store's refused batches).
-    #[cfg(feature = "cluster")]
+    /// Puts a waiter's reservation on keys (the keys of a refused batch that a cluster
+    /// group or an earlier step took).
     pub(super) reserve: Script,
     /// Whether the keys go as arguments (a group of a batch on a cluster node) rather than
     /// as declared keys.
@@ -45,7 +45,6 @@ impl Scripts {
             withdraw: script(include_str!("scripts/withdraw.lua")),
             inspect: script(include_str!("scripts/inspect.lua")),
             force_release: script(include_str!("scripts/force_release.lua")),
-            #[cfg(feature = "cluster")]
             reserve: script(include_str!("scripts/reserve.lua")),
             keys_as_args,
         }

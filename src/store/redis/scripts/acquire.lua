@@ -3,7 +3,8 @@
 -- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
 -- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
 -- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing), the
--- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key).
+-- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
+-- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`).
 -- Returns {1, fencing token, -1, {}, 0} when granted, and otherwise
 -- {0, number of conflicting keys, earliest pttl among the held ones or -1, {named keys},
 -- 1 if a conflict is an upgrade the owner's fellow readers keep out, else 0}.
@@ -157,4 +158,4 @@ for i, parts in pairs(found) do
     redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
   end
 end
-return {1, counts_grants and count_grant(KEYS[1]) or 0, -1, {}, 0}
+return {1, counts_grants and ARGV[8] == '1' and count_grant(KEYS[1]) or 0, -1, {}, 0}

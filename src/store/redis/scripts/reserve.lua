@@ -1,9 +1,10 @@
 -- KEYS: keys of a batch. ARGV: the waiter's ticket, reservation ttl (ms).
 -- Puts (or renews) the waiter's reservation on every key, held or free, as a refused
 -- acquisition of a waiter in line does; foreign values are left alone. For a batch that
--- one store (the cluster's) refused after part of it was granted: the granted part keeps
--- the waiter's place in line as the refused part does, reserved before it is rolled back
--- (a release keeps a key's reservations), so that it is never free of both in between.
+-- was refused after part of it was granted (by a cluster group, or an earlier step): the
+-- granted part keeps the waiter's place in line as the refused part does, reserved before
+-- it is rolled back (a release keeps a key's reservations), so that it is never free of
+-- both in between; and the steps not tried yet are reserved too.
 local ticket, reserve_ms = ARGV[1], tonumber(ARGV[2])
 local till = now() + reserve_ms
 each_value(1, function(i, value)
