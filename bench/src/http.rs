@@ -27,6 +27,7 @@ use http::{request::Parts, HeaderMap, StatusCode};
 use redis::aio::MultiplexedConnection;
 use redis::Script;
 use serde_json::{json, Value};
+use tower::limit::ConcurrencyLimitLayer;
 use tower_batch_lock::Locks;
 
 use crate::{
@@ -41,6 +42,10 @@ pub(crate) const CONNECTIONS: usize = 16;
 /// A run stops at whichever comes first: its duration or this many requests.
 pub(crate) const MAX_REQUESTS: u64 = 1_000_000;
 const TTL: Duration = Duration::from_secs(30);
+/// tower's `ConcurrencyLimitLayer` in the in-process loop: the anchor of the layer's own
+/// cost. The loop sends one request at a time, so the limit is never reached and the
+/// figure is the permit's bookkeeping alone.
+const CONCURRENCY_LIMIT: usize = 1_024;
 
 #[derive(Debug, Clone, Copy)]
 struct Route {
@@ -298,9 +303,10 @@ fn check_statuses(cases: &[(Route, bool)], outcomes: &[Vec<Outcome>]) -> Result<
     Ok(())
 }
 
-/// What the memory layer costs a request without the network: bare axum and the layered
-/// route called with `oneshot` in a loop, on one task, taking turns. Whether a metrics
-/// recorder is installed is up to the caller.
+/// What the memory layer costs a request without the network, next to what tower's
+/// `ConcurrencyLimit` costs: bare axum, the limited route and the layered route called with
+/// `oneshot` in a loop, on one task, taking turns. Whether a metrics recorder is installed is
+/// up to the caller.
 async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
     let (reps, limit) = if quick {
         (1, Duration::from_millis(200))
@@ -310,6 +316,13 @@ async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
     let memory = Locks::new(Store::isolated_memory()).ttl(TTL);
     let routers = [
         ("bare axum", Router::new().route("/", get(ok))),
+        (
+            "tower ConcurrencyLimit",
+            Router::new().route(
+                "/",
+                get(ok).layer(ConcurrencyLimitLayer::new(CONCURRENCY_LIMIT)),
+            ),
+        ),
         (
             "layer, memory, 1 key",
             Router::new().route("/", get(ok).layer(memory.layer(one_key))),
@@ -348,29 +361,44 @@ async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
     }
     Ok(InProcess {
         bare_ns: median(per_request[0].clone()),
-        layer_ns: median(per_request[1].clone()),
+        concurrency_limit_ns: median(per_request[1].clone()),
+        layer_ns: median(per_request[2].clone()),
     })
 }
 
 /// Nanoseconds a request, each the median of its runs.
 struct InProcess {
     bare_ns: f64,
+    concurrency_limit_ns: f64,
     layer_ns: f64,
 }
 
+impl InProcess {
+    fn to_json(&self) -> Value {
+        let ns = |value: f64| stats::round(value, 0);
+        let layer_adds = self.layer_ns - self.bare_ns;
+        let limit_adds = self.concurrency_limit_ns - self.bare_ns;
+        json!({
+            "bare_ns_per_request": ns(self.bare_ns),
+            "layer_memory_ns_per_request": ns(self.layer_ns),
+            "layer_adds_ns": ns(layer_adds),
+            "concurrency_limit_ns_per_request": ns(self.concurrency_limit_ns),
+            "concurrency_limit_adds_ns": ns(limit_adds),
+            // A limit that measured no slower than bare axum leaves nothing to divide by.
+            "layer_adds_over_concurrency_limit_adds":
+                (limit_adds > 0.0).then(|| stats::round(layer_adds / limit_adds, 2)),
+        })
+    }
+}
+
 fn in_process_json(plain: &InProcess, recorded: &InProcess) -> Value {
-    let ns = |value: f64| stats::round(value, 0);
-    json!({
-        "method": "Router::oneshot in a loop on one task, no network; bare axum and the memory layer taking turns, median of the runs; then, once a metrics recorder (metrics-exporter-prometheus) is installed, both again",
-        "bare_ns_per_request": ns(plain.bare_ns),
-        "layer_memory_ns_per_request": ns(plain.layer_ns),
-        "layer_adds_ns": ns(plain.layer_ns - plain.bare_ns),
-        "with_recorder": {
-            "bare_ns_per_request": ns(recorded.bare_ns),
-            "layer_memory_ns_per_request": ns(recorded.layer_ns),
-            "layer_adds_ns": ns(recorded.layer_ns - recorded.bare_ns),
-        },
-    })
+    let mut figures = plain.to_json();
+    figures["method"] = json!(format!(
+        "Router::oneshot in a loop on one task, no network; bare axum, the route behind tower's ConcurrencyLimitLayer (limit {CONCURRENCY_LIMIT}, never reached: one request at a time) and the route behind the memory layer taking turns, median of the runs; a route's added cost = its median - bare axum's; then, once a metrics recorder (metrics-exporter-prometheus) is installed, all three again"
+    ));
+    figures["concurrency_limit"] = json!(CONCURRENCY_LIMIT);
+    figures["with_recorder"] = recorded.to_json();
+    figures
 }
 
 /// The generator on a thread and a runtime of its own, as a separate client would be.
@@ -551,7 +579,8 @@ fn crate_script(body: &str) -> Script {
 }
 
 /// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
-/// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl.
+/// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl, modes
+/// ('x': the whole batch exclusive).
 static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/acquire.lua")));
 
@@ -577,7 +606,7 @@ impl Hand {
         let owner = uuid::Uuid::new_v4().simple().to_string();
         let hold = format!("{:016x}", fastrand::u64(..));
         let mut conn = self.conn.clone();
-        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>)> = ACQUIRE
+        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>, i64)> = ACQUIRE
             .key("hand:")
             .key(&keys)
             .arg(&owner)
@@ -587,6 +616,7 @@ impl Hand {
             // A request that does not wait: in no line, reserving nothing.
             .arg("")
             .arg(0)
+            .arg("x")
             .invoke_async(&mut conn)
             .await;
         match acquired {

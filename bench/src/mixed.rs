@@ -8,6 +8,9 @@
 //! moment when no retail order holds any of them, which hardly ever comes; with it, its
 //! reservations hold back the retail orders that come after it, and it is granted once
 //! those before it end. The question is how soon, and what that costs the retail clients.
+//! On memory and Redis the retail load also runs alone, with fair waiting and no purchase
+//! order, just before the runs with them: what purchase orders cost the retail p99 is a
+//! ratio against that run, not against a figure from another day.
 //!
 //! Each case gets a server, a store and empty Redis servers of its own, so that no case
 //! inherits another's locks or reservations. The server runs in this process on
@@ -75,6 +78,9 @@ type Granted = Arc<Mutex<HashMap<u32, Instant>>>;
 struct Store<'a> {
     name: &'static str,
     servers: Vec<&'a RedisServer>,
+    /// Whether the retail load also runs alone, as the baseline of its p99 under purchase
+    /// orders. Redlock does without: the target is on Redis, and memory is cheap.
+    retail_alone: bool,
 }
 
 impl Store<'_> {
@@ -114,43 +120,65 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
         Store {
             name: "memory",
             servers: vec![],
+            retail_alone: true,
         },
         Store {
             name: "Redis",
             servers: vec![server],
+            retail_alone: true,
         },
         Store {
             name: "Redlock (3 masters)",
             servers: trio.iter().collect(),
+            retail_alone: false,
         },
     ];
-    // Fair and not fair back to back on each store, so that their ratio compares runs on
-    // the same moment of the machine.
-    let total = stores.len() * 2;
+    // On each store the retail load alone (where it runs), then fair and not fair, back to
+    // back, so that each ratio compares runs next to each other, on the same moment of the
+    // machine.
+    let total = stores.len() * 2 + stores.iter().filter(|s| s.retail_alone).count();
     let mut cases = Vec::new();
     for store in &stores {
-        for fair in [true, false] {
+        let alone = store.retail_alone.then_some((true, 0));
+        for (fair, orders) in alone
+            .into_iter()
+            .chain([(true, purchases), (false, purchases)])
+        {
             let label = format!(
-                "mixed {}/{total} {}, fair waiting {}",
+                "mixed {}/{total} {}, fair waiting {}{}",
                 cases.len() + 1,
                 store.name,
-                if fair { "on" } else { "off" }
+                if fair { "on" } else { "off" },
+                if orders == 0 {
+                    ", no purchase orders"
+                } else {
+                    ""
+                }
             );
             let locks = store.empty()?;
-            let figures = case(locks, fair, purchases, warmup, length, label)
+            let figures = case(locks, fair, orders, warmup, length, label)
                 .await
                 .map_err(|error| format!("{}, fair {fair}: {error}", store.name))?;
-            let mut case = json!({ "store": store.name, "fair": fair });
+            let mut case =
+                json!({ "store": store.name, "fair": fair, "retail_alone": orders == 0 });
             if let (Value::Object(case), Value::Object(figures)) = (&mut case, figures) {
                 case.extend(figures);
             }
             cases.push(case);
         }
     }
+    let retail_p99_ratios: Vec<Value> = stores
+        .iter()
+        .filter(|store| store.retail_alone)
+        .map(|store| {
+            let ratio = retail_p99_ratio(&cases, store.name).map(|r| stats::round(r, 3));
+            json!({ "store": store.name, "with_purchase_orders_over_without": ratio })
+        })
+        .collect();
     let targets = targets(&stores, &cases);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; {RETAIL_CLIENTS} retail clients (keep-alive connections) post orders of 1-{RETAIL_SKUS} random skus of {CATALOGUE} back to back; a purchase order of all {CATALOGUE} every {} s from {} s on, each on a connection of its own; keys from keys::json; every request waits up to {} s (Wait::up_to, fair or not) and holds its keys {} ms (a sleep); the clients on a thread and runtime of their own; time to grant = from sending a purchase order (connection already open) until its handler starts; retail requests/s counts 2xx answers, retail latencies cover every answer; a new store per case, its Redis servers flushed",
+            "axum on 127.0.0.1:0 in the bench process; {RETAIL_CLIENTS} retail clients (keep-alive connections) post orders of 1-{RETAIL_SKUS} random skus of {CATALOGUE} back to back; a purchase order of all {CATALOGUE} every {} s from {} s on, each on a connection of its own; keys from keys::json; every request waits up to {} s (Wait::up_to, fair or not) and holds its keys {} ms (a sleep); the clients on a thread and runtime of their own; time to grant = from sending a purchase order (connection already open) until its handler starts; retail requests/s counts 2xx answers, retail latencies cover every answer; a new store per case, its Redis servers flushed; on memory and Redis the same retail load also runs alone (fair, no purchase order, same length), just before the runs with them: retail p99 ratio = p99 with purchase orders (fair) / p99 of that run",
             PURCHASE_EVERY.as_secs_f64(),
             FIRST_PURCHASE.as_secs_f64(),
             WAIT_BOUND.as_secs(),
@@ -166,6 +194,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
         "purchase_orders_per_run": purchases,
         "run_seconds": length.as_secs_f64(),
         "cases": cases,
+        "retail_p99_ratios": retail_p99_ratios,
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
     }))
 }
@@ -386,15 +415,24 @@ fn ms_text(ms: &Value) -> String {
     })
 }
 
+/// The case of `store` with purchase orders, fair or not, or the retail load alone.
+fn find<'a>(cases: &'a [Value], store: &str, fair: bool, alone: bool) -> Option<&'a Value> {
+    cases
+        .iter()
+        .find(|c| c["store"] == store && c["fair"] == fair && c["retail_alone"] == alone)
+}
+
+/// Retail p99 with purchase orders (fair) over retail p99 alone, on `store`.
+fn retail_p99_ratio(cases: &[Value], store: &str) -> Option<f64> {
+    let p99 = |alone: bool| find(cases, store, true, alone)?["retail_p99_ms"].as_f64();
+    Some(p99(false)? / p99(true)?)
+}
+
 fn targets(stores: &[Store<'_>], cases: &[Value]) -> Vec<Target> {
     let mut targets = Vec::new();
     for store in stores {
         let name = store.name;
-        let case = |fair: bool| {
-            cases
-                .iter()
-                .find(|c| c["store"] == name && c["fair"] == fair)
-        };
+        let case = |fair: bool| find(cases, name, fair, false);
         let fair = case(true);
         let figure = |field: &str| fair.and_then(|c| c[field].as_f64());
         let rps =
@@ -423,6 +461,13 @@ fn targets(stores: &[Store<'_>], cases: &[Value]) -> Vec<Target> {
                 0.8,
             ),
         ]);
+        if store.retail_alone {
+            targets.push(Target::at_most(
+                &format!("mixed, {name}, fair: retail p99 with purchase orders / without"),
+                retail_p99_ratio(cases, name),
+                1.5,
+            ));
+        }
     }
     targets
 }

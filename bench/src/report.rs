@@ -368,37 +368,65 @@ fn recorded(out: &mut String, cases: &[Value]) {
     );
 }
 
+/// The cost of a request without the network: bare axum, tower's `ConcurrencyLimit` and the
+/// memory layer, without and with a metrics recorder.
 fn in_process(out: &mut String, http: &Value) {
     let figures = &http["in_process"];
-    let (Some(bare), Some(layered)) = (
-        figures["bare_ns_per_request"].as_f64(),
-        figures["layer_memory_ns_per_request"].as_f64(),
-    ) else {
+    if figures["bare_ns_per_request"].as_f64().is_none() {
         return;
-    };
-    let _ = write!(
-        out,
-        "\nWithout the network (`oneshot` in a loop on one task), bare axum takes {} a request \
-         and the memory layer {}: the layer adds {}.",
-        duration(bare / 1e6),
-        duration(layered / 1e6),
-        duration((layered - bare) / 1e6),
-    );
+    }
     let recorded = &figures["with_recorder"];
-    if let (Some(bare), Some(layered)) = (
-        recorded["bare_ns_per_request"].as_f64(),
-        recorded["layer_memory_ns_per_request"].as_f64(),
-    ) {
-        let _ = write!(
+    let _ = writeln!(
+        out,
+        "\nWithout the network: `oneshot` in a loop on one task, the routes taking turns, median \
+         of the runs; added: over bare axum in the same runs; with a metrics recorder: the three \
+         again once one was installed (metrics-exporter-prometheus):\n"
+    );
+    let _ = writeln!(
+        out,
+        "| route | per request | added | with a metrics recorder | added |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: |");
+    let ns = |value: &Value| {
+        value
+            .as_f64()
+            .map_or("–".to_owned(), |ns| duration(ns / 1e6))
+    };
+    let limit = format!(
+        "tower `ConcurrencyLimit` ({})",
+        figures["concurrency_limit"]
+            .as_u64()
+            .map_or("?".to_owned(), thousands)
+    );
+    for (route, per_request, adds) in [
+        ("bare axum", "bare_ns_per_request", None),
+        (
+            limit.as_str(),
+            "concurrency_limit_ns_per_request",
+            Some("concurrency_limit_adds_ns"),
+        ),
+        (
+            "layer, memory, 1 key",
+            "layer_memory_ns_per_request",
+            Some("layer_adds_ns"),
+        ),
+    ] {
+        let added = |figures: &Value| adds.map_or("–".to_owned(), |field| ns(&figures[field]));
+        let _ = writeln!(
             out,
-            " With a metrics recorder installed, the memory layer takes {} (bare axum, measured \
-             again alongside it, {}): the layer adds {}.",
-            duration(layered / 1e6),
-            duration(bare / 1e6),
-            duration((layered - bare) / 1e6),
+            "| {route} | {} | {} | {} | {} |",
+            ns(&figures[per_request]),
+            added(figures),
+            ns(&recorded[per_request]),
+            added(recorded),
         );
     }
-    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "\nThe layer adds {} what `ConcurrencyLimit` adds ({} with a metrics recorder).",
+        ratio(&figures["layer_adds_over_concurrency_limit_adds"]),
+        ratio(&recorded["layer_adds_over_concurrency_limit_adds"]),
+    );
 }
 
 fn field(out: &mut String, field: &Value) {
@@ -474,18 +502,26 @@ fn mixed(out: &mut String, mixed: &Value) {
     );
     for case in cases {
         let ms = |field: &str| case[field].as_f64().map_or("–".to_owned(), duration);
+        let alone = case["retail_alone"].as_bool() == Some(true);
         let _ = writeln!(
             out,
-            "| {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             text(&case["store"]),
             if case["fair"].as_bool() == Some(true) {
                 "yes"
             } else {
                 "no"
             },
-            case["purchase_granted"],
-            case["purchase_orders"],
-            case["purchase_5xx"],
+            if alone {
+                "none sent".to_owned()
+            } else {
+                format!("{} / {}", case["purchase_granted"], case["purchase_orders"])
+            },
+            if alone {
+                "–".to_owned()
+            } else {
+                case["purchase_5xx"].to_string()
+            },
             ms("purchase_grant_p50_ms"),
             ms("purchase_grant_max_ms"),
             thousands(case["retail_requests_per_second"].as_f64().unwrap_or(0.0) as u64),
@@ -493,6 +529,50 @@ fn mixed(out: &mut String, mixed: &Value) {
             ms("retail_p99_ms"),
             thousands(case["retail_409"].as_u64().unwrap_or(0)),
             thousands(case["retail_5xx"].as_u64().unwrap_or(0)),
+        );
+    }
+    retail_alone(out, mixed, cases);
+}
+
+/// Retail figures with purchase orders (fair) next to those of the retail load alone.
+fn retail_alone(out: &mut String, mixed: &Value, cases: &[Value]) {
+    let Some(ratios) = mixed["retail_p99_ratios"].as_array() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nWhat purchase orders cost the retail clients: the same retail load alone (fair, no \
+         purchase order, a store of its own), just before the fair run with them:\n"
+    );
+    let _ = writeln!(
+        out,
+        "| store | retail requests/s with / without | retail p50 with / without | retail p99 with / without | p99 with ÷ without |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: |");
+    for ratio_row in ratios {
+        let store = &ratio_row["store"];
+        let find = |alone: bool| {
+            cases.iter().find(|c| {
+                &c["store"] == store
+                    && c["fair"] == true
+                    && (c["retail_alone"].as_bool() == Some(true)) == alone
+            })
+        };
+        let pair = |field: &str, show: &dyn Fn(f64) -> String| {
+            let cell = |case: Option<&Value>| {
+                case.and_then(|c| c[field].as_f64())
+                    .map_or("–".to_owned(), show)
+            };
+            format!("{} / {}", cell(find(false)), cell(find(true)))
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            text(store),
+            pair("retail_requests_per_second", &|r| thousands(r as u64)),
+            pair("retail_p50_ms", &duration),
+            pair("retail_p99_ms", &duration),
+            ratio(&ratio_row["with_purchase_orders_over_without"]),
         );
     }
 }
