@@ -616,7 +616,9 @@ impl Hand {
             // A request that does not wait: in no line, reserving nothing.
             .arg("")
             .arg(0)
+            // Exclusive, and counting the grant, as the layer's one-step batches do.
             .arg("x")
+            .arg("1")
             .invoke_async(&mut conn)
             .await;
         match acquired {

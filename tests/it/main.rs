@@ -70,7 +70,10 @@
 //! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
 //!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
 //!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.
-//! 12. **Bounded stall**: no test yet.
+//! 12. **Bounded stall**: `redis::a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line`
+//!     (one Redis, steps of 100 keys: no call carries more, a refusal at a later step leaves
+//!     nothing, a waiter reserves its whole batch), and the step count of
+//!     `cluster::a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all`.
 
 mod support;
 

@@ -4,7 +4,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use deadpool_redis::Pool;
 
-use super::{replicas::ReplicaAck, steps::DEFAULT_STEP, RedisStore};
+use super::{replicas::ReplicaAck, RedisStore, DEFAULT_STEP};
 use crate::store::handle::Store;
 
 /// Locks in one Redis, shared by every process that uses it with the same

@@ -20,12 +20,6 @@ use super::{
     RedisStore,
 };
 
-/// Keys a script takes at most, unless the store says otherwise: about 2 ms of Redis's time
-/// for an acquisition on the machine the bench ran on (1.7-3.7 µs a key, measured with
-/// `cargo run --release --manifest-path bench/Cargo.toml -- batch`), and few enough round
-/// trips that a batch of 3,000 keys takes 3 of them.
-pub(super) const DEFAULT_STEP: usize = 1000;
-
 impl RedisStore {
     /// Acquires a batch larger than a step, a step at a time (see the module docs).
     pub(super) async fn acquire_in_steps(
