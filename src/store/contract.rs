@@ -197,7 +197,10 @@ impl Line {
 /// Tokens strictly increase across every grant that shares any key: with Redis there is one
 /// counter per key namespace (the prefix), in memory one per store, and Redlock brings a
 /// majority of its masters up to each token it hands out
-/// ([`Redlock`](crate::store::Redlock) says how).
+/// ([`Redlock`](crate::store::Redlock) says how). With Redlock alone, two
+/// [shared](Mode::Shared) grants made at the same time may get the same token (each is the
+/// largest of the masters' counters it saw); readers do not write, and a writer's token
+/// is larger than both.
 ///
 /// # Across restarts and failovers
 ///
