@@ -28,7 +28,9 @@ type Id = (String, Vec<(String, String)>);
 /// here, and every test reads the sum under its own labels: layer names and routes that no
 /// other test uses.
 struct Recorded {
-    snapshotter: Snapshotter,
+    /// Held from a snapshot until what it read is added up: a test that refreshes while
+    /// another test's snapshot is on its way to the sums would read them without it.
+    snapshotter: Mutex<Snapshotter>,
     counters: Mutex<BTreeMap<Id, u64>>,
     gauges: Mutex<BTreeMap<Id, f64>>,
     histograms: Mutex<BTreeMap<Id, Vec<f64>>>,
@@ -45,7 +47,7 @@ fn recorded() -> &'static Recorded {
             .install()
             .expect("the only recorder of this binary");
         Recorded {
-            snapshotter,
+            snapshotter: Mutex::new(snapshotter),
             counters: Mutex::default(),
             gauges: Mutex::default(),
             histograms: Mutex::default(),
@@ -57,7 +59,8 @@ fn recorded() -> &'static Recorded {
 
 impl Recorded {
     fn refresh(&self) {
-        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+        let snapshotter = self.snapshotter.lock().unwrap();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
             let key = key.key();
             let mut labels: Vec<(String, String)> = key
                 .labels()
