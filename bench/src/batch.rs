@@ -132,19 +132,21 @@ impl Algorithm {
         }
     }
 
-    /// Which call of a cycle over `keys` keys a SLOWLOG entry's arguments are, if it is one
-    /// of those [`Self::longest_command`] reports.
-    fn call_kind(self, args: &[String], keys: usize) -> Option<&'static str> {
+    /// Which call of a cycle a SLOWLOG entry's arguments are, if it is one of those
+    /// [`Self::longest_command`] reports.
+    fn call_kind(self, args: &[String]) -> Option<&'static str> {
         let command = args.first()?.to_ascii_lowercase();
         match self {
-            Self::Crate if command == "evalsha" || command == "eval" => {
-                // `EVALSHA sha numkeys key...`: acquire names the fencing counter before the
-                // batch, release the batch alone.
-                let numkeys: usize = args.get(2)?.parse().ok()?;
-                match numkeys.checked_sub(keys)? {
-                    0 => Some("release"),
-                    1 => Some("acquire"),
-                    _ => None,
+            // The crate's scripts take a big batch in steps (`Redis::step_keys`), each a
+            // call of its own: their hashes tell them apart, whatever the keys of a call.
+            Self::Crate if command == "evalsha" => {
+                let sha = args.get(1)?;
+                if *sha == crate::http::ACQUIRE.get_hash() {
+                    Some("acquire")
+                } else if *sha == crate::http::RELEASE.get_hash() {
+                    Some("release")
+                } else {
+                    None
                 }
             }
             Self::Pipelined if command == "del" => Some("DEL"),
@@ -255,7 +257,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
             FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
-            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's acquire (numkeys n + 1) and release (numkeys n) scripts, the peers' acquire and release scripts (told apart by their hashes) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
+            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
         },
         "ttl_ms": TTL.as_millis() as u64,
@@ -397,7 +399,6 @@ async fn slowlog_cycles(
     cycle: &Cycle,
     conn: &mut deadpool_redis::Connection,
 ) -> Result<BTreeMap<&'static str, u64>, String> {
-    let keys = cycle.stored.len();
     let mut longest = BTreeMap::new();
     for _ in 0..LONGEST_CYCLES {
         redis::cmd("SLOWLOG")
@@ -413,7 +414,7 @@ async fn slowlog_cycles(
             .await
             .map_err(redis_error)?;
         for (_, _, micros, args, _, _) in entries {
-            if let Some(kind) = cycle.algorithm.call_kind(&args, keys) {
+            if let Some(kind) = cycle.algorithm.call_kind(&args) {
                 let max = longest.entry(kind).or_insert(0);
                 *max = micros.max(*max);
             }

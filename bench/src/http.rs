@@ -580,12 +580,13 @@ fn crate_script(body: &str) -> Script {
 
 /// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
 /// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl, modes
-/// ('x': the whole batch exclusive).
-static ACQUIRE: LazyLock<Script> =
+/// ('x': the whole batch exclusive), '1' to count the grant. The crate's own, byte for byte
+/// (the batch section tells its calls apart by this hash).
+pub(crate) static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/acquire.lua")));
 
 /// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
-static RELEASE: LazyLock<Script> =
+pub(crate) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/release.lua")));
 
 impl Hand {
