@@ -28,7 +28,8 @@ impl RedisStore {
     ) -> Result<Acquire, StoreError> {
         let total = request.keys.len();
         let mut taken = 0;
-        while taken < total {
+        // Ends with the last step's answer, or with a refusal or failure before it.
+        loop {
             let step = taken..(taken + self.step).min(total);
             let last = step.end == total;
             let part = request.of(&step.clone().collect::<Vec<_>>());
@@ -53,7 +54,6 @@ impl RedisStore {
                 }
             }
         }
-        unreachable!("the last step returns")
     }
 
     /// Undoes the steps before `refused`: a waiter in line reserves the keys of every other
