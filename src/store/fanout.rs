@@ -32,7 +32,7 @@ use redis::ConnectionInfo;
 use super::{
     contract::{Acquire, AcquireRequest, Holder, LockStore},
     error::StoreError,
-    redis::RedisStore,
+    redis::{RedisStore, DEFAULT_STEP},
 };
 use crate::{backoff::Backoff, observe};
 
@@ -45,6 +45,8 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 pub(super) struct NodeUrls {
     pub(super) urls: Vec<String>,
     pub(super) node_timeout: Duration,
+    /// How many keys one script takes at most, on each node.
+    pub(super) step: usize,
 }
 
 impl NodeUrls {
@@ -56,7 +58,16 @@ impl NodeUrls {
         Self {
             urls: urls.into_iter().map(|u| u.as_ref().to_owned()).collect(),
             node_timeout,
+            step: DEFAULT_STEP,
         }
+    }
+
+    /// # Panics
+    ///
+    /// If `keys` is zero.
+    pub(super) fn set_step(&mut self, keys: usize) {
+        assert!(keys > 0, "a step must take at least one key");
+        self.step = keys;
     }
 
     /// # Panics
@@ -74,6 +85,7 @@ impl fmt::Debug for NodeUrls {
         f.debug_struct("NodeUrls")
             .field("nodes", &self.urls.len())
             .field("node_timeout", &self.node_timeout)
+            .field("step", &self.step)
             .finish()
     }
 }

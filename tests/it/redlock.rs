@@ -21,7 +21,7 @@ use crate::support::{
     clock_floor,
     handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, fence_router, poll_every, send, within, Fence, Reply},
-    LockValue, RedisServer, Rng,
+    LockValue, Observer, RedisServer, Rng,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -833,4 +833,37 @@ async fn a_waiter_in_the_same_process_gets_the_keys_when_they_are_released() {
     eprintln!("redlock, waiter in the same process: granted {after:?} after the release");
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert!(after < Duration::from_millis(500), "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batch_goes_to_every_master_in_steps() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let observers: Vec<Observer> = servers.iter().map(Observer::of).collect();
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let store = Redlock::new(&urls)
+        .node_timeout(Duration::from_millis(1500))
+        .step_keys(100)
+        .build()
+        .unwrap();
+    let locks = Locks::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let keys: Vec<String> = (0..1000).map(|i| format!("r:{i:04}")).collect();
+    let before: Vec<u64> = observers.iter().map(Observer::script_calls).collect();
+
+    let reply = send(&batch_router(&locks, counting_handler(&runs)), batch(&keys)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    for (observer, before) in observers.iter().zip(before) {
+        // Ten steps of 100 keys to acquire, ten to release (and perhaps a late one).
+        let calls = observer.script_calls() - before;
+        assert!(
+            calls >= 20,
+            "{calls} script calls on a master for 1,000 keys"
+        );
+        let left = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+            observer.locks().is_empty()
+        })
+        .await;
+        assert!(left.is_some(), "{:?}", observer.locks());
+    }
 }

@@ -192,18 +192,34 @@ impl RedisCluster {
         self
     }
 
+    /// How many keys one script takes at most on each master (1,000 by default): a master's
+    /// group of a bigger batch goes in steps, as on one Redis
+    /// ([`Redis::step_keys`](super::Redis::step_keys) says what others see meanwhile).
+    ///
+    /// # Panics
+    ///
+    /// If `keys` is zero.
+    pub fn step_keys(mut self, keys: usize) -> Self {
+        self.seeds.set_step(keys);
+        self
+    }
+
     /// The store, for [`Locks::new`](crate::Locks::new).
     ///
     /// # Errors
     ///
     /// When there is no URL, or one is not a valid Redis URL. Nothing connects yet.
     pub fn build(self) -> Result<Store, redis::RedisError> {
-        let NodeUrls { urls, node_timeout } = self.seeds;
+        let NodeUrls {
+            urls,
+            node_timeout,
+            step,
+        } = self.seeds;
         let seeds = urls
             .iter()
             .map(|url| url.as_str().into_connection_info())
             .collect::<Result<Vec<_>, _>>()?;
-        let store = ClusterStore::new(seeds, node_timeout, self.retry_for, self.replicas)?;
+        let store = ClusterStore::new(seeds, node_timeout, self.retry_for, self.replicas, step)?;
         Ok(Store::of(Arc::new(store)))
     }
 }

@@ -55,6 +55,8 @@ pub(super) struct Nodes {
     pub(super) wakeups: Arc<Wakeups>,
     /// How many replicas of its master must have a group's grant, if any.
     pub(super) replicas: Option<ReplicaAck>,
+    /// How many keys one script takes at most on a master.
+    pub(super) step: usize,
 }
 
 impl Nodes {
@@ -145,7 +147,11 @@ impl Nodes {
         };
         let info = self.seed.clone().set_addr(addr);
         let pool = node_pool(info, self.fanout.node_timeout())?;
-        let node = Arc::new(RedisStore::cluster_node(pool).with_replicas(self.replicas));
+        let node = Arc::new(
+            RedisStore::cluster_node(pool)
+                .with_replicas(self.replicas)
+                .with_step(self.step),
+        );
         pools.insert(address, node.clone());
         Ok(node)
     }

@@ -59,6 +59,7 @@ impl ClusterStore {
         node_timeout: Duration,
         retry_for: Duration,
         replicas: Option<ReplicaAck>,
+        step: usize,
     ) -> Result<Self, redis::RedisError> {
         let Some(seed) = seeds.first().cloned() else {
             return Err(redis::RedisError::from((
@@ -93,6 +94,7 @@ impl ClusterStore {
             fanout: Arc::new(Fanout::new("cluster", node_timeout)),
             wakeups,
             replicas,
+            step,
         };
         let store = Self {
             inner: Arc::new(inner),

@@ -165,6 +165,18 @@ impl Redlock {
         self
     }
 
+    /// How many keys one script takes at most on each master (1,000 by default): a bigger
+    /// batch goes to each master in steps, as on one Redis ([`Redis::step_keys`](super::Redis::step_keys)
+    /// says what others see meanwhile). Each step is a round trip within the validity.
+    ///
+    /// # Panics
+    ///
+    /// If `keys` is zero.
+    pub fn step_keys(mut self, keys: usize) -> Self {
+        self.masters.set_step(keys);
+        self
+    }
+
     /// The store, for [`Locks::new`](crate::Locks::new). Logs a warning for an even number
     /// of masters: four tolerate one failure, as three do.
     ///
@@ -174,7 +186,11 @@ impl Redlock {
     /// tolerate no failure at all), when a URL is not a valid Redis URL, or when two URLs
     /// name the same server. Nothing connects yet.
     pub fn build(self) -> Result<Store, redis::RedisError> {
-        let NodeUrls { urls, node_timeout } = self.masters;
+        let NodeUrls {
+            urls,
+            node_timeout,
+            step,
+        } = self.masters;
         let count = urls.len();
         if count < 3 {
             return Err(config_error(format!(
@@ -196,7 +212,7 @@ impl Redlock {
             let pool = node_pool(info, node_timeout)
                 .map_err(|e| config_error(format!("could not create a Redis pool: {e}")))?;
             masters.push(Master {
-                node: Arc::new(RedisStore::new(pool, None)),
+                node: Arc::new(RedisStore::new(pool, None).with_step(step)),
                 address: server.into(),
             });
         }
