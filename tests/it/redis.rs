@@ -342,15 +342,7 @@ async fn locks_of_the_previous_version_and_this_one_keep_each_other_out() {
 /// on one Redis: its value format and body (`previous/`, frozen), behind the prelude and
 /// clock it shared with this version.
 fn previous_script(body: &str) -> redis::Script {
-    redis::Script::new(
-        &[
-            include_str!("../../src/store/redis/scripts/single.lua"),
-            include_str!("../../src/store/redis/scripts/clock.lua"),
-            include_str!("previous/value.lua"),
-            body,
-        ]
-        .concat(),
-    )
+    one_redis_script(include_str!("previous/value.lua"), body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -456,14 +448,22 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     );
 }
 
-/// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
-/// the clock and fencing counter, the value format, the body.
+/// A script of the crate's Redis store, as the store builds it.
 fn crate_script(body: &str) -> redis::Script {
+    one_redis_script(
+        include_str!("../../src/store/redis/scripts/value.lua"),
+        body,
+    )
+}
+
+/// A script as a store on one Redis builds it: the prelude of one Redis, the clock and
+/// fencing counter, the value format `value`, the body.
+fn one_redis_script(value: &str, body: &str) -> redis::Script {
     redis::Script::new(
         &[
             include_str!("../../src/store/redis/scripts/single.lua"),
             include_str!("../../src/store/redis/scripts/clock.lua"),
-            include_str!("../../src/store/redis/scripts/value.lua"),
+            value,
             body,
         ]
         .concat(),

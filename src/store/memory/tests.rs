@@ -16,6 +16,26 @@ fn holder() -> Holder {
     Holder::new(OwnerToken::random())
 }
 
+/// `holder`'s acquisition of `keys` in `modes`, for `ttl`, naming up to `report` conflicts.
+fn request(
+    keys: &[String],
+    modes: Modes,
+    holder: Holder,
+    ttl: Duration,
+    report: usize,
+    line: Line,
+) -> AcquireRequest {
+    AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.into(),
+        modes,
+        holder,
+        ttl,
+        report,
+        line,
+    }
+}
+
 /// `holder`'s acquisition of `keys`, each in the mode `modes` gives.
 fn attempt_in(
     store: &MemoryStore,
@@ -24,15 +44,7 @@ fn attempt_in(
     holder: Holder,
     line: Line,
 ) -> Acquire {
-    store.try_acquire(&AcquireRequest {
-        namespace: "lock:".into(),
-        keys: keys.into(),
-        modes,
-        holder,
-        ttl: TTL,
-        report: 20,
-        line,
-    })
+    store.try_acquire(&request(keys, modes, holder, TTL, 20, line))
 }
 
 /// `holder`'s exclusive acquisition of `keys`.
@@ -44,15 +56,8 @@ fn attempt(
     report: usize,
     line: Line,
 ) -> Acquire {
-    store.try_acquire(&AcquireRequest {
-        namespace: "lock:".into(),
-        keys: keys.into(),
-        modes: Modes::All(Mode::Exclusive),
-        holder,
-        ttl,
-        report,
-        line,
-    })
+    let exclusive = Modes::All(Mode::Exclusive);
+    store.try_acquire(&request(keys, exclusive, holder, ttl, report, line))
 }
 
 fn granted(outcome: Acquire) -> bool {
@@ -223,52 +228,31 @@ fn extend_needs_every_key_still_held_by_the_owner() {
 
 #[test]
 fn fencing_tokens_increase_with_every_grant() {
-    let backend = MemoryStore::new();
-    let fence = |outcome| match outcome {
+    // The token of a new owner's grant of `key` on `store`.
+    let fence = |store: &MemoryStore, key: &str| match attempt(
+        store,
+        &keys(&[key]),
+        holder(),
+        TTL,
+        0,
+        Line::Outside,
+    ) {
         Acquire::Granted(token) => token,
         Acquire::Held(_) => panic!("refused"),
     };
-    let first = fence(attempt(
-        &backend,
-        &keys(&["1"]),
-        holder(),
-        TTL,
-        0,
-        Line::Outside,
-    ));
-    let second = fence(attempt(
-        &backend,
-        &keys(&["2"]),
-        holder(),
-        TTL,
-        0,
-        Line::Outside,
-    ));
+    let backend = MemoryStore::new();
+    let first = fence(&backend, "1");
+    let second = fence(&backend, "2");
     assert_eq!(second.get(), first.get() + 1);
 
     // A store made later, as after a restart of the process, starts above every token the
     // first one handed out: its counter starts at the clock's floor.
     for i in 0..100 {
-        let key = format!("more:{i}");
-        fence(attempt(
-            &backend,
-            &keys(&[&key]),
-            holder(),
-            TTL,
-            0,
-            Line::Outside,
-        ));
+        fence(&backend, &format!("more:{i}"));
     }
     std::thread::sleep(Duration::from_millis(2));
     let restarted = MemoryStore::new();
-    let after = fence(attempt(
-        &restarted,
-        &keys(&["1"]),
-        holder(),
-        TTL,
-        0,
-        Line::Outside,
-    ));
+    let after = fence(&restarted, "1");
     assert!(after.get() > second.get() + 100, "{after} after {second}");
 }
 
@@ -529,19 +513,11 @@ fn a_shared_hold_renews_and_expires_on_its_own() {
     let store = MemoryStore::new();
     let batch = keys(&["a"]);
     let (short, long) = (holder(), holder());
-    let request = |holder, ttl| AcquireRequest {
-        namespace: "lock:".into(),
-        keys: batch.clone().into(),
-        modes: SHARED,
-        holder,
-        ttl,
-        report: 20,
-        line: Line::Outside,
-    };
+    let shared_for = |holder, ttl| request(&batch, SHARED, holder, ttl, 20, Line::Outside);
     assert!(granted(
-        store.try_acquire(&request(short, Duration::from_millis(40)))
+        store.try_acquire(&shared_for(short, Duration::from_millis(40)))
     ));
-    assert!(granted(store.try_acquire(&request(long, TTL))));
+    assert!(granted(store.try_acquire(&shared_for(long, TTL))));
     // Extending one hold leaves the other's expiry alone.
     assert!(store.try_extend(&batch, long, TTL));
     std::thread::sleep(Duration::from_millis(60));

@@ -13,7 +13,7 @@ use std::{
 #[cfg(feature = "idempotency")]
 use bytes::Bytes;
 use deadpool_redis::Pool;
-use redis::{FromRedisValue, RedisResult, ScriptInvocation};
+use redis::{FromRedisValue, RedisResult, Script, ScriptInvocation};
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -139,19 +139,26 @@ impl RedisStore {
         self.connection.send(Command::Script(script)).await
     }
 
-    /// Runs a script that frees `keys` for others (a release, a withdrawal) and announces
-    /// it: the channel and the keys' wake-up slots go last among its arguments, for it to
+    /// Runs `script`, which frees keys for others (a release, a withdrawal), over `keys` a
+    /// step at a time, with the arguments `args` adds, and announces each step: the
+    /// channel and the step's wake-up slots go last among its arguments, for it to
     /// publish; this process's waiters are woken at once, without waiting for the message
-    /// to come back. Returns the script's count.
-    async fn invoke_announcing(
+    /// to come back. Returns the sum of the steps' counts.
+    async fn free_in_steps(
         &self,
-        mut script: ScriptInvocation<'_>,
+        script: &Script,
         keys: &[String],
+        args: impl Fn(&mut ScriptInvocation<'_>),
     ) -> Result<usize, StoreError> {
-        let slots = slots_of(keys);
-        script.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
-        let count = self.invoke(&script).await?;
-        self.wakeups.wake_slots(slots);
+        let mut count = 0;
+        for step in keys.chunks(self.step) {
+            let mut invocation = self.scripts.prepare(script, step);
+            args(&mut invocation);
+            let slots = slots_of(step);
+            invocation.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+            count += self.invoke::<usize>(&invocation).await?;
+            self.wakeups.wake_slots(slots);
+        }
         Ok(count)
     }
 
@@ -280,14 +287,12 @@ impl LockStore for RedisStore {
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
         Box::pin(async move {
+            let (owner, hold) = (holder.owner.as_hex(), holder.hold_hex());
             // A step that lost a key ends it: the lease is lost, and the keys extended
             // before are released with it.
             for step in keys.chunks(self.step) {
                 let mut script = self.scripts.prepare(&self.scripts.extend, step);
-                script
-                    .arg(holder.owner.as_hex())
-                    .arg(holder.hold_hex())
-                    .arg(millis(ttl));
+                script.arg(&owner).arg(&hold).arg(millis(ttl));
                 if self.invoke::<i64>(&script).await? != 1 {
                     return Ok(false);
                 }
@@ -298,25 +303,20 @@ impl LockStore for RedisStore {
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut released = 0;
-            for step in keys.chunks(self.step) {
-                let mut script = self.scripts.prepare(&self.scripts.release, step);
-                script.arg(holder.owner.as_hex()).arg(holder.hold_hex());
-                released += self.invoke_announcing(script, step).await?;
-            }
-            Ok(released)
+            let (owner, hold) = (holder.owner.as_hex(), holder.hold_hex());
+            self.free_in_steps(&self.scripts.release, keys, |script| {
+                script.arg(&owner).arg(&hold);
+            })
+            .await
         })
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut withdrawn = 0;
-            for step in keys.chunks(self.step) {
-                let mut script = self.scripts.prepare(&self.scripts.withdraw, step);
+            self.free_in_steps(&self.scripts.withdraw, keys, |script| {
                 script.arg(ticket.get());
-                withdrawn += self.invoke_announcing(script, step).await?;
-            }
-            Ok(withdrawn)
+            })
+            .await
         })
     }
 
@@ -341,12 +341,8 @@ impl LockStore for RedisStore {
 
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut released = 0;
-            for step in keys.chunks(self.step) {
-                let script = self.scripts.prepare(&self.scripts.force_release, step);
-                released += self.invoke_announcing(script, step).await?;
-            }
-            Ok(released)
+            self.free_in_steps(&self.scripts.force_release, keys, |_| {})
+                .await
         })
     }
 

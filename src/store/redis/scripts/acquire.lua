@@ -55,7 +55,8 @@ for i = 2, #KEYS do
     taken[#taken + 1] = i
   else
     local holds, queue = split(old)
-    local blocked
+    -- The owner's live shared hold ids, when a shared key is asked for exclusively.
+    local blocked, ids
     if holds == nil then
       blocked = true
     elseif holds == '' then
@@ -71,13 +72,14 @@ for i = 2, #KEYS do
       end
       blocked = not at and reserved_before(queue, ticket_n)
     else
-      local held, others = sharers(holds, owner)
+      local others
+      ids, others = sharers(holds, owner)
       if others then
         blocked = true
-        if #held > 0 then upgrade = 1 end
+        if #ids > 0 then upgrade = 1 end
       else
         -- The owner's alone, or ended: as a free key, unless the owner holds it.
-        blocked = #held == 0 and reserved_before(queue, ticket_n)
+        blocked = #ids == 0 and reserved_before(queue, ticket_n)
       end
     end
     if blocked then
@@ -95,7 +97,7 @@ for i = 2, #KEYS do
         if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
       end
     end
-    if holds ~= nil then found[i] = {holds, queue} end
+    if holds ~= nil then found[i] = {holds, queue, ids} end
   end
 end
 
@@ -125,14 +127,11 @@ if conflicts > 0 then
 end
 
 for i, parts in pairs(found) do
-  local holds, queue = parts[1], parts[2]
+  local holds, queue, ids = parts[1], parts[2], parts[3]
   if queue ~= '' then queue = requeue(queue, ticket) end
-  local ids = {}
-  if holds ~= '' and is_shared(holds) and not shared_at(i) then
-    -- Taken exclusively: the owner's shared holds that have not ended go with it.
-    ids = sharers(holds, owner)
-    if #ids == 0 then holds = '' end
-  end
+  -- A shared key taken exclusively: the owner's shared holds that have not ended go with
+  -- it; with none, it is taken as a free key.
+  if ids and #ids == 0 then holds = '' end
   if holds == '' then
     redis.call('SET', KEYS[i], (shared_at(i) and reader() or mine) .. queue, 'PX', ttl)
   else
