@@ -13,10 +13,11 @@ use crate::{
     backoff::Backoff,
     guard::LockGuard,
     locks::Locks,
-    observe::{Layer, Outcome, Waiting},
+    observe::{self, Layer, Outcome, Waiting},
     outage::OutageLog,
     rejection::Rejection,
     store::{
+        call::within,
         contract::{
             Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore, Modes,
             OwnerToken, Ticket,
@@ -31,9 +32,17 @@ use crate::{
 /// response names: a lost wake-up only costs a poll interval.
 const WATCHED_CONFLICTS: usize = 20;
 
+/// A granted batch: its guard, its fencing token, and when the grant was seen.
+pub(crate) struct Granted {
+    pub(crate) guard: LockGuard,
+    pub(crate) fencing_token: FencingToken,
+    /// When the store's answer arrived: the hold starts here.
+    pub(crate) at: Instant,
+}
+
 /// Acquires `keys` in `modes` for `owner`, which may already hold others, under the policy
-/// of `locks`: see [`Acquisition`]. A refusal comes with what it counts as; a request's
-/// acquisition has the `layer` its waiting counts under.
+/// of `locks`: see [`Acquisition`]. A request's acquisition has the `layer` its metrics and
+/// waiting count under, and records its outcome and time there and in `span`.
 pub(crate) async fn acquire(
     locks: &Locks,
     keys: &Arc<[String]>,
@@ -42,15 +51,15 @@ pub(crate) async fn acquire(
     holds_keys: bool,
     layer: Option<&Layer>,
     span: &Span,
-) -> Result<(LockGuard, FencingToken), (Rejection, Outcome)> {
-    let policy = &locks.policy;
+) -> Result<Granted, Rejection> {
+    let policy = locks.policy();
     let report = if policy.wait.bound().is_zero() {
         policy.max_named_conflicts
     } else {
         policy.max_named_conflicts.max(WATCHED_CONFLICTS)
     };
     let acquisition = Acquisition {
-        store: &locks.store.locks,
+        store: &locks.store().locks,
         namespace: &policy.keys.prefix,
         keys,
         modes,
@@ -60,30 +69,47 @@ pub(crate) async fn acquire(
         report,
         holds_keys,
         layer,
-        outage: &locks.outage,
+        outage: locks.outage(),
     };
-    acquisition
-        .run(owner)
-        .await
-        .map_err(|refusal| match refusal {
-            Refusal::Contended(contention) => {
-                span.record("outcome", "contended");
-                tracing::debug!(held = contention.total, "locks held by another owner");
-                (
-                    contention_rejection(locks, keys.len(), contention),
-                    Outcome::Contended,
-                )
-            }
-            Refusal::Unavailable => {
-                span.record("outcome", "unavailable");
-                (Rejection::unavailable(), Outcome::Unavailable)
-            }
-        })
+    // The clock is read once before and once after: the first attempt starts at `started`,
+    // and the hold at `at`.
+    let started = Instant::now();
+    let acquired = acquisition.run(owner, started).await;
+    let at = Instant::now();
+    let (granted, outcome) = match acquired {
+        Ok((guard, fencing_token)) => {
+            let granted = Granted {
+                guard,
+                fencing_token,
+                at,
+            };
+            (Ok(granted), Outcome::Granted)
+        }
+        Err(Refusal::Contended(contention)) => {
+            span.record("outcome", "contended");
+            tracing::debug!(held = contention.total, "locks held by another owner");
+            let rejection = contention_rejection(locks, keys.len(), contention);
+            (Err(rejection), Outcome::Contended)
+        }
+        Err(Refusal::Unavailable) => {
+            span.record("outcome", "unavailable");
+            (Err(Rejection::unavailable()), Outcome::Unavailable)
+        }
+    };
+    if let Some(layer) = layer {
+        let took = at - started;
+        span.record("acquire_ms", took.as_secs_f64() * 1e3);
+        if granted.is_ok() {
+            span.record("outcome", "granted");
+        }
+        observe::outcome(layer, outcome, Some(took));
+    }
+    granted
 }
 
 /// The response for a batch refused because `contention` holds some of its `of` keys.
 fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rejection {
-    let policy = &locks.policy;
+    let policy = locks.policy();
     let prefix = policy.keys.prefix.len();
     let named = contention
         .keys
@@ -98,7 +124,7 @@ fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rej
         named,
         policy
             .retry_after
-            .advise(&locks.holds, contention.earliest_expiry),
+            .advise(locks.holds(), contention.earliest_expiry),
     )
 }
 
@@ -140,8 +166,12 @@ impl Acquisition<'_> {
     /// its arrival; every refused attempt renews its reservations. They are withdrawn when
     /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
     /// that already holds keys stands in no line ([`Line::Holder`]).
-    async fn run(self, owner: OwnerToken) -> Result<(LockGuard, FencingToken), Refusal> {
-        let deadline = Instant::now() + self.wait.bound();
+    async fn run(
+        self,
+        owner: OwnerToken,
+        started: Instant,
+    ) -> Result<(LockGuard, FencingToken), Refusal> {
+        let deadline = started + self.wait.bound();
         let place = (self.wait.queues() && !self.holds_keys)
             .then(|| Place::take(self.store.clone(), self.keys.clone(), self.timeout));
         let line = match &place {
@@ -153,12 +183,12 @@ impl Acquisition<'_> {
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
         // Counted from the first refusal that makes the request wait, until it ends.
         let mut waiting = None;
+        let mut attempted = started;
         loop {
             // A hold of its own for each attempt: a release of a failed attempt that is still
             // retried in the background (Redlock's, on a slow master) must never end the
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
-            let attempted = Instant::now();
             let guard = LockGuard::new(
                 self.store.clone(),
                 self.keys.clone(),
@@ -175,7 +205,7 @@ impl Acquisition<'_> {
                 report: self.report,
                 line,
             };
-            let outcome = tokio::time::timeout(self.timeout, self.store.acquire(&request)).await;
+            let outcome = within(self.timeout, self.store.acquire(&request)).await;
             if matches!(outcome, Ok(Ok(_))) {
                 self.outage.answered();
             }
@@ -224,6 +254,7 @@ impl Acquisition<'_> {
             let mut released = self.store.wakeups().watch(&contention.keys);
             let wake_at = (now + backoff.pause()).min(deadline);
             let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+            attempted = Instant::now();
         }
     }
 }

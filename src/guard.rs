@@ -8,7 +8,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::future::BoxFuture;
 use tokio::{
     sync::{oneshot, watch},
     task::JoinHandle,
@@ -16,10 +15,13 @@ use tokio::{
 
 use crate::{
     backoff::Backoff,
-    observe::{self, Layer},
+    observe::{self, Layer, ReleaseFailure},
     registry::Registered,
     retry_after::HoldTimes,
-    store::contract::{Holder, LockStore},
+    store::{
+        call::within,
+        contract::{Holder, LockStore},
+    },
 };
 
 /// The state of a lease, kept current by the guard and its renewal; the handler's
@@ -48,7 +50,7 @@ struct Held {
     keys: Arc<[String]>,
     holder: Holder,
     timeout: Duration,
-    status: Arc<watch::Sender<LeaseStatus>>,
+    status: watch::Sender<LeaseStatus>,
     renewal: Option<Renewal>,
     /// A renewal not started yet: its TTL, its end, and when its first extension is due
     /// (see [`LockGuard::renew_later`]).
@@ -92,7 +94,6 @@ impl LockGuard {
             expires_at,
             lost: false,
         });
-        let status = Arc::new(status);
         Self {
             held: Some(Held {
                 store,
@@ -120,10 +121,10 @@ impl LockGuard {
         self.held.as_ref().map(|held| held.holder.hold)
     }
 
-    /// Extends the lease by `ttl` every `ttl / 3` until the guard releases, or until
-    /// `until`, in a task of its own.
-    pub(crate) fn renew(&mut self, ttl: Duration, until: Option<Instant>) {
-        self.start_renewal(ttl, until, Instant::now() + ttl / 3);
+    /// Extends the lease by `ttl` every `ttl / 3`, counted from `now`, until the guard
+    /// releases, or until `until`, in a task of its own.
+    pub(crate) fn renew(&mut self, ttl: Duration, until: Option<Instant>, now: Instant) {
+        self.start_renewal(ttl, until, now + ttl / 3);
     }
 
     /// Renews as [`renew`](Self::renew) does, once [`start_deferred_renewal`] is called: the
@@ -132,9 +133,14 @@ impl LockGuard {
     /// each of them would cost more than the rest of the layer.
     ///
     /// [`start_deferred_renewal`]: Self::start_deferred_renewal
-    pub(crate) fn renew_later(&mut self, ttl: Duration, until: Option<Instant>) -> Option<Instant> {
+    pub(crate) fn renew_later(
+        &mut self,
+        ttl: Duration,
+        until: Option<Instant>,
+        now: Instant,
+    ) -> Option<Instant> {
         let held = self.held.as_mut()?;
-        let due = Instant::now() + ttl / 3;
+        let due = now + ttl / 3;
         held.deferred = Some((ttl, until, due));
         Some(due)
     }
@@ -167,12 +173,12 @@ impl LockGuard {
         held.renewal = Some(Renewal { stop, task, phase });
     }
 
-    /// Counts how long the hold lasts, from now until its release, in `holds` and in the
-    /// metrics of `layer`, which count it as held meanwhile.
-    pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>, layer: Layer) {
+    /// Counts how long the hold lasts, from `since` until its release, in `holds` and in
+    /// the metrics of `layer`, which count it as held meanwhile.
+    pub(crate) fn time_into(&mut self, holds: Arc<HoldTimes>, layer: Layer, since: Instant) {
         if let Some(held) = &mut self.held {
             observe::holding(&layer, 1.0);
-            held.timed = Some((Instant::now(), holds));
+            held.timed = Some((since, holds));
             held.layer = Some(layer);
         }
     }
@@ -199,17 +205,15 @@ impl LockGuard {
     /// sends the release again. Releasing twice is harmless; releasing never is not.
     /// Likewise when the store does not answer: the response goes out after one attempt,
     /// and the guard's drop keeps retrying in the background.
-    pub(crate) fn release(mut self) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            if let Some(held) = &mut self.held {
-                held.hold_ended();
-                held.stop_renewal().await;
-                if !held.release().await {
-                    return; // dropped armed: retried from `Drop`
-                }
+    pub(crate) async fn release(mut self) {
+        if let Some(held) = &mut self.held {
+            held.hold_ended();
+            held.stop_renewal().await;
+            if !held.release().await {
+                return; // dropped armed: retried from `Drop`
             }
-            self.disarm();
-        })
+        }
+        self.disarm();
     }
 }
 
@@ -248,8 +252,7 @@ impl Held {
 
     /// One attempt; whether the store answered.
     async fn release(&self) -> bool {
-        let released =
-            tokio::time::timeout(self.timeout, self.store.release(&self.keys, self.holder)).await;
+        let released = within(self.timeout, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
                 tracing::trace!(keys = self.keys.len(), released = count, "released locks");
@@ -270,8 +273,8 @@ impl Held {
         }
     }
 
-    fn count_release_failure(&self, result: &'static str) {
-        observe::release(self.layer.as_ref().unwrap_or(&Layer::UNNAMED), result);
+    fn count_release_failure(&self, result: ReleaseFailure) {
+        observe::release(&self.layer.clone().unwrap_or_else(Layer::unnamed), result);
     }
 
     /// Retries until the store answers, or until the keys would have expired anyway.
@@ -283,14 +286,14 @@ impl Held {
     async fn release_until_answered(&self) {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.release().await {
-            self.count_release_failure("retried");
+            self.count_release_failure(ReleaseFailure::Retried);
             let pause = backoff.pause();
             if Instant::now() + pause >= self.status.borrow().expires_at {
                 tracing::warn!(
                     keys = self.keys.len(),
                     "gave up releasing locks; they expire with their TTL"
                 );
-                self.count_release_failure("gave_up");
+                self.count_release_failure(ReleaseFailure::GaveUp);
                 return;
             }
             tokio::time::sleep(pause).await;
@@ -331,7 +334,7 @@ struct Renewer {
     first: Instant,
     /// How long one extension may take: never so long that the lease runs out unseen.
     attempt_limit: Duration,
-    status: Arc<watch::Sender<LeaseStatus>>,
+    status: watch::Sender<LeaseStatus>,
     layer: Option<Layer>,
     phase: Arc<AtomicU8>,
 }
@@ -400,7 +403,7 @@ impl Renewer {
     }
 
     fn lost(&self, why: &'static str) {
-        observe::lease_lost(self.layer.as_ref().unwrap_or(&Layer::UNNAMED));
+        observe::lease_lost(&self.layer.clone().unwrap_or_else(Layer::unnamed));
         tracing::warn!(keys = self.keys.len(), why, "lease lost");
         self.status.send_modify(|s| s.lost = true);
     }

@@ -128,7 +128,8 @@ impl Locks {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let inspected = tokio::time::timeout(self.call_timeout(), self.store.locks.inspect(&keys));
+        let inspected =
+            tokio::time::timeout(self.call_timeout(), self.store().locks.inspect(&keys));
         let views = match inspected.await {
             Ok(Ok(views)) => views,
             Ok(Err(error)) => return Err(operator_failure("inspecting", error)),
@@ -166,7 +167,7 @@ impl Locks {
     /// assert!(locks.held_batches().is_empty());
     /// ```
     pub fn held_batches(&self) -> Vec<HeldBatch> {
-        self.batches.list()
+        self.batches().list()
     }
 
     /// **Dangerous.** Ends every hold on `keys`, whoever has it: for a lock that is stuck
@@ -223,7 +224,8 @@ impl Locks {
             .map(|k| &k[prefix..])
             .collect();
         let released =
-            tokio::time::timeout(self.call_timeout(), self.store.locks.force_release(&keys)).await;
+            tokio::time::timeout(self.call_timeout(), self.store().locks.force_release(&keys))
+                .await;
         match released {
             Ok(Ok(released)) => {
                 tracing::warn!(

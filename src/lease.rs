@@ -8,7 +8,7 @@ use tokio::sync::watch;
 use tracing::Span;
 
 use crate::{
-    acquire::acquire,
+    acquire::{acquire, Granted},
     guard::LeaseStatus,
     keys::{
         extractor::Key,
@@ -265,14 +265,18 @@ async fn lock_for(
     owner: &Arc<RequestOwner>,
     keys: Vec<Key>,
 ) -> Result<HeldKeys, Rejection> {
-    let policy = &locks.policy;
+    let policy = locks.policy();
     let Batch { keys, modes } = normalize(keys, &policy.keys, false)?;
     let keys: Arc<[String]> = keys.into();
     if keys.is_empty() {
         let detail = "there are no keys to lock".to_owned();
         return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));
     }
-    let (mut guard, fencing_token) = acquire(
+    let Granted {
+        mut guard,
+        fencing_token,
+        at,
+    } = acquire(
         locks,
         &keys,
         &modes,
@@ -281,13 +285,10 @@ async fn lock_for(
         None,
         &Span::current(),
     )
-    .await
-    .map_err(|(rejection, _)| rejection)?;
+    .await?;
     if policy.renew {
-        let until = policy
-            .max_hold
-            .and_then(|max| Instant::now().checked_add(max));
-        guard.renew(policy.ttl, until);
+        let until = policy.max_hold.and_then(|max| at.checked_add(max));
+        guard.renew(policy.ttl, until, at);
     }
     let (Some(status), Some(hold)) = (guard.status(), guard.hold()) else {
         unreachable!("a granted guard is armed");

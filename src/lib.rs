@@ -168,7 +168,9 @@
 //!
 //! With the `metrics` feature (on by default) the layer records through the
 //! [`metrics`](https://docs.rs/metrics) facade; the application installs the recorder it
-//! exports with, and without one recording costs next to nothing. Every metric carries a
+//! exports with, and without one recording costs next to nothing. Install it before the
+//! first request, as exporters' setups do: a layer registers each of its series with the
+//! recorder once, on first use, and keeps the handle. Every metric carries a
 //! `layer` label: [`Locks::metrics_label`], else the route the request matched
 //! (`/orders/{id}`), else `unnamed`. Where readers and writers differ (acquisitions, their
 //! time, waiting), a `mode` label says how the batch was held: `exclusive`, `shared`, or

@@ -41,14 +41,25 @@ use crate::{lease::Lease, middleware::LockLayer};
 /// ```
 #[derive(Clone)]
 pub struct Locks {
-    pub(crate) store: Store,
-    pub(crate) policy: Arc<Policy>,
+    /// One allocation behind every clone: the request path clones a handle several times
+    /// (the layer's service, the request's future, its lease), and each clone then costs
+    /// one reference count, not one per part.
+    shared: Arc<Shared>,
+}
+
+/// What a [`Locks`] handle carries. A builder method that changes the policy of a handle
+/// others share gives it a policy of its own; the store and the parts below stay shared
+/// with the handles it was cloned from.
+#[derive(Clone)]
+struct Shared {
+    store: Store,
+    policy: Policy,
     /// How long this handle's holds lasted lately, for [`RetryAfter::Observed`].
-    pub(crate) holds: Arc<HoldTimes>,
+    holds: Arc<HoldTimes>,
     /// The batches this handle's requests hold now, for [`Locks::held_batches`].
-    pub(crate) batches: Arc<Batches>,
+    batches: Arc<Batches>,
     /// The store's outage, logged once rather than once per request.
-    pub(crate) outage: Arc<OutageLog>,
+    outage: Arc<OutageLog>,
 }
 
 /// The rules, as the request path reads them: each is set by the builder method of its
@@ -169,18 +180,46 @@ impl Locks {
     /// # drop(locks);
     /// ```
     pub fn new(store: Store) -> Self {
-        Self {
+        let shared = Shared {
             store,
-            policy: Arc::new(Policy::default()),
+            policy: Policy::default(),
             holds: Arc::default(),
             batches: Arc::default(),
             outage: Arc::default(),
+        };
+        Self {
+            shared: Arc::new(shared),
         }
     }
 
     fn tune(mut self, change: impl FnOnce(&mut Policy)) -> Self {
-        change(Arc::make_mut(&mut self.policy));
+        change(&mut Arc::make_mut(&mut self.shared).policy);
         self
+    }
+
+    /// The store these locks live in.
+    pub(crate) fn store(&self) -> &Store {
+        &self.shared.store
+    }
+
+    /// The rules the request path follows.
+    pub(crate) fn policy(&self) -> &Policy {
+        &self.shared.policy
+    }
+
+    /// How long this handle's holds lasted lately.
+    pub(crate) fn holds(&self) -> &Arc<HoldTimes> {
+        &self.shared.holds
+    }
+
+    /// The batches this handle's requests hold now.
+    pub(crate) fn batches(&self) -> &Arc<Batches> {
+        &self.shared.batches
+    }
+
+    /// Where the store's outage is logged.
+    pub(crate) fn outage(&self) -> &OutageLog {
+        &self.shared.outage
     }
 
     /// How long locks live if nobody releases them (a crashed process, a lost release).
@@ -390,8 +429,8 @@ impl Locks {
     ///
     /// A [`StoreError`] that says what is wrong.
     pub async fn check(&self) -> Result<(), StoreError> {
-        let timeout = self.policy.store_timeout;
-        match tokio::time::timeout(timeout, self.store.locks.check()).await {
+        let timeout = self.policy().store_timeout;
+        match tokio::time::timeout(timeout, self.store().locks.check()).await {
             Ok(checked) => {
                 checked.map_err(|error| error.context("the lock store cannot serve locks"))
             }
@@ -432,7 +471,7 @@ impl Locks {
     /// The response for a refusal: the user's, or the rejection's own.
     pub(crate) fn refuse(&self, rejection: Rejection) -> Response {
         let refused = rejection.refused();
-        let mut response = match &self.policy.refusal {
+        let mut response = match &self.policy().refusal {
             Some(build) => (build.0)(rejection),
             None => rejection.into_response(),
         };
@@ -451,31 +490,31 @@ impl Locks {
 
     /// How long the namespace prefix is, to show keys without it.
     pub(crate) fn prefix_len(&self) -> usize {
-        self.policy.keys.prefix.len()
+        self.policy().keys.prefix.len()
     }
 
     /// The key policy: prefix and limits, to normalize keys as requests' are.
     pub(crate) fn key_policy(&self) -> &KeyPolicy {
-        &self.policy.keys
+        &self.policy().keys
     }
 
     /// How long a lease lasts unless renewed ([`Locks::ttl`]).
     #[cfg(feature = "idempotency")]
     pub(crate) fn lease_ttl(&self) -> Duration {
-        self.policy.ttl
+        self.policy().ttl
     }
 
     /// How long one call to the store may take ([`Locks::store_timeout`]).
     pub(crate) fn call_timeout(&self) -> Duration {
-        self.policy.store_timeout
+        self.policy().store_timeout
     }
 }
 
 impl fmt::Debug for Locks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Locks")
-            .field("store", &self.store)
-            .field("policy", &self.policy)
+            .field("store", self.store())
+            .field("policy", self.policy())
             .finish_non_exhaustive()
     }
 }

@@ -4,46 +4,127 @@
 //! Label values are a layer's name or route, fixed words and Redlock masters' addresses:
 //! never keys, which are unbounded and may be secrets.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
-use crate::store::contract::Modes;
+use crate::store::contract::{Mode, Modes};
 
 /// The labels of a request's metrics: `layer`, the name given to its layer
 /// ([`Locks::metrics_label`](crate::Locks::metrics_label)), else the route it matched, else
 /// `unnamed`; and `mode`, how its batch is held (`exclusive`, `shared` or `mixed`), on the
 /// series where readers and writers differ: acquisitions, their time and the waiting.
+///
+/// Cheap to clone: the series of a `layer` label are registered with the recorder once, on
+/// their first use, and kept (see [`Labels`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Layer {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    name: Option<Arc<str>>,
+    series: Arc<Series>,
+    mode: HeldAs,
+}
+
+/// The `mode` label.
+#[derive(Debug, Clone, Copy)]
+enum HeldAs {
+    Exclusive,
+    Shared,
+    Mixed,
+}
+
+impl HeldAs {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    mode: &'static str,
+    const ALL: usize = 3;
+
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Exclusive => "exclusive",
+            Self::Shared => "shared",
+            Self::Mixed => "mixed",
+        }
+    }
 }
 
 impl Layer {
     /// The label of what no name or route names (a handler's `Lease::lock`, a service
-    /// outside an axum router).
-    pub(crate) const UNNAMED: Self = Self {
-        name: None,
-        mode: "exclusive",
-    };
-
-    /// The labels of a layer's requests; `shared` when the layer holds every key shared,
-    /// before the batch is known (a refused request counts under it).
-    pub(crate) fn new(name: Option<&Arc<str>>, route: Option<&str>, shared: bool) -> Self {
+    /// outside an axum router). Not kept: it serves rare events only.
+    pub(crate) fn unnamed() -> Self {
         Self {
-            name: name.cloned().or_else(|| route.map(Arc::from)),
-            mode: if shared { "shared" } else { "exclusive" },
+            series: Arc::new(Series::new(UNNAMED)),
+            mode: HeldAs::Exclusive,
         }
     }
 
     /// The same labels, for a batch held in `modes`.
     pub(crate) fn holding(mut self, modes: &Modes) -> Self {
         self.mode = match modes {
-            Modes::All(mode) => mode.as_str(),
-            Modes::Each(_) => "mixed",
+            Modes::All(Mode::Exclusive) => HeldAs::Exclusive,
+            Modes::All(Mode::Shared) => HeldAs::Shared,
+            Modes::Each(_) => HeldAs::Mixed,
         };
         self
+    }
+}
+
+const UNNAMED: &str = "unnamed";
+
+/// The `layer` labels of one layer's services, and their series. A layer usually serves one
+/// route, so the series of the first label it sees are kept, and a request finds them
+/// with a comparison: building a metric's key (and allocating its labels) for every
+/// request cost more than the rest of the layer. A request under another label (the layer
+/// is on several routes) gets series of its own.
+///
+/// Kept series stay registered with the recorder that was installed when they were first
+/// used: install the recorder before the first request, as every exporter's setup does.
+#[derive(Debug, Default)]
+pub(crate) struct Labels {
+    first: OnceLock<Arc<Series>>,
+}
+
+impl Labels {
+    /// The labels of a request named `name` (the layer's, else its route's); `shared` when
+    /// the layer holds every key shared, before the batch is known (a refused request
+    /// counts under it).
+    pub(crate) fn of(&self, name: Option<&str>, shared: bool) -> Layer {
+        let name = name.unwrap_or(UNNAMED);
+        let first = self.first.get_or_init(|| Arc::new(Series::new(name)));
+        let series = if *first.name == *name {
+            first.clone()
+        } else {
+            Arc::new(Series::new(name))
+        };
+        let mode = if shared {
+            HeldAs::Shared
+        } else {
+            HeldAs::Exclusive
+        };
+        Layer { series, mode }
+    }
+}
+
+/// The metrics of one `layer` label, each registered on its first use.
+struct Series {
+    name: Box<str>,
+    #[cfg(feature = "metrics")]
+    handles: record::Handles,
+}
+
+impl Series {
+    fn new(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            #[cfg(feature = "metrics")]
+            handles: record::Handles::default(),
+        }
+    }
+}
+
+impl fmt::Debug for Series {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Series").field(&self.name).finish()
     }
 }
 
@@ -61,6 +142,9 @@ pub(crate) enum Outcome {
 
 impl Outcome {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const ALL: usize = 4;
+
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     fn as_str(self) -> &'static str {
         match self {
             Self::Granted => "granted",
@@ -73,63 +157,110 @@ impl Outcome {
 
 #[cfg(feature = "metrics")]
 mod record {
-    use metrics::{counter, gauge, histogram, SharedString};
+    use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 
     use super::*;
 
-    fn label(layer: &Layer) -> SharedString {
-        layer
-            .name
-            .clone()
-            .map_or(SharedString::const_str("unnamed"), SharedString::from)
+    /// A label's handles, indexed `[mode]` and `[mode][outcome]` in the enums' order.
+    #[derive(Default)]
+    pub(super) struct Handles {
+        acquisitions: [[OnceLock<Counter>; Outcome::ALL]; HeldAs::ALL],
+        acquire_seconds: [[OnceLock<Histogram>; Outcome::ALL]; HeldAs::ALL],
+        waiting: [OnceLock<Gauge>; HeldAs::ALL],
+        wait_seconds: [OnceLock<Histogram>; HeldAs::ALL],
+        keys: OnceLock<Histogram>,
+        held_batches: OnceLock<Gauge>,
+        hold_seconds: OnceLock<Histogram>,
+        lost_leases: OnceLock<Counter>,
+        /// `retried`, then `gave_up`.
+        release_failures: [OnceLock<Counter>; 2],
+    }
+
+    /// The `layer` label's value, for a handle's first registration.
+    fn name(layer: &Layer) -> String {
+        layer.series.name.to_string()
+    }
+
+    fn handles(layer: &Layer) -> &Handles {
+        &layer.series.handles
     }
 
     pub(crate) fn outcome(layer: &Layer, outcome: Outcome, acquiring: Option<Duration>) {
-        let (mode, outcome) = (layer.mode, outcome.as_str());
-        let layer = label(layer);
-        counter!(
-            "tower_batch_lock_acquisitions_total",
-            "layer" => layer.clone(), "mode" => mode, "outcome" => outcome
-        )
-        .increment(1);
+        let (mode, at) = (layer.mode, [layer.mode as usize, outcome as usize]);
+        handles(layer).acquisitions[at[0]][at[1]]
+            .get_or_init(|| {
+                counter!(
+                    "tower_batch_lock_acquisitions_total",
+                    "layer" => name(layer), "mode" => mode.as_str(), "outcome" => outcome.as_str()
+                )
+            })
+            .increment(1);
         if let Some(took) = acquiring {
-            histogram!(
-                "tower_batch_lock_acquire_seconds",
-                "layer" => layer, "mode" => mode, "outcome" => outcome
-            )
-            .record(took.as_secs_f64());
+            handles(layer).acquire_seconds[at[0]][at[1]]
+                .get_or_init(|| {
+                    histogram!(
+                        "tower_batch_lock_acquire_seconds",
+                        "layer" => name(layer), "mode" => mode.as_str(), "outcome" => outcome.as_str()
+                    )
+                })
+                .record(took.as_secs_f64());
         }
     }
 
     pub(crate) fn batch(layer: &Layer, keys: usize) {
-        histogram!("tower_batch_lock_keys", "layer" => label(layer)).record(keys as f64);
+        handles(layer)
+            .keys
+            .get_or_init(|| histogram!("tower_batch_lock_keys", "layer" => name(layer)))
+            .record(keys as f64);
     }
 
     pub(crate) fn waiting(layer: &Layer, by: f64) {
-        gauge!("tower_batch_lock_waiting_requests", "layer" => label(layer), "mode" => layer.mode)
+        let mode = layer.mode;
+        handles(layer).waiting[mode as usize]
+            .get_or_init(|| {
+                gauge!("tower_batch_lock_waiting_requests", "layer" => name(layer), "mode" => mode.as_str())
+            })
             .increment(by);
     }
 
     pub(crate) fn waited(layer: &Layer, waited: Duration) {
-        histogram!("tower_batch_lock_wait_seconds", "layer" => label(layer), "mode" => layer.mode)
+        let mode = layer.mode;
+        handles(layer).wait_seconds[mode as usize]
+            .get_or_init(|| {
+                histogram!("tower_batch_lock_wait_seconds", "layer" => name(layer), "mode" => mode.as_str())
+            })
             .record(waited.as_secs_f64());
     }
 
     pub(crate) fn holding(layer: &Layer, by: f64) {
-        gauge!("tower_batch_lock_held_batches", "layer" => label(layer)).increment(by);
+        handles(layer)
+            .held_batches
+            .get_or_init(|| gauge!("tower_batch_lock_held_batches", "layer" => name(layer)))
+            .increment(by);
     }
 
     pub(crate) fn held(layer: &Layer, held: Duration) {
-        histogram!("tower_batch_lock_hold_seconds", "layer" => label(layer))
+        handles(layer)
+            .hold_seconds
+            .get_or_init(|| histogram!("tower_batch_lock_hold_seconds", "layer" => name(layer)))
             .record(held.as_secs_f64());
     }
 
     pub(crate) fn lease_lost(layer: &Layer) {
-        counter!("tower_batch_lock_lost_leases_total", "layer" => label(layer)).increment(1);
+        handles(layer)
+            .lost_leases
+            .get_or_init(|| counter!("tower_batch_lock_lost_leases_total", "layer" => name(layer)))
+            .increment(1);
     }
 
-    pub(crate) fn release(layer: &Layer, result: &'static str) {
-        counter!("tower_batch_lock_release_failures_total", "layer" => label(layer), "result" => result)
+    pub(crate) fn release(layer: &Layer, result: ReleaseFailure) {
+        handles(layer).release_failures[result as usize]
+            .get_or_init(|| {
+                counter!(
+                    "tower_batch_lock_release_failures_total",
+                    "layer" => name(layer), "result" => result.as_str()
+                )
+            })
             .increment(1);
     }
 
@@ -158,7 +289,7 @@ mod record {
     pub(crate) fn holding(layer: &Layer, by: f64) {}
     pub(crate) fn held(layer: &Layer, held: Duration) {}
     pub(crate) fn lease_lost(layer: &Layer) {}
-    pub(crate) fn release(layer: &Layer, result: &'static str) {}
+    pub(crate) fn release(layer: &Layer, result: ReleaseFailure) {}
     #[cfg(feature = "redis")]
     pub(crate) fn node_error(store: &'static str, node: &str, call: &'static str) {}
 }
@@ -166,6 +297,25 @@ mod record {
 #[cfg(feature = "redis")]
 pub(crate) use record::node_error;
 pub(crate) use record::{batch, held, holding, lease_lost, outcome, release, waited, waiting};
+
+/// What became of a release that failed: the `result` label.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ReleaseFailure {
+    /// It is tried again.
+    Retried,
+    /// No more tries: the keys expire with their TTL.
+    GaveUp,
+}
+
+impl ReleaseFailure {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Retried => "retried",
+            Self::GaveUp => "gave_up",
+        }
+    }
+}
 
 /// Counts a request as waiting while it lives, and then how long it waited.
 #[derive(Debug)]
@@ -188,5 +338,23 @@ impl Drop for Waiting {
     fn drop(&mut self) {
         waiting(&self.layer, -1.0);
         waited(&self.layer, self.since.elapsed());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_label_is_kept_and_others_get_series_of_their_own() {
+        let labels = Labels::default();
+        let first = labels.of(Some("/orders/{id}"), false);
+        let other = labels.of(Some("/quotes"), true);
+        let again = labels.of(Some("/orders/{id}"), false);
+        assert!(Arc::ptr_eq(&first.series, &again.series));
+        assert_eq!(&*other.series.name, "/quotes");
+        assert!(!Arc::ptr_eq(&first.series, &other.series));
+        assert_eq!(other.mode.as_str(), "shared");
+        assert_eq!(&*labels.of(None, false).series.name, "unnamed");
     }
 }

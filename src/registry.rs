@@ -3,7 +3,7 @@
 //! release begins.
 
 use std::{
-    collections::HashMap,
+    collections::BTreeMap,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
@@ -12,7 +12,7 @@ use std::{
 };
 
 use axum::extract::MatchedPath;
-use http::{HeaderValue, Request};
+use http::{HeaderName, HeaderValue, Request};
 
 /// A batch of keys this process holds now: [`Locks::held_batches`](crate::Locks::held_batches)'s answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,14 +55,18 @@ impl HeldBatch {
 }
 
 /// The batches a [`Locks`](crate::Locks) handle and its clones hold now. Sharded, so that requests on
-/// different cores rarely share a mutex on the way in and out.
+/// different cores rarely share a mutex on the way in and out; each shard is ordered by
+/// id, which only grows, so a new batch goes to its end and no id is hashed.
 #[derive(Debug, Default)]
 pub(crate) struct Batches {
     next: AtomicU64,
-    shards: [Mutex<HashMap<u64, Batch>>; BATCH_SHARDS],
+    shards: [Mutex<BTreeMap<u64, Batch>>; BATCH_SHARDS],
 }
 
 const BATCH_SHARDS: usize = 8;
+
+/// The header a batch's request is known by; named once, not parsed for every request.
+static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 #[derive(Debug)]
 struct Batch {
@@ -74,19 +78,20 @@ struct Batch {
 }
 
 impl Batches {
-    /// Lists a batch of `keys` keys, `shared` of them shared, granted to `request` now,
-    /// until the returned registration drops.
+    /// Lists a batch of `keys` keys, `shared` of them shared, granted to `request` at
+    /// `since`, until the returned registration drops.
     pub(crate) fn register<B>(
         self: &Arc<Self>,
         request: &Request<B>,
         keys: usize,
         shared: usize,
+        since: Instant,
     ) -> Registered {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let batch = Batch {
             route: request.extensions().get::<MatchedPath>().cloned(),
-            request_id: request.headers().get("x-request-id").cloned(),
-            since: Instant::now(),
+            request_id: request.headers().get(&REQUEST_ID).cloned(),
+            since,
             keys,
             shared,
         };
@@ -97,7 +102,7 @@ impl Batches {
         }
     }
 
-    fn shard(&self, id: u64) -> MutexGuard<'_, HashMap<u64, Batch>> {
+    fn shard(&self, id: u64) -> MutexGuard<'_, BTreeMap<u64, Batch>> {
         // Every change is one insert or remove: a poisoned map is still whole.
         self.shards[(id % BATCH_SHARDS as u64) as usize]
             .lock()

@@ -10,14 +10,14 @@ use http::{Request, StatusCode};
 use tracing::Span;
 
 use crate::{
-    acquire::acquire,
+    acquire::{acquire, Granted},
     keys::{
         extractor::{Extracted, KeyExtractor},
         normalize::{normalize, Batch},
     },
     lease::Lease,
     locks::{Locks, OnLostLease},
-    observe::{self, Layer, Outcome},
+    observe::{self, Labels, Layer, Outcome},
     owner::{ExtraHolds, OwnerExtension, RequestGuard, RequestOwner},
     rejection::{Refused, Rejection},
     store::contract::OwnerToken,
@@ -28,6 +28,7 @@ use crate::{
 /// or the response that refuses it.
 pub(crate) fn lock<B, E>(
     locks: &Locks,
+    labels: &Labels,
     extractor: &E,
     request: Request<B>,
     span: Span,
@@ -37,12 +38,10 @@ where
     E: KeyExtractor<B>,
 {
     // Named before the extractor takes the request: a refused one is counted too.
+    let policy = locks.policy();
     let route = request.extensions().get::<MatchedPath>();
-    let layer = Layer::new(
-        locks.policy.metrics_label.as_ref(),
-        route.map(MatchedPath::as_str),
-        locks.policy.all_shared,
-    );
+    let name = policy.metrics_label.as_deref();
+    let layer = labels.of(name.or(route.map(MatchedPath::as_str)), policy.all_shared);
     let extracted = extractor.extract(request);
     let locks = locks.clone();
     Box::pin(async move { lock_extracted(locks, extracted, layer, &span).await })
@@ -54,7 +53,7 @@ async fn lock_extracted<B>(
     layer: Layer,
     span: &Span,
 ) -> Locked<B> {
-    let policy = &locks.policy;
+    let policy = locks.policy();
     let rejected = || {
         span.record("outcome", "rejected");
         observe::outcome(&layer, Outcome::Rejected, None);
@@ -111,8 +110,11 @@ async fn lock_extracted<B>(
     let layer = layer.holding(&modes);
     observe::batch(&layer, keys.len());
     let keys: Arc<[String]> = keys.into();
-    let started = Instant::now();
-    let granted = acquire(
+    let Granted {
+        mut guard,
+        fencing_token,
+        at: granted_at,
+    } = acquire(
         &locks,
         &keys,
         &modes,
@@ -121,17 +123,10 @@ async fn lock_extracted<B>(
         Some(&layer),
         span,
     )
-    .await;
-    let took = started.elapsed();
-    span.record("acquire_ms", took.as_secs_f64() * 1e3);
-    let outcome = granted
-        .as_ref()
-        .map_or_else(|(_, o)| *o, |_| Outcome::Granted);
-    observe::outcome(&layer, outcome, Some(took));
-    let (mut guard, fencing_token) = granted.map_err(|(rejection, _)| locks.refuse(rejection))?;
-    // `max_hold` counts from here: the time spent waiting for the keys is not holding.
-    let granted_at = Instant::now();
-    span.record("outcome", "granted");
+    .await
+    .map_err(|rejection| locks.refuse(rejection))?;
+    // The hold, and `max_hold`, count from the grant: the time spent waiting for the keys
+    // is not holding.
 
     // The handler's view of its locks, for the request's extensions (a granted guard is
     // always armed, so there is one).
@@ -145,17 +140,18 @@ async fn lock_extracted<B>(
             owner.clone(),
         )
     });
-    guard.time_into(locks.holds.clone(), layer);
-    guard.list_in(
-        locks
-            .batches
-            .register(&request, keys.len(), modes.shared(keys.len())),
-    );
+    guard.time_into(locks.holds().clone(), layer, granted_at);
+    guard.list_in(locks.batches().register(
+        &request,
+        keys.len(),
+        modes.shared(keys.len()),
+        granted_at,
+    ));
     // The response future starts the renewal if the request still holds its keys when
     // the first extension is due.
     let renew_at = if policy.renew {
         let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
-        guard.renew_later(policy.ttl, until)
+        guard.renew_later(policy.ttl, until, granted_at)
     } else {
         None
     };
@@ -192,7 +188,7 @@ async fn lock_extracted<B>(
 /// The owner token a trusted caller sent, if this service trusts the header and the
 /// caller; and the request back.
 fn trusted_owner<B>(locks: &Locks, request: Request<B>) -> (Request<B>, Option<OwnerToken>) {
-    let Some(header) = &locks.policy.trusted_owner_header else {
+    let Some(header) = &locks.policy().trusted_owner_header else {
         return (request, None);
     };
     let sent = request

@@ -328,6 +328,9 @@ async fn in_process(quick: bool, suffix: &str) -> Result<InProcess, String> {
             Router::new().route("/", get(ok).layer(memory.layer(one_key))),
         ),
     ];
+    // Finalized as `axum::serve` does (`into_make_service` calls `with_state`): an
+    // unfinalized router would build each route's layers again for every request.
+    let routers = routers.map(|(name, router)| (name, router.with_state::<()>(())));
     let mut per_request: Vec<Vec<f64>> = vec![Vec::new(); routers.len()];
     for rep in 0..reps {
         for (index, (name, router)) in routers.iter().enumerate() {
@@ -394,7 +397,7 @@ impl InProcess {
 fn in_process_json(plain: &InProcess, recorded: &InProcess) -> Value {
     let mut figures = plain.to_json();
     figures["method"] = json!(format!(
-        "Router::oneshot in a loop on one task, no network; bare axum, the route behind tower's ConcurrencyLimitLayer (limit {CONCURRENCY_LIMIT}, never reached: one request at a time) and the route behind the memory layer taking turns, median of the runs; a route's added cost = its median - bare axum's; then, once a metrics recorder (metrics-exporter-prometheus) is installed, all three again"
+        "Router::oneshot in a loop on one task, no network, each router finalized with with_state(()) as axum::serve does; bare axum, the route behind tower's ConcurrencyLimitLayer (limit {CONCURRENCY_LIMIT}, never reached: one request at a time) and the route behind the memory layer taking turns, median of the runs; a route's added cost = its median - bare axum's; then, once a metrics recorder (metrics-exporter-prometheus) is installed, all three again"
     ));
     figures["concurrency_limit"] = json!(CONCURRENCY_LIMIT);
     figures["with_recorder"] = recorded.to_json();

@@ -212,7 +212,7 @@ impl Shared {
     /// The response to `run` from its stored answer: the replay, or 422 when the answer
     /// is another request's; or 503 when the store cannot say. `None`: no answer yet.
     async fn stored(&self, run: &Run) -> Option<Response> {
-        let answers = &self.locks.store.answers;
+        let answers = &self.locks.store().answers;
         let loaded = tokio::time::timeout(
             self.locks.call_timeout(),
             answers.load_answer(&run.answer_key),
@@ -255,7 +255,7 @@ impl Shared {
         let give_up_at = Instant::now() + self.locks.lease_ttl();
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
-            let store = self.locks.store.answers.store_answer(&stored);
+            let store = self.locks.store().answers.store_answer(&stored);
             let failure = match tokio::time::timeout(self.locks.call_timeout(), store).await {
                 Ok(Ok(true)) => return,
                 Ok(Ok(false)) => return self.stored_first(run, &stored.bytes).await,
@@ -281,7 +281,7 @@ impl Shared {
     /// An answer was there when this run stored its own: its own, from an attempt whose
     /// reply was lost, or another run's, whose in-flight lock lapsed while this one ran.
     async fn stored_first(&self, run: &Run, encoded: &Bytes) {
-        let load = self.locks.store.answers.load_answer(&run.answer_key);
+        let load = self.locks.store().answers.load_answer(&run.answer_key);
         let stored = tokio::time::timeout(self.locks.call_timeout(), load).await;
         if !matches!(stored, Ok(Ok(Some(ref stored))) if stored == encoded) {
             tracing::warn!(

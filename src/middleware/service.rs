@@ -1,12 +1,15 @@
 //! The middleware service.
 
-use std::task::{Context, Poll};
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
 
 use http::{Request, Response};
 use tower_service::Service;
 
 use super::{body::ResponseBody, future::ResponseFuture};
-use crate::{keys::extractor::KeyExtractor, locks::Locks, request};
+use crate::{keys::extractor::KeyExtractor, locks::Locks, observe::Labels, request};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around its inner service.
 #[derive(Debug, Clone)]
@@ -14,6 +17,8 @@ pub struct LockService<S, E> {
     inner: S,
     locks: Locks,
     extractor: E,
+    /// The metrics labels of this service and its clones.
+    labels: Arc<Labels>,
 }
 
 impl<S, E> LockService<S, E> {
@@ -22,6 +27,7 @@ impl<S, E> LockService<S, E> {
             inner,
             locks,
             extractor,
+            labels: Arc::default(),
         }
     }
 }
@@ -49,7 +55,13 @@ where
         );
         let locking = {
             let _entered = span.enter();
-            request::lock(&self.locks, &self.extractor, request, span.clone())
+            request::lock(
+                &self.locks,
+                &self.labels,
+                &self.extractor,
+                request,
+                span.clone(),
+            )
         };
         // The inner service was made ready by `poll_ready`; the locking happens later, in
         // the future, so move the ready one there and keep a fresh clone here.

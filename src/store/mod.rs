@@ -21,6 +21,7 @@
 //! Every store has the same semantics (all or nothing, owner-only release, re-entry,
 //! TTLs, fair waiting, fencing tokens); the builders' docs say what each adds or assumes.
 
+pub(crate) mod call;
 #[cfg(feature = "cluster")]
 mod cluster;
 pub(crate) mod contract;
