@@ -155,14 +155,11 @@ async fn lock_extracted<B>(
     } else {
         None
     };
-    if let Some(lease) = &lease {
-        request.extensions_mut().insert(lease.clone());
-    }
-    let cancel_on_loss = (policy.on_lost_lease == OnLostLease::Cancel)
-        .then_some(lease)
-        .flatten()
+    let cancel_on_loss = lease
+        .as_ref()
+        .filter(|_| policy.on_lost_lease == OnLostLease::Cancel)
         .map(|lease| {
-            let locks = locks.clone();
+            let (lease, locks) = (lease.clone(), locks.clone());
             Box::pin(async move {
                 lease.lost().await;
                 tracing::warn!("lease lost while the handler ran; cancelling it");
@@ -172,6 +169,9 @@ async fn lock_extracted<B>(
                 ))
             }) as BoxFuture<'static, Response>
         });
+    if let Some(lease) = lease {
+        request.extensions_mut().insert(lease);
+    }
     // The layer that made the owner gives back the handler's holds too.
     let extra = made_here.then(|| ExtraHolds(owner));
     Ok((

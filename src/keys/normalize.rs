@@ -88,7 +88,7 @@ pub(crate) fn normalize(
     // One prefix in front of every key keeps them in the order just sorted.
     let keys = keys
         .into_iter()
-        .map(|(key, _)| format!("{}{key}", policy.prefix))
+        .map(|(key, _)| [&*policy.prefix, &*key].concat())
         .collect();
     Ok(Batch { keys, modes })
 }
