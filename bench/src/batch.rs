@@ -19,6 +19,10 @@
 //!   Redis and run for all, so that only the algorithms differ. redislock's scripts `unpack`
 //!   the whole batch, which Lua refuses near 8,000 values: above about 4,000 keys they fail,
 //!   and the case records the error.
+//! - `SET NX PX + DEL a key in Lua`: the same two scripts reduced to one `SET NX PX` and one
+//!   `DEL` a key, with nothing else (no owner check on release): the least Redis time any
+//!   batch scripted over string keys with TTLs can take, the crate's and node-redlock's
+//!   alike.
 //! - `floor`: `CONFIG RESETSTAT` before the crate's measured rounds, then the `usec` of
 //!   `evalsha` and `eval` in `INFO commandstats`, divided by the rounds: the time Redis
 //!   itself spends running the two scripts of one cycle. No client can beat it. The
@@ -57,6 +61,7 @@ pub(crate) const PIPELINED: &str = "pipelined SETNX + EXPIRE";
 pub(crate) const NAIVE: &str = "naive SET NX PX loop";
 pub(crate) const NODE_REDLOCK: &str = "node-redlock's scripts";
 pub(crate) const REDISLOCK: &str = "redislock's ObtainMulti";
+pub(crate) const LUA_FLOOR: &str = "SET NX PX + DEL a key in Lua";
 pub(crate) const FLOOR: &str = "floor: Redis time of our scripts";
 
 const TTL: Duration = Duration::from_secs(30);
@@ -78,6 +83,11 @@ static NODE_REDLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScript
     release: Script::new(include_str!("../scripts/node-redlock-release.lua")),
 });
 
+static LUA_FLOOR_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
+    acquire: Script::new(include_str!("../scripts/lua-floor-acquire.lua")),
+    release: Script::new(include_str!("../scripts/lua-floor-release.lua")),
+});
+
 static REDISLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
     acquire: Script::new(include_str!("../scripts/redislock-obtain.lua")),
     release: Script::new(include_str!("../scripts/redislock-release.lua")),
@@ -89,6 +99,7 @@ enum Algorithm {
     Pipelined,
     NodeRedlock,
     Redislock,
+    LuaFloor,
     Naive,
 }
 
@@ -99,6 +110,7 @@ impl Algorithm {
             Self::Pipelined => PIPELINED,
             Self::NodeRedlock => NODE_REDLOCK,
             Self::Redislock => REDISLOCK,
+            Self::LuaFloor => LUA_FLOOR,
             Self::Naive => NAIVE,
         }
     }
@@ -107,6 +119,7 @@ impl Algorithm {
         match self {
             Self::NodeRedlock => Some(&NODE_REDLOCK_SCRIPTS),
             Self::Redislock => Some(&REDISLOCK_SCRIPTS),
+            Self::LuaFloor => Some(&LUA_FLOOR_SCRIPTS),
             _ => None,
         }
     }
@@ -116,7 +129,9 @@ impl Algorithm {
     /// `evalsha` and `eval` alone.
     fn commands(self) -> &'static [&'static str] {
         match self {
-            Self::Crate | Self::NodeRedlock | Self::Redislock => &["evalsha", "eval"],
+            Self::Crate | Self::NodeRedlock | Self::Redislock | Self::LuaFloor => {
+                &["evalsha", "eval"]
+            }
             Self::Pipelined => &["setnx", "expire", "del"],
             Self::Naive => &["set", "del"],
         }
@@ -128,7 +143,8 @@ impl Algorithm {
         match self {
             Self::Crate | Self::NodeRedlock | Self::Redislock => Some("evalsha"),
             Self::Pipelined => Some("del"),
-            Self::Naive => None,
+            // A floor of Redis's time per key, not a library: its calls are not compared.
+            Self::LuaFloor | Self::Naive => None,
         }
     }
 
@@ -208,6 +224,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         Algorithm::Pipelined,
         Algorithm::NodeRedlock,
         Algorithm::Redislock,
+        Algorithm::LuaFloor,
         Algorithm::Naive,
     ];
     let total = SIZES.len() * algorithms.len();
@@ -249,6 +266,10 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     }
     let targets = targets(&cases);
     let (node_redlock, redislock) = (over(&cases, NODE_REDLOCK), over(&cases, REDISLOCK));
+    let lua_floor = over(&cases, LUA_FLOOR).1;
+    let floor_over_node_redlock = find(&cases, LUA_FLOOR, 3_000)
+        .zip(find(&cases, NODE_REDLOCK, 3_000))
+        .map(|((_, floor), (_, theirs))| floor / theirs);
     Ok(json!({
         "method": {
             CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
@@ -256,6 +277,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
+            LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of DEL for each key, with no owner check (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's",
             FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
             "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
@@ -269,6 +291,8 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             "redis_time_crate_over_node_redlock": node_redlock.1.map(|r| stats::round(r, 3)),
             "cycle_crate_over_redislock": redislock.0.map(|r| stats::round(r, 3)),
             "redis_time_crate_over_redislock": redislock.1.map(|r| stats::round(r, 3)),
+            "redis_time_crate_over_lua_floor": lua_floor.map(|r| stats::round(r, 3)),
+            "redis_time_lua_floor_over_node_redlock": floor_over_node_redlock.map(|r| stats::round(r, 3)),
         },
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
     }))
@@ -504,7 +528,9 @@ impl Cycle {
         match self.algorithm {
             Algorithm::Crate => self.through_layer().await?,
             Algorithm::Pipelined => self.pipelined().await?,
-            Algorithm::NodeRedlock | Algorithm::Redislock => self.scripted().await?,
+            Algorithm::NodeRedlock | Algorithm::Redislock | Algorithm::LuaFloor => {
+                self.scripted().await?
+            }
             Algorithm::Naive => self.naive().await?,
         }
         Ok(started.elapsed())
