@@ -83,7 +83,7 @@ pub(crate) struct Policy {
     pub(crate) retry_after: RetryAfter,
     refusal: Option<RefusalResponse>,
     /// The `layer` label of the metrics, when not the route.
-    pub(crate) metrics_label: Option<Arc<str>>,
+    pub(crate) metrics_label: Option<String>,
 }
 
 /// A user's way to build the responses the layer refuses requests with.
@@ -484,7 +484,7 @@ impl Locks {
     /// several routes, or tells apart two layers on one route. Choose a fixed word, never
     /// anything from a request.
     pub fn metrics_label(self, label: impl Into<String>) -> Self {
-        let label: Arc<str> = label.into().into();
+        let label = label.into();
         self.tune(|p| p.metrics_label = Some(label))
     }
 

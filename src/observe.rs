@@ -187,8 +187,9 @@ mod record {
     }
 
     pub(crate) fn outcome(layer: &Layer, outcome: Outcome, acquiring: Option<Duration>) {
-        let (mode, at) = (layer.mode, [layer.mode as usize, outcome as usize]);
-        handles(layer).acquisitions[at[0]][at[1]]
+        let mode = layer.mode;
+        let (m, o) = (mode as usize, outcome as usize);
+        handles(layer).acquisitions[m][o]
             .get_or_init(|| {
                 counter!(
                     "tower_batch_lock_acquisitions_total",
@@ -197,7 +198,7 @@ mod record {
             })
             .increment(1);
         if let Some(took) = acquiring {
-            handles(layer).acquire_seconds[at[0]][at[1]]
+            handles(layer).acquire_seconds[m][o]
                 .get_or_init(|| {
                     histogram!(
                         "tower_batch_lock_acquire_seconds",
