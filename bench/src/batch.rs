@@ -19,10 +19,11 @@
 //!   Redis and run for all, so that only the algorithms differ. redislock's scripts `unpack`
 //!   the whole batch, which Lua refuses near 8,000 values: above about 4,000 keys they fail,
 //!   and the case records the error.
-//! - `SET NX PX + DEL a key in Lua`: the same two scripts reduced to one `SET NX PX` and one
-//!   `DEL` a key, with nothing else (no owner check on release): the least Redis time any
-//!   batch scripted over string keys with TTLs can take, the crate's and node-redlock's
-//!   alike.
+//! - `SET NX PX a key, checked MGET + DEL in Lua`: the same two scripts reduced to one
+//!   `SET NX PX` a key, and a release that reads the values with one `MGET` and deletes the
+//!   keys holding the owner's value with one `DEL` (a thousand keys a command), with nothing
+//!   else: the least Redis time any batch scripted over string keys with TTLs can take
+//!   while a release checks its owner, the crate's and node-redlock's alike.
 //! - `floor`: `CONFIG RESETSTAT` before the crate's measured rounds, then the `usec` of
 //!   `evalsha` and `eval` in `INFO commandstats`, divided by the rounds: the time Redis
 //!   itself spends running the two scripts of one cycle. No client can beat it. The
@@ -61,7 +62,7 @@ pub(crate) const PIPELINED: &str = "pipelined SETNX + EXPIRE";
 pub(crate) const NAIVE: &str = "naive SET NX PX loop";
 pub(crate) const NODE_REDLOCK: &str = "node-redlock's scripts";
 pub(crate) const REDISLOCK: &str = "redislock's ObtainMulti";
-pub(crate) const LUA_FLOOR: &str = "SET NX PX + DEL a key in Lua";
+pub(crate) const LUA_FLOOR: &str = "SET NX PX a key, checked MGET + DEL in Lua";
 pub(crate) const FLOOR: &str = "floor: Redis time of our scripts";
 
 const TTL: Duration = Duration::from_secs(30);
@@ -277,7 +278,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
-            LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of DEL for each key, with no owner check (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's",
+            LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of MGET of the keys and DEL of those holding the owner's value, a thousand keys a command (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's: a release must check the owner, and Redis 7 cannot set the TTLs of many keys in one command",
             FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
             "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",

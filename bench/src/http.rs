@@ -190,7 +190,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         json!(stats::round(median(bare_recorded_runs), 1));
     memory_recorded["granted_counted_by_recorder"] = json!(granted_recorded);
     results.push(memory_recorded);
-    let targets = targets(&results);
+    let targets = targets(&results, &in_process_plain, &in_process_recorded);
     Ok(json!({
         "method": format!(
             "axum on 127.0.0.1:0 in the bench process (multi-threaded runtime); a hand-written HTTP/1.1 load generator on its own thread, {CONNECTIONS} keep-alive connections, GET with an x-key header; {reps} runs of {} s per case, cases taking turns; requests/s = median of the runs, latencies over all requests; a target's ratio = median of the ratios of runs that went back to back; the hand-written handler runs the crate's own acquire and release scripts (read from src/store/redis/scripts/) with EVALSHA, on one multiplexed connection shared by all requests, as the crate's Redis store does. The case with a metrics recorder runs after every other case (a global recorder cannot be uninstalled): metrics-exporter-prometheus's recorder, with upkeep every {} s, bare axum and the memory layer taking turns again; its target pairs those runs",
@@ -377,6 +377,11 @@ struct InProcess {
 }
 
 impl InProcess {
+    /// What the layer adds to a request, over bare axum, in microseconds.
+    fn layer_adds_us(&self) -> f64 {
+        stats::round((self.layer_ns - self.bare_ns) / 1e3, 2)
+    }
+
     fn to_json(&self) -> Value {
         let ns = |value: f64| stats::round(value, 0);
         let layer_adds = self.layer_ns - self.bare_ns;
@@ -486,7 +491,7 @@ pub(crate) fn paired_ratio(ours: Option<Vec<f64>>, theirs: Option<Vec<f64>>) -> 
     (!ratios.is_empty()).then(|| median(ratios))
 }
 
-fn targets(results: &[Value]) -> Vec<Target> {
+fn targets(results: &[Value], in_process: &InProcess, with_recorder: &InProcess) -> Vec<Target> {
     let case_runs = |path: &str| runs(uncontended(results, path, false)?, RUNS);
     let ratio = |ours: &str, theirs: &str| paired_ratio(case_runs(ours), case_runs(theirs));
     // The bare runs that took turns with the recorded ones, not those before the recorder.
@@ -499,7 +504,7 @@ fn targets(results: &[Value]) -> Vec<Target> {
         Target::at_least(
             "HTTP, Redis, 1 key: layer / hand-written requests/s",
             ratio("/redis/1", "/hand/1"),
-            0.85,
+            0.97,
         ),
         Target::at_least(
             "HTTP, memory, 1 key: layer / bare axum requests/s",
@@ -510,6 +515,16 @@ fn targets(results: &[Value]) -> Vec<Target> {
             "HTTP, memory, 1 key, with a recorder: layer / bare axum requests/s",
             recorded_ratio,
             0.95,
+        ),
+        Target::at_most(
+            "in process, memory, 1 key: the layer adds (µs a request)",
+            Some(in_process.layer_adds_us()),
+            1.0,
+        ),
+        Target::at_most(
+            "in process, memory, 1 key, with a recorder: the layer adds (µs a request)",
+            Some(with_recorder.layer_adds_us()),
+            1.5,
         ),
     ]
 }

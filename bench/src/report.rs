@@ -175,9 +175,9 @@ fn peers_at_3000(out: &mut String, batch: &Value) {
     let _ = writeln!(
         out,
         "\nAt 3,000 keys, ours ÷ {NODE_REDLOCK}: {} a cycle, {} of Redis's time; ours ÷ \
-         {REDISLOCK}: {} a cycle, {} of Redis's time. `{LUA_FLOOR}` (one `SET NX PX` and \
-         one `DEL` a key in two scripts, nothing else: the floor of any batch scripted over \
-         string keys with TTLs) takes {} of {NODE_REDLOCK}' Redis time; ours takes {} of \
+         {REDISLOCK}: {} a cycle, {} of Redis's time. `{LUA_FLOOR}` (one `SET NX PX` a \
+         key, then one `MGET` and one `DEL` a thousand keys, nothing else: the floor of any \
+         batch scripted over string keys with TTLs whose release checks its owner) takes {} of {NODE_REDLOCK}' Redis time; ours takes {} of \
          that floor's.",
         ratio(&ratios["cycle_crate_over_node_redlock"]),
         ratio(&ratios["redis_time_crate_over_node_redlock"]),
