@@ -377,14 +377,19 @@ struct InProcess {
 }
 
 impl InProcess {
-    /// What the layer adds to a request, over bare axum, in microseconds.
+    /// What the layer adds to a request, over bare axum, in nanoseconds.
+    fn layer_adds_ns(&self) -> f64 {
+        self.layer_ns - self.bare_ns
+    }
+
+    /// The same in microseconds, for the targets.
     fn layer_adds_us(&self) -> f64 {
-        stats::round((self.layer_ns - self.bare_ns) / 1e3, 2)
+        stats::round(self.layer_adds_ns() / 1e3, 2)
     }
 
     fn to_json(&self) -> Value {
         let ns = |value: f64| stats::round(value, 0);
-        let layer_adds = self.layer_ns - self.bare_ns;
+        let layer_adds = self.layer_adds_ns();
         let limit_adds = self.concurrency_limit_ns - self.bare_ns;
         json!({
             "bare_ns_per_request": ns(self.bare_ns),
