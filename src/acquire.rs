@@ -52,29 +52,43 @@ pub(crate) async fn acquire(
     layer: Option<&Layer>,
     span: &Span,
 ) -> Result<Granted, Rejection> {
-    let policy = locks.policy();
-    let report = if policy.wait.bound().is_zero() {
-        policy.max_named_conflicts
-    } else {
-        policy.max_named_conflicts.max(WATCHED_CONFLICTS)
-    };
-    let acquisition = Acquisition {
-        store: &locks.store().locks,
-        namespace: &policy.keys.prefix,
-        keys,
-        modes,
-        ttl: policy.ttl,
-        wait: policy.wait,
-        timeout: policy.store_timeout,
-        report,
-        holds_keys,
-        layer,
-        outage: locks.outage(),
-    };
+    let acquisition = Acquisition::new(locks, keys, modes, holds_keys, layer);
     // The clock is read once before and once after: the first attempt starts at `started`,
     // and the hold at `at`.
     let started = Instant::now();
     let acquired = acquisition.run(owner, started).await;
+    conclude(locks, keys.len(), layer, span, started, acquired)
+}
+
+/// [`acquire`] without a future, where the store answers at once (in memory) and its first
+/// answer settles the request: a grant, or a refusal that waiting cannot change. `None`
+/// otherwise, having changed nothing: the request then goes the way of [`acquire`], which
+/// asks again, with the waiter's ticket where it waits in line.
+pub(crate) fn acquire_now(
+    locks: &Locks,
+    keys: &Arc<[String]>,
+    modes: &Modes,
+    owner: OwnerToken,
+    holds_keys: bool,
+    layer: Option<&Layer>,
+    span: &Span,
+) -> Option<Result<Granted, Rejection>> {
+    let acquisition = Acquisition::new(locks, keys, modes, holds_keys, layer);
+    let started = Instant::now();
+    let acquired = acquisition.now(owner, started)?;
+    Some(conclude(locks, keys.len(), layer, span, started, acquired))
+}
+
+/// Records how an acquisition of `of` keys that started at `started` ended, and gives the
+/// grant, or the response that refuses the request.
+fn conclude(
+    locks: &Locks,
+    of: usize,
+    layer: Option<&Layer>,
+    span: &Span,
+    started: Instant,
+    acquired: Result<(LockGuard, FencingToken), Refusal>,
+) -> Result<Granted, Rejection> {
     let at = Instant::now();
     let (granted, outcome) = match acquired {
         Ok((guard, fencing_token)) => {
@@ -88,7 +102,7 @@ pub(crate) async fn acquire(
         Err(Refusal::Contended(contention)) => {
             span.record("outcome", "contended");
             tracing::debug!(held = contention.total, "locks held by another owner");
-            let rejection = contention_rejection(locks, keys.len(), contention);
+            let rejection = contention_rejection(locks, of, contention);
             (Err(rejection), Outcome::Contended)
         }
         Err(Refusal::Unavailable) => {
@@ -157,7 +171,87 @@ enum Refusal {
     Unavailable,
 }
 
-impl Acquisition<'_> {
+impl<'a> Acquisition<'a> {
+    fn new(
+        locks: &'a Locks,
+        keys: &'a Arc<[String]>,
+        modes: &'a Modes,
+        holds_keys: bool,
+        layer: Option<&'a Layer>,
+    ) -> Self {
+        let policy = locks.policy();
+        let report = if policy.wait.bound().is_zero() {
+            policy.max_named_conflicts
+        } else {
+            policy.max_named_conflicts.max(WATCHED_CONFLICTS)
+        };
+        Self {
+            store: &locks.store().locks,
+            namespace: &policy.keys.prefix,
+            keys,
+            modes,
+            ttl: policy.ttl,
+            wait: policy.wait,
+            timeout: policy.store_timeout,
+            report,
+            holds_keys,
+            layer,
+            outage: locks.outage(),
+        }
+    }
+
+    /// One attempt, where the store answers at once; `None` where it does not, or where
+    /// the batch is refused and the policy waits (see [`acquire_now`]). It stands in no
+    /// line: kept out by every reservation, it reserves nothing, and a waiter takes its
+    /// ticket when it starts waiting.
+    fn now(
+        &self,
+        owner: OwnerToken,
+        started: Instant,
+    ) -> Option<Result<(LockGuard, FencingToken), Refusal>> {
+        let holder = Holder::new(owner);
+        let line = if self.holds_keys {
+            Line::Holder
+        } else {
+            Line::Outside
+        };
+        let answer = self.store.acquire_now(&self.request(holder, line))?;
+        self.outage.answered();
+        match answer {
+            // Nothing was in flight, so the guard is made once there is something to hold.
+            Acquire::Granted(fence) => Some(Ok((self.guard(holder, started), fence))),
+            Acquire::Held(contention) if self.wait.bound().is_zero() || contention.upgrade => {
+                Some(Err(Refusal::Contended(contention)))
+            }
+            Acquire::Held(_) => None,
+        }
+    }
+
+    /// What an attempt under `holder`, standing in `line`, asks of the store.
+    fn request(&self, holder: Holder, line: Line) -> AcquireRequest {
+        AcquireRequest {
+            namespace: self.namespace.clone(),
+            keys: self.keys.clone(),
+            modes: self.modes.clone(),
+            holder,
+            ttl: self.ttl,
+            report: self.report,
+            line,
+        }
+    }
+
+    /// The guard of `holder`'s hold, for an attempt sent at `attempted`: the keys expire
+    /// no earlier than the TTL after it (less the store's clock-drift allowance).
+    fn guard(&self, holder: Holder, attempted: Instant) -> LockGuard {
+        LockGuard::new(
+            self.store.clone(),
+            self.keys.clone(),
+            holder,
+            self.timeout,
+            attempted + self.ttl.saturating_sub(self.store.drift(self.ttl)),
+        )
+    }
+
     /// Tries the whole batch until it is granted, the store fails, the wait bound passes,
     /// or an upgrade is refused (see [`Mode`](crate::Mode)). Between attempts it sleeps until a release of a conflicting key, or a short
     /// jittered pause in case that wake-up is lost.
@@ -189,22 +283,8 @@ impl Acquisition<'_> {
             // retried in the background (Redlock's, on a slow master) must never end the
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
-            let guard = LockGuard::new(
-                self.store.clone(),
-                self.keys.clone(),
-                holder,
-                self.timeout,
-                attempted + self.ttl.saturating_sub(self.store.drift(self.ttl)),
-            );
-            let request = AcquireRequest {
-                namespace: self.namespace.clone(),
-                keys: self.keys.clone(),
-                modes: self.modes.clone(),
-                holder,
-                ttl: self.ttl,
-                report: self.report,
-                line,
-            };
+            let guard = self.guard(holder, attempted);
+            let request = self.request(holder, line);
             let outcome = within(self.timeout, self.store.acquire(&request)).await;
             if matches!(outcome, Ok(Ok(_))) {
                 self.outage.answered();

@@ -215,6 +215,25 @@ impl LockGuard {
         }
         self.disarm();
     }
+
+    /// Releases the keys without a future, where nothing needs waiting for: no renewal has
+    /// started (an extension could be in flight), and the store answers at once. Whether it
+    /// did: otherwise the guard is as it was, for [`release`](Self::release).
+    pub(crate) fn release_now(&mut self) -> bool {
+        let Some(held) = &mut self.held else {
+            return true;
+        };
+        if held.renewal.is_some() {
+            return false;
+        }
+        held.hold_ended();
+        let Some(count) = held.store.release_now(&held.keys, held.holder) else {
+            return false;
+        };
+        held.released(count);
+        self.held = None;
+        true
+    }
 }
 
 impl Held {
@@ -255,7 +274,7 @@ impl Held {
         let released = within(self.timeout, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
-                tracing::trace!(keys = self.keys.len(), released = count, "released locks");
+                self.released(count);
                 true
             }
             Ok(Err(error)) => {
@@ -271,6 +290,10 @@ impl Held {
                 false
             }
         }
+    }
+
+    fn released(&self, count: usize) {
+        tracing::trace!(keys = self.keys.len(), released = count, "released locks");
     }
 
     fn count_release_failure(&self, result: ReleaseFailure) {

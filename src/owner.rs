@@ -57,6 +57,11 @@ impl RequestOwner {
 pub(crate) struct ExtraHolds(pub(crate) Arc<RequestOwner>);
 
 impl ExtraHolds {
+    /// Whether the handler took any.
+    fn any(&self) -> bool {
+        !self.0.extra().is_empty()
+    }
+
     /// Takes the holds out, to release them now.
     pub(crate) fn take(&self) -> Vec<LockGuard> {
         self.0.take_all()
@@ -81,6 +86,13 @@ impl RequestGuard {
     /// Starts the layer's deferred renewal (see [`LockGuard::renew_later`]).
     pub(crate) fn start_deferred_renewal(&mut self) {
         self.guard.start_deferred_renewal();
+    }
+
+    /// Releases the layer's hold without a future, as [`LockGuard::release_now`] does, where
+    /// the handler took no holds of its own. Whether it did: otherwise the guard is as it
+    /// was, for [`release`](Self::release).
+    pub(crate) fn release_now(&mut self) -> bool {
+        !self.extra.as_ref().is_some_and(ExtraHolds::any) && self.guard.release_now()
     }
 
     /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what

@@ -2,7 +2,7 @@
 //! [`LockService`](crate::middleware::LockService) sees. The configuration it follows is
 //! [`Locks`]'s; the waiting is [`acquire`]'s.
 
-use std::{fmt, future::Future, sync::Arc, time::Instant};
+use std::{fmt, sync::Arc, time::Instant};
 
 use axum::{extract::MatchedPath, response::Response};
 use futures_util::future::BoxFuture;
@@ -10,7 +10,7 @@ use http::{Request, StatusCode};
 use tracing::Span;
 
 use crate::{
-    acquire::{acquire, Granted},
+    acquire::{acquire, acquire_now, Granted},
     keys::{
         extractor::{Extracted, KeyExtractor},
         normalize::{normalize, Batch},
@@ -20,19 +20,20 @@ use crate::{
     observe::{self, Labels, Layer, Outcome},
     owner::{ExtraHolds, OwnerExtension, RequestGuard, RequestOwner},
     rejection::{Refused, Rejection},
-    store::contract::OwnerToken,
+    store::contract::{Modes, OwnerToken},
 };
 
 /// Extracts, normalizes and acquires the keys of one request: the work before the inner
 /// service runs. Gives back the request with its guard (none when there are no keys),
-/// or the response that refuses it.
+/// or the response that refuses it: at once where the keys are in the request's head and
+/// the store answers at once, and otherwise as a future.
 pub(crate) fn lock<B, E>(
     locks: &Locks,
     labels: &Labels,
     extractor: &E,
     request: Request<B>,
     span: Span,
-) -> BoxFuture<'static, Locked<B>>
+) -> Locking<B>
 where
     B: Send + 'static,
     E: KeyExtractor<B>,
@@ -42,23 +43,83 @@ where
     let route = request.extensions().get::<MatchedPath>();
     let name = policy.metrics_label.as_deref();
     let layer = labels.of(name.or(route.map(MatchedPath::as_str)), policy.all_shared);
-    let extracted = extractor.extract(request);
+    let extracting = match extractor.extract_now(request) {
+        Ok(extracted) => {
+            let pending = match admit(locks, extracted, layer, &span) {
+                Ok(Admitted::Keys(pending)) => pending,
+                Ok(Admitted::Unlocked(request)) => return Locking::Now(Ok((request, None))),
+                Err(refusal) => return Locking::Now(Err(refusal)),
+            };
+            if let Some(acquired) = pending.claim.acquire_now(locks, &span) {
+                return Locking::Now(pending.hold(locks, acquired));
+            }
+            let locks = locks.clone();
+            return Locking::Later(Box::pin(async move {
+                let acquired = pending.claim.acquire(&locks, &span).await;
+                pending.hold(&locks, acquired)
+            }));
+        }
+        Err(extracting) => extracting,
+    };
     let locks = locks.clone();
-    Box::pin(async move { lock_extracted(locks, extracted, layer, &span).await })
+    Locking::Later(Box::pin(async move {
+        match admit(&locks, extracting.await, layer, &span)? {
+            Admitted::Keys(pending) => {
+                let acquired = pending.claim.acquire(&locks, &span).await;
+                pending.hold(&locks, acquired)
+            }
+            Admitted::Unlocked(request) => Ok((request, None)),
+        }
+    }))
 }
 
-async fn lock_extracted<B>(
-    locks: Locks,
-    extracted: impl Future<Output = Extracted<B>>,
+/// How a request's locking goes on: decided already, or a future that decides it.
+// Made once per request and taken apart at once: boxing the large variant would bring back
+// the allocation that it saves.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Locking<B> {
+    Now(Locked<B>),
+    Later(BoxFuture<'static, Locked<B>>),
+}
+
+/// A request whose keys the layer is to lock.
+enum Admitted<B> {
+    Keys(Pending<B>),
+    /// It names none, and the layer lets such requests through.
+    Unlocked(Request<B>),
+}
+
+/// An admitted request, and what it claims.
+struct Pending<B> {
+    request: Request<B>,
+    claim: Claim,
+}
+
+/// A request's keys, in order, and their owner.
+struct Claim {
+    keys: Arc<[String]>,
+    modes: Modes,
+    owner: Arc<RequestOwner>,
+    /// Whether this layer made the owner, and so gives back the handler's holds too.
+    made_here: bool,
+    /// Whether the owner holds keys already (see [`Line::Holder`](crate::store::contract::Line)).
+    holds_keys: bool,
+    layer: Layer,
+}
+
+/// Checks and normalizes the keys the extractor found, and finds the request's owner.
+fn admit<B>(
+    locks: &Locks,
+    extracted: Extracted<B>,
     layer: Layer,
     span: &Span,
-) -> Locked<B> {
+) -> Result<Admitted<B>, Response> {
     let policy = locks.policy();
     let rejected = || {
         span.record("outcome", "rejected");
         observe::outcome(&layer, Outcome::Rejected, None);
     };
-    let (mut request, keys) = extracted.await.map_err(|mut refusal| {
+    let (mut request, keys) = extracted.map_err(|mut refusal| {
         rejected();
         // The extractor refused the request before it ran: a layer around this one (the
         // idempotency layer) must not keep the answer, so that the corrected request runs.
@@ -84,7 +145,7 @@ async fn lock_extracted<B>(
             return Err(locks.refuse(rejection));
         }
         span.record("outcome", "unlocked");
-        return Ok((request, None));
+        return Ok(Admitted::Unlocked(request));
     }
 
     // One owner per request: an outer layer's, a trusted caller's, or a new one.
@@ -97,7 +158,7 @@ async fn lock_extracted<B>(
         Some(owner) => (owner, false, true),
         None => {
             let trusted;
-            (request, trusted) = trusted_owner(&locks, request);
+            (request, trusted) = trusted_owner(locks, request);
             let token = trusted.unwrap_or_else(OwnerToken::random);
             let owner = RequestOwner::new(token);
             request
@@ -109,80 +170,129 @@ async fn lock_extracted<B>(
 
     let layer = layer.holding(&modes);
     observe::batch(&layer, keys.len());
-    let keys: Arc<[String]> = keys.into();
-    let Granted {
-        mut guard,
-        fencing_token,
-        at: granted_at,
-    } = acquire(
-        &locks,
-        &keys,
-        &modes,
-        owner.token,
+    let claim = Claim {
+        keys: keys.into(),
+        modes,
+        owner,
+        made_here,
         holds_keys,
-        Some(&layer),
-        span,
-    )
-    .await
-    .map_err(|rejection| locks.refuse(rejection))?;
-    // The hold, and `max_hold`, count from the grant: the time spent waiting for the keys
-    // is not holding.
-
-    // The handler's view of its locks, for the request's extensions (a granted guard is
-    // always armed, so there is one).
-    let lease = guard.status().map(|status| {
-        Lease::new(
-            keys.clone(),
-            modes.clone(),
-            fencing_token,
-            status,
-            locks.clone(),
-            owner.clone(),
-        )
-    });
-    guard.time_into(locks.holds().clone(), layer, granted_at);
-    guard.list_in(locks.batches().register(
-        &request,
-        keys.len(),
-        modes.shared(keys.len()),
-        granted_at,
-    ));
-    // The response future starts the renewal if the request still holds its keys when
-    // the first extension is due.
-    let renew_at = if policy.renew {
-        let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
-        guard.renew_later(policy.ttl, until, granted_at)
-    } else {
-        None
+        layer,
     };
-    let cancel_on_loss = lease
-        .as_ref()
-        .filter(|_| policy.on_lost_lease == OnLostLease::Cancel)
-        .map(|lease| {
-            let (lease, locks) = (lease.clone(), locks.clone());
-            Box::pin(async move {
-                lease.lost().await;
-                tracing::warn!("lease lost while the handler ran; cancelling it");
-                locks.refuse(Rejection::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the locks of this request were lost before it finished; try again",
-                ))
-            }) as BoxFuture<'static, Response>
-        });
-    if let Some(lease) = lease {
-        request.extensions_mut().insert(lease);
+    Ok(Admitted::Keys(Pending { request, claim }))
+}
+
+impl Claim {
+    /// [`acquire_now`]: the store's first answer, where it is at once and settles.
+    fn acquire_now(&self, locks: &Locks, span: &Span) -> Option<Result<Granted, Rejection>> {
+        let (keys, modes, token) = (&self.keys, &self.modes, self.owner.token);
+        acquire_now(
+            locks,
+            keys,
+            modes,
+            token,
+            self.holds_keys,
+            Some(&self.layer),
+            span,
+        )
     }
-    // The layer that made the owner gives back the handler's holds too.
-    let extra = made_here.then(|| ExtraHolds(owner));
-    Ok((
-        request,
-        Some(Holding {
-            guard: RequestGuard { guard, extra },
-            cancel_on_loss,
-            until_body_end: policy.hold_until_body_end,
-            renew_at,
-        }),
-    ))
+
+    /// [`acquire`]: until granted, refused or out of time, waiting as the policy says.
+    async fn acquire(&self, locks: &Locks, span: &Span) -> Result<Granted, Rejection> {
+        let (keys, modes, token) = (&self.keys, &self.modes, self.owner.token);
+        acquire(
+            locks,
+            keys,
+            modes,
+            token,
+            self.holds_keys,
+            Some(&self.layer),
+            span,
+        )
+        .await
+    }
+}
+
+impl<B> Pending<B> {
+    /// The request with its hold on the keys `acquired` granted, or the response that
+    /// refuses it.
+    fn hold(self, locks: &Locks, acquired: Result<Granted, Rejection>) -> Locked<B> {
+        let Self {
+            mut request,
+            claim:
+                Claim {
+                    keys,
+                    modes,
+                    owner,
+                    made_here,
+                    layer,
+                    ..
+                },
+        } = self;
+        let policy = locks.policy();
+        let Granted {
+            mut guard,
+            fencing_token,
+            at: granted_at,
+        } = acquired.map_err(|rejection| locks.refuse(rejection))?;
+        // The hold, and `max_hold`, count from the grant: the time spent waiting for the keys
+        // is not holding.
+
+        // The handler's view of its locks, for the request's extensions (a granted guard is
+        // always armed, so there is one).
+        let lease = guard.status().map(|status| {
+            Lease::new(
+                keys.clone(),
+                modes.clone(),
+                fencing_token,
+                status,
+                locks.clone(),
+                owner.clone(),
+            )
+        });
+        guard.time_into(locks.holds().clone(), layer, granted_at);
+        guard.list_in(locks.batches().register(
+            &request,
+            keys.len(),
+            modes.shared(keys.len()),
+            granted_at,
+        ));
+        // The response future starts the renewal if the request still holds its keys when
+        // the first extension is due.
+        let renew_at = if policy.renew {
+            let until = policy.max_hold.and_then(|max| granted_at.checked_add(max));
+            guard.renew_later(policy.ttl, until, granted_at)
+        } else {
+            None
+        };
+        let cancel_on_loss = lease
+            .as_ref()
+            .filter(|_| policy.on_lost_lease == OnLostLease::Cancel)
+            .map(|lease| {
+                let (lease, locks) = (lease.clone(), locks.clone());
+                Box::pin(async move {
+                    lease.lost().await;
+                    tracing::warn!("lease lost while the handler ran; cancelling it");
+                    locks.refuse(Rejection::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the locks of this request were lost before it finished; try again",
+                    ))
+                }) as BoxFuture<'static, Response>
+            });
+        if let Some(lease) = lease {
+            request.extensions_mut().insert(lease);
+        }
+        // The layer that made the owner gives back the handler's holds too.
+        let extra = made_here.then(|| ExtraHolds(owner));
+        Ok((
+            request,
+            Some(Holding {
+                guard: RequestGuard { guard, extra },
+                cancel_on_loss,
+                until_body_end: policy.hold_until_body_end,
+                renew_at,
+            }),
+        ))
+    }
 }
 
 /// The owner token a trusted caller sent, if this service trusts the header and the

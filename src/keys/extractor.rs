@@ -130,6 +130,18 @@ pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// Returns the response to send instead of running the inner service, when the request
     /// does not say which resources it touches in a usable way: a 4xx for bad input.
     fn extract(&self, request: Request<B>) -> Self::Future;
+
+    /// Reads the keys of `request` at once where they are in its head, or gives back the
+    /// future of [`extract`](Self::extract) where they are not (or not yet). The layer
+    /// calls this one: keys read at once, from a store that answers at once, lock without
+    /// a future of the layer's own. The default is `extract`'s future.
+    ///
+    /// # Errors
+    ///
+    /// `extract`'s future, for the layer to await.
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        Err(self.extract(request))
+    }
 }
 
 impl<B, F, K, E> KeyExtractor<B> for F
@@ -148,6 +160,10 @@ where
             Err(rejection) => return ready(Err(rejection.into_response())),
         };
         ready(Ok((Request::from_parts(parts, body), keys)))
+    }
+
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        Ok(self.extract(request).into_inner())
     }
 }
 

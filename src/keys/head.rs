@@ -121,6 +121,10 @@ impl<B: Send + 'static> KeyExtractor<B> for HeaderKeys {
             Err(rejection) => Err(rejection.into_response()),
         })
     }
+
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        Ok(self.extract(request).into_inner())
+    }
 }
 
 /// One key per value of the query parameter `name`: `{kind}:{value}`.
@@ -231,6 +235,10 @@ impl<B: Send + 'static> KeyExtractor<B> for QueryKeys {
             Ok(keys) => Ok((Request::from_parts(parts, body), exclusive(keys))),
             Err(rejection) => Err(rejection.into_response()),
         })
+    }
+
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        Ok(self.extract(request).into_inner())
     }
 }
 

@@ -213,6 +213,13 @@ where
             Ok((Request::from_parts(parts, body), vec![Key::from(key)]))
         })
     }
+
+    /// axum's path parameters are in the request's extensions already: the extraction
+    /// finishes on its first poll.
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        let mut extracting = self.extract(request);
+        futures_util::FutureExt::now_or_never(&mut extracting).ok_or(extracting)
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use futures_util::future::BoxFuture;
 use super::body::ResponseBody;
 use crate::{
     owner::RequestGuard,
-    request::{Holding, Locked},
+    request::{Holding, Locked, Locking},
 };
 
 pin_project! {
@@ -63,6 +63,10 @@ pin_project! {
             release: BoxFuture<'static, ()>,
             output: Option<Result<Response<ResponseBody<ResBody>>, S::Error>>,
         },
+        // The response was ready before the first poll: the layer refused the request.
+        Refused {
+            output: Option<Response<ResponseBody<ResBody>>>,
+        },
     }
 }
 
@@ -70,13 +74,58 @@ impl<S, B, ResBody> ResponseFuture<S, B, ResBody>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
 {
-    pub(crate) fn new(locking: BoxFuture<'static, Locked<B>>, inner: S, span: Span) -> Self {
-        Self {
-            state: State::Locking {
+    /// The future of a request whose locking goes on as `locking` says, and which `inner`
+    /// (made ready) serves once it holds its keys.
+    pub(crate) fn new(locking: Locking<B>, mut inner: S, span: Span) -> Self {
+        let entered = span.enter();
+        let state = match locking {
+            Locking::Now(locked) => State::start(locked, &mut inner),
+            Locking::Later(locking) => State::Locking {
                 locking,
                 inner: Some(inner),
             },
-            span,
+        };
+        drop(entered);
+        Self { state, span }
+    }
+}
+
+impl<S, B, ResBody> State<S, B, ResBody>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+{
+    /// Calls `inner` with the request that `locked` gives, or keeps the response that
+    /// refuses it.
+    fn start(locked: Locked<B>, inner: &mut S) -> Self {
+        let (request, holding) = match locked {
+            Ok(locked) => locked,
+            Err(refusal) => {
+                let output = Some(refusal.map(ResponseBody::refusal));
+                return Self::Refused { output };
+            }
+        };
+        let future = inner.call(request);
+        let Some(Holding {
+            guard,
+            cancel_on_loss,
+            until_body_end,
+            renew_at,
+        }) = holding
+        else {
+            return Self::Running {
+                future,
+                guard: None,
+                lost: None,
+                until_body_end: false,
+                renew_at: RenewAt::Never,
+            };
+        };
+        Self::Running {
+            future,
+            guard: Some(guard),
+            lost: cancel_on_loss,
+            until_body_end,
+            renew_at: renew_at.map_or(RenewAt::Never, RenewAt::Due),
         }
     }
 }
@@ -92,32 +141,11 @@ where
         let _entered = this.span.enter();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Locking { locking, inner } => match ready!(locking.as_mut().poll(cx)) {
-                    Ok((request, holding)) => {
-                        let mut inner = inner.take().expect("future polled after completion");
-                        let future = inner.call(request);
-                        let (guard, lost, until_body_end, renew_at) = match holding {
-                            Some(Holding {
-                                guard,
-                                cancel_on_loss,
-                                until_body_end,
-                                renew_at,
-                            }) => {
-                                let renew_at = renew_at.map_or(RenewAt::Never, RenewAt::Due);
-                                (Some(guard), cancel_on_loss, until_body_end, renew_at)
-                            }
-                            None => (None, None, false, RenewAt::Never),
-                        };
-                        this.state.set(State::Running {
-                            future,
-                            guard,
-                            lost,
-                            until_body_end,
-                            renew_at,
-                        });
-                    }
-                    Err(refusal) => return Poll::Ready(Ok(refusal.map(ResponseBody::refusal))),
-                },
+                StateProj::Locking { locking, inner } => {
+                    let locked = ready!(locking.as_mut().poll(cx));
+                    let mut inner = inner.take().expect("future polled after completion");
+                    this.state.set(State::start(locked, &mut inner));
+                }
                 StateProj::Running {
                     future,
                     guard,
@@ -172,10 +200,14 @@ where
                             ));
                         }
                         output => {
-                            let output = Some(output.map(|r| r.map(ResponseBody::inner)));
+                            let output = output.map(|r| r.map(ResponseBody::inner));
+                            let mut guard = guard;
+                            if guard.release_now() {
+                                return Poll::Ready(output);
+                            }
                             this.state.set(State::Releasing {
                                 release: guard.release(),
-                                output,
+                                output: Some(output),
                             });
                         }
                     }
@@ -183,6 +215,10 @@ where
                 StateProj::Releasing { release, output } => {
                     ready!(release.as_mut().poll(cx));
                     return Poll::Ready(output.take().expect("future polled after completion"));
+                }
+                StateProj::Refused { output } => {
+                    let refusal = output.take().expect("future polled after completion");
+                    return Poll::Ready(Ok(refusal));
                 }
             }
         }

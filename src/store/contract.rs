@@ -524,6 +524,14 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// shares a key; see `Redlock`.)
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
 
+    /// [`acquire`](Self::acquire)'s answer without a future, from a store that has it at
+    /// once (the memory store); `None` from one that must be asked over the network. The
+    /// request path takes its first attempt this way where it can: a boxed future for an
+    /// answer that is already there costs more than the rest of the attempt.
+    fn acquire_now(&self, _request: &AcquireRequest) -> Option<Acquire> {
+        None
+    }
+
     /// Extends `holder`'s hold on every key (only that hold, where the key is shared) to at
     /// least `ttl` from now if every key still has it; otherwise changes nothing and
     /// returns `false`: the lease is lost.
@@ -533,6 +541,12 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// A key is deleted with its last hold; keys that expired or that another owner took
     /// since are left alone.
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize>;
+
+    /// [`release`](Self::release)'s answer without a future, as
+    /// [`acquire_now`](Self::acquire_now) gives [`acquire`](Self::acquire)'s.
+    fn release_now(&self, _keys: &Keys, _holder: Holder) -> Option<usize> {
+        None
+    }
 
     /// Takes the reservations of the waiter with `ticket` off the keys, and wakes the
     /// waiters they held up. Returns how many keys had one.

@@ -2,6 +2,7 @@
 
 use std::{
     convert::Infallible,
+    future::Future,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc,
@@ -21,7 +22,7 @@ use http_body_util::BodyExt;
 use serde::Deserialize;
 use tokio::sync::Notify;
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_batch_lock::{keys, Lease, LockLayer, Locks};
+use tower_batch_lock::{keys, Lease, LockLayer, Locks, ResponseBody};
 
 use crate::support::http::{header_keys, post_keys};
 
@@ -522,6 +523,42 @@ async fn the_ready_inner_service_is_the_one_called() {
             .await
             .unwrap();
         assert_eq!(response.status(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn head_keys_in_memory_are_decided_on_the_first_poll() {
+    // Keys in the head, and a store that answers at once: nothing to wait for, so the
+    // response (granted and released, or refused) is ready on the future's first poll.
+    let locks = Locks::new(Store::isolated_memory());
+    let mut service = ServiceBuilder::new()
+        .layer(locks.layer(header_keys))
+        .service(MustBeReady::default());
+    assert_eq!(first_poll(&mut service, "a,b").await, StatusCode::OK);
+    // Released with the response: the same keys are free at once.
+    assert_eq!(first_poll(&mut service, "b,a").await, StatusCode::OK);
+
+    let gate = Gate::default();
+    let holder = tokio::spawn(gate.router(&locks).oneshot(request("a")));
+    gate.entered.notified().await;
+    assert_eq!(first_poll(&mut service, "b,a").await, StatusCode::CONFLICT);
+    gate.release.notify_one();
+    assert_eq!(holder.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(first_poll(&mut service, "a").await, StatusCode::OK);
+}
+
+/// The status of the response to a request on `keys`, which must be ready on the first poll
+/// of `service`'s future.
+async fn first_poll<S>(service: &mut S, keys: &str) -> StatusCode
+where
+    S: Service<Request<Body>, Response = Response<ResponseBody<Body>>, Error = Infallible>,
+{
+    service.ready().await.unwrap();
+    let mut future = std::pin::pin!(service.call(request(keys)));
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut cx) {
+        Poll::Ready(response) => response.unwrap().status(),
+        Poll::Pending => panic!("`{keys}` was not decided on the first poll"),
     }
 }
 

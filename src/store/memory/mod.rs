@@ -547,12 +547,20 @@ impl LockStore for MemoryStore {
         Box::pin(std::future::ready(Ok(self.try_acquire(request))))
     }
 
+    fn acquire_now(&self, request: &AcquireRequest) -> Option<Acquire> {
+        Some(self.try_acquire(request))
+    }
+
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
         Box::pin(std::future::ready(Ok(self.try_extend(keys, holder, ttl))))
     }
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
         Box::pin(std::future::ready(Ok(self.release_owned(keys, holder))))
+    }
+
+    fn release_now(&self, keys: &Keys, holder: Holder) -> Option<usize> {
+        Some(self.release_owned(keys, holder))
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
