@@ -258,24 +258,28 @@ impl MemoryStore {
     }
 
     /// Locks the shards of `slots` in ascending order (every batch takes them in the same
-    /// order, so two batches never wait on each other), indexed by shard number.
-    fn lock_shards(&self, slots: &[usize]) -> [Option<MutexGuard<'_, Shard>>; SHARDS] {
-        let mut wanted = [false; SHARDS];
-        for &slot in slots {
-            wanted[slot] = true;
+    /// order, so two batches never wait on each other).
+    fn lock_shards(&self, slots: &[usize]) -> LockedShards<'_> {
+        // A panic cannot leave a shard half-written (every write is one insert or remove),
+        // so a poisoned shard is still consistent.
+        let lock = |slot: usize| {
+            self.shards[slot]
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        match slots {
+            [first, rest @ ..] if rest.iter().all(|slot| slot == first) => {
+                LockedShards::One(*first, lock(*first))
+            }
+            _ => {
+                let mut wanted = [false; SHARDS];
+                for &slot in slots {
+                    wanted[slot] = true;
+                }
+                let locked = (0..SHARDS).map(|slot| wanted[slot].then(|| lock(slot)));
+                LockedShards::Many(locked.collect())
+            }
         }
-        // On the stack: a request of one key locks one shard without an allocation.
-        let mut shards = [const { None }; SHARDS];
-        for (i, shard) in shards.iter_mut().enumerate().filter(|&(i, _)| wanted[i]) {
-            // A panic cannot leave a shard half-written (every write is one insert or
-            // remove), so a poisoned shard is still consistent.
-            *shard = Some(
-                self.shards[i]
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner),
-            );
-        }
-        shards
     }
 
     fn try_acquire(&self, request: &AcquireRequest) -> Acquire {
@@ -300,7 +304,7 @@ impl MemoryStore {
             upgrade: false,
         };
         for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
-            let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+            let Some(entry) = shards.get(slot).entries.get(key.as_str()) else {
                 continue;
             };
             let Some(block) = entry.blocks(holder.owner, modes.at(index), line, now) else {
@@ -322,7 +326,7 @@ impl MemoryStore {
             if let Line::At(ticket) = line {
                 let until = now + RESERVATION_TTL;
                 for (key, &slot) in keys.iter().zip(&slots) {
-                    let entries = &mut locked(&mut shards, slot).entries;
+                    let entries = &mut shards.get(slot).entries;
                     entries
                         .entry(key.clone())
                         .or_default()
@@ -334,18 +338,13 @@ impl MemoryStore {
 
         let expires_at = now + *ttl;
         for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
-            let entry = locked(&mut shards, slot)
-                .entries
-                .entry(key.clone())
-                .or_default();
+            let entry = shards.get(slot).entries.entry(key.clone()).or_default();
             if let Line::At(ticket) = line {
                 entry.withdraw(ticket, now);
             }
             entry.grant(holder, modes.at(index), expires_at, now);
         }
-        for shard in shards.iter_mut().flatten() {
-            shard.sweep_if_grown(now);
-        }
+        shards.sweep_if_grown(now);
         // Taken while the shards are still locked, so a later grant of any of these keys,
         // which must wait for the shards, gets a larger token.
         Acquire::Granted(FencingToken::new(
@@ -358,7 +357,8 @@ impl MemoryStore {
         let mut shards = self.lock_shards(&slots);
         let now = Instant::now();
         let held = keys.iter().zip(&slots).all(|(key, &slot)| {
-            locked(&mut shards, slot)
+            shards
+                .get(slot)
                 .entries
                 .get(key.as_str())
                 .is_some_and(|e| e.held_by(holder, now))
@@ -366,7 +366,7 @@ impl MemoryStore {
         if held {
             let until = now + ttl;
             for (key, &slot) in keys.iter().zip(&slots) {
-                let entry = locked(&mut shards, slot).entries.get_mut(key.as_str());
+                let entry = shards.get(slot).entries.get_mut(key.as_str());
                 match entry.and_then(|e| e.holds.as_mut()) {
                     Some(Holds::Exclusive { expires_at, .. }) => {
                         *expires_at = (*expires_at).max(until);
@@ -444,7 +444,7 @@ impl MemoryStore {
         keys.iter()
             .zip(&slots)
             .map(|(key, &slot)| {
-                let Some(entry) = locked(&mut shards, slot).entries.get(key.as_str()) else {
+                let Some(entry) = shards.get(slot).entries.get(key.as_str()) else {
                     return KeyView::FREE;
                 };
                 let waiters = entry.queue.iter().filter(|r| r.until > now).count();
@@ -524,11 +524,34 @@ impl MemoryStore {
     }
 }
 
-/// The shard `slot` out of the shards [`MemoryStore::lock_shards`] locked for a batch.
-fn locked<'s, 'g>(shards: &'s mut [Option<MutexGuard<'g, Shard>>], slot: usize) -> &'s mut Shard {
-    shards[slot]
-        .as_deref_mut()
-        .expect("every shard of the batch is locked")
+/// The shards [`MemoryStore::lock_shards`] locked for a batch.
+enum LockedShards<'a> {
+    /// Every key is in this one: a request of one key, without an allocation.
+    One(usize, MutexGuard<'a, Shard>),
+    /// Indexed by shard number.
+    Many(Vec<Option<MutexGuard<'a, Shard>>>),
+}
+
+impl LockedShards<'_> {
+    /// The shard `slot`, one of the batch's.
+    fn get(&mut self, slot: usize) -> &mut Shard {
+        let shard = match self {
+            Self::One(one, shard) => (*one == slot).then_some(shard),
+            Self::Many(shards) => shards[slot].as_mut(),
+        };
+        shard.expect("every shard of the batch is locked")
+    }
+
+    /// [`Shard::sweep_if_grown`] on each.
+    fn sweep_if_grown(&mut self, now: Instant) {
+        match self {
+            Self::One(_, shard) => shard.sweep_if_grown(now),
+            Self::Many(shards) => shards
+                .iter_mut()
+                .flatten()
+                .for_each(|shard| shard.sweep_if_grown(now)),
+        }
+    }
 }
 
 impl Shard {
