@@ -4,12 +4,11 @@ use std::{convert::Infallible, fmt, sync::Arc, time::Instant};
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use http::{request::Parts, HeaderValue, StatusCode};
-use tokio::sync::watch;
 use tracing::Span;
 
 use crate::{
     acquire::{acquire, Granted},
-    guard::LeaseStatus,
+    guard::LeaseState,
     keys::{
         extractor::Key,
         normalize::{normalize, Batch},
@@ -69,7 +68,7 @@ pub struct Lease {
     keys: Arc<[String]>,
     modes: Modes,
     fencing_token: FencingToken,
-    status: watch::Receiver<LeaseStatus>,
+    status: Arc<LeaseState>,
     /// The rules and the store these locks came from, for [`Lease::lock`].
     locks: Locks,
     owner: Arc<RequestOwner>,
@@ -80,7 +79,7 @@ impl Lease {
         keys: Arc<[String]>,
         modes: Modes,
         fencing_token: FencingToken,
-        status: watch::Receiver<LeaseStatus>,
+        status: Arc<LeaseState>,
         locks: Locks,
         owner: Arc<RequestOwner>,
     ) -> Self {
@@ -165,14 +164,14 @@ impl Lease {
     /// never earlier. With [`Redlock`](crate::store::Redlock) it is the validity deadline, sooner
     /// by the allowance for clock drift between the masters (`ttl / 100 + 2 ms`).
     pub fn expires_at(&self) -> Instant {
-        self.status.borrow().expires_at
+        self.status.get().expires_at
     }
 
     /// Whether the locks no longer protect the request: the lease was lost or ran out, or
     /// the layer has released it.
     pub fn is_lost(&self) -> bool {
-        let status = *self.status.borrow();
-        status.lost || Instant::now() >= status.expires_at || self.status.has_changed().is_err()
+        let status = self.status.get();
+        status.lost || status.ended || Instant::now() >= status.expires_at
     }
 
     /// Resolves when the locks no longer protect the request: a renewal found them gone or
@@ -181,17 +180,18 @@ impl Lease {
     ///
     /// Select on it around work that must stop when the locks are gone.
     pub async fn lost(&self) {
-        let mut status = self.status.clone();
         loop {
-            let current = *status.borrow_and_update();
-            if current.lost {
+            let changed = self.status.changed();
+            let status = self.status.get();
+            if status.lost || status.ended {
                 return;
             }
-            match tokio::time::timeout_at(current.expires_at.into(), status.changed()).await {
-                // Renewed (or lost): look again.
-                Ok(Ok(())) => {}
-                // Released, or expired without renewal.
-                Ok(Err(_)) | Err(_) => return,
+            // Renewed (or lost, or ended): look again. Expired without renewal: lost.
+            if tokio::time::timeout_at(status.expires_at.into(), changed)
+                .await
+                .is_err()
+            {
+                return;
             }
         }
     }
@@ -203,7 +203,7 @@ const DEBUG_KEYS: usize = 20;
 impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The time left reads at a glance where an `Instant` does not; the store, the owner
-        // and the watch channel say nothing a reader of the lease can act on.
+        // and the shared state say nothing a reader of the lease can act on.
         let expires_in = self.expires_at().saturating_duration_since(Instant::now());
         f.debug_struct("Lease")
             .field("keys", &DebugKeys(self))

@@ -178,3 +178,31 @@ async fn contention_detail_agrees_in_number_with_the_held_count() {
     gate.open();
     assert_eq!(holder.await.unwrap().status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn a_lease_kept_past_its_request_is_lost_once_the_layer_releases_it() {
+    // A long TTL: only the release can end the lease within the test.
+    let locks = Locks::new(Store::isolated_memory()).ttl(Duration::from_secs(60));
+    let (kept, mut taken) = tokio::sync::mpsc::unbounded_channel();
+    let app = locked(&locks, move |lease: Lease| {
+        let kept = kept.clone();
+        async move {
+            assert!(!lease.is_lost(), "a lease is lost while its handler runs");
+            // Waiting for the loss starts before the release, and must be woken by it.
+            let waiter = lease.clone();
+            let lost = tokio::spawn(async move { waiter.lost().await });
+            kept.send((lease, lost)).unwrap();
+            "ok"
+        }
+    });
+    assert_eq!(send(&app, post_keys("/", "a")).await.status, StatusCode::OK);
+    let (lease, lost) = taken.recv().await.unwrap();
+    assert!(lease.is_lost(), "a released lease is not lost");
+    tokio::time::timeout(Duration::from_secs(2), lost)
+        .await
+        .expect("lost() did not resolve when the layer released the keys")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .expect("lost() of a released lease did not resolve at once");
+}
