@@ -54,6 +54,8 @@ pub fn router<S>(locks: Locks) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
+    // From now on, for `GET /locks/held`.
+    locks.batches().start_listing();
     Router::new()
         .route("/locks", get(inspect))
         .route("/locks/held", get(held))

@@ -155,7 +155,10 @@ impl Locks {
     /// other processes, keep their own lists; [`inspect`](Self::inspect) sees every holder.
     ///
     /// A batch is listed from its grant until its release begins, with
-    /// [`Locks::hold_until_body_end`] until the body ends.
+    /// [`Locks::hold_until_body_end`] until the body ends. Listing starts with the first
+    /// call of this method, or where the operator's routes are built (`admin::router`, with
+    /// the `admin` feature): until someone asks, requests keep no list, and the batches
+    /// granted before are not in it.
     ///
     /// ```
     /// use tower_batch_lock::{store::Store, Locks};

@@ -93,6 +93,11 @@ impl Lease {
         }
     }
 
+    /// The request's owner, which every lock layer on the request shares.
+    pub(crate) fn owner(&self) -> &Arc<RequestOwner> {
+        &self.owner
+    }
+
     /// Locks more keys for this request, all or none, under the same rules (prefix,
     /// limits, TTL, renewal, wait policy) as the layer that granted this lease. Strings
     /// are locked exclusively, and [`Key::shared`] keys shared, whatever the layer's mode.

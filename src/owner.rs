@@ -8,19 +8,15 @@ use futures_util::future::{join_all, BoxFuture};
 use crate::lease::Lease;
 use crate::{guard::LockGuard, store::contract::OwnerToken};
 
-/// The owner of a request's locks, in the request's extensions: every layer on the request
-/// locks under it, so a key an outer layer holds is re-entered by an inner one instead of
-/// contended, and so are keys the handler locks through its [`Lease`].
+/// The owner of a request's locks, named by the [`Lease`] in the request's extensions: every
+/// layer on the request locks under it, so a key an outer layer holds is re-entered by an
+/// inner one instead of contended, and so are keys the handler locks through its lease.
 #[derive(Debug)]
 pub(crate) struct RequestOwner {
     pub(crate) token: OwnerToken,
     /// The holds the handler took through [`Lease::lock`], released with the request.
     extra: Mutex<Vec<(u64, LockGuard)>>,
 }
-
-/// How the request's extensions carry its owner.
-#[derive(Debug, Clone)]
-pub(crate) struct OwnerExtension(pub(crate) Arc<RequestOwner>);
 
 impl RequestOwner {
     pub(crate) fn new(token: OwnerToken) -> Arc<Self> {

@@ -1,11 +1,11 @@
 //! The batches a [`Locks`](crate::Locks) handle's requests hold now, for
 //! [`Locks::held_batches`](crate::Locks::held_batches): listed at the grant, gone when the
-//! release begins.
+//! release begins, once someone has asked for the list.
 
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant},
@@ -59,6 +59,9 @@ impl HeldBatch {
 /// id, which only grows, so a new batch goes to its end and no id is hashed.
 #[derive(Debug, Default)]
 pub(crate) struct Batches {
+    /// Whether anyone has asked for the list. Until then no grant is listed: a request
+    /// would update a map that no one reads.
+    listing: AtomicBool,
     next: AtomicU64,
     shards: [Mutex<BTreeMap<u64, Batch>>; BATCH_SHARDS],
 }
@@ -79,14 +82,18 @@ struct Batch {
 
 impl Batches {
     /// Lists a batch of `keys` keys, `shared` of them shared, granted to `request` at
-    /// `since`, until the returned registration drops.
+    /// `since`, until the returned registration drops; nothing before anyone asked for
+    /// the list.
     pub(crate) fn register<B>(
         self: &Arc<Self>,
         request: &Request<B>,
         keys: usize,
         shared: usize,
         since: Instant,
-    ) -> Registered {
+    ) -> Option<Registered> {
+        if !self.listing.load(Ordering::Relaxed) {
+            return None;
+        }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let batch = Batch {
             route: request.extensions().get::<MatchedPath>().cloned(),
@@ -96,10 +103,10 @@ impl Batches {
             shared,
         };
         self.shard(id).insert(id, batch);
-        Registered {
+        Some(Registered {
             batches: self.clone(),
             id,
-        }
+        })
     }
 
     fn shard(&self, id: u64) -> MutexGuard<'_, BTreeMap<u64, Batch>> {
@@ -109,7 +116,14 @@ impl Batches {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Lists every batch granted from now on.
+    pub(crate) fn start_listing(&self) {
+        self.listing.store(true, Ordering::Relaxed);
+    }
+
+    /// The batches held now, oldest first; the first call starts the listing.
     pub(crate) fn list(&self) -> Vec<HeldBatch> {
+        self.start_listing();
         let now = Instant::now();
         let mut listed: Vec<(u64, HeldBatch)> = Vec::new();
         for shard in 0..BATCH_SHARDS as u64 {

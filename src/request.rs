@@ -18,7 +18,7 @@ use crate::{
     lease::Lease,
     locks::{Locks, OnLostLease},
     observe::{self, Labels, Layer, Outcome},
-    owner::{ExtraHolds, OwnerExtension, RequestGuard, RequestOwner},
+    owner::{ExtraHolds, RequestGuard, RequestOwner},
     rejection::{Refused, Rejection},
     store::contract::{Modes, OwnerToken},
 };
@@ -148,23 +148,17 @@ fn admit<B>(
         return Ok(Admitted::Unlocked(request));
     }
 
-    // One owner per request: an outer layer's, a trusted caller's, or a new one.
-    let existing = request
-        .extensions()
-        .get::<OwnerExtension>()
-        .map(|o| o.0.clone());
+    // One owner per request: an outer layer's (its lease names it), a trusted caller's, or
+    // a new one. This layer's lease names it to the layers inside.
+    let existing = request.extensions().get::<Lease>().map(Lease::owner);
     // An owner from an outer layer or a trusted caller already holds keys.
     let (owner, made_here, holds_keys) = match existing {
-        Some(owner) => (owner, false, true),
+        Some(owner) => (owner.clone(), false, true),
         None => {
             let trusted;
             (request, trusted) = trusted_owner(locks, request);
             let token = trusted.unwrap_or_else(OwnerToken::random);
-            let owner = RequestOwner::new(token);
-            request
-                .extensions_mut()
-                .insert(OwnerExtension(owner.clone()));
-            (owner, true, trusted.is_some())
+            (RequestOwner::new(token), true, trusted.is_some())
         }
     };
 
@@ -250,12 +244,13 @@ impl<B> Pending<B> {
             )
         });
         guard.time_into(locks.holds().clone(), layer, granted_at);
-        guard.list_in(locks.batches().register(
-            &request,
-            keys.len(),
-            modes.shared(keys.len()),
-            granted_at,
-        ));
+        let listed =
+            locks
+                .batches()
+                .register(&request, keys.len(), modes.shared(keys.len()), granted_at);
+        if let Some(entry) = listed {
+            guard.list_in(entry);
+        }
         // The response future starts the renewal if the request still holds its keys when
         // the first extension is due.
         let renew_at = if policy.renew {

@@ -32,7 +32,6 @@ use crate::{
     lease::Lease,
     locks::Locks,
     middleware::LockService,
-    owner::OwnerExtension,
     rejection::{Refused, Rejection},
     store::contract::StoredAnswer,
 };
@@ -74,8 +73,7 @@ struct Run {
     /// The stored answer's key (with the namespace).
     answer_key: Arc<str>,
     fingerprint: Fingerprint,
-    /// The owner and the lease of lock layers outside this one, if any.
-    outer_owner: Option<OwnerExtension>,
+    /// The lease of lock layers outside this one, if any, which names the request's owner.
     outer_lease: Option<Lease>,
 }
 
@@ -153,10 +151,9 @@ where
             };
             let mut run = shared.run(&parts, &body, &key);
             // The in-flight lock gets an owner of its own, never one that may enter it
-            // again (an outer lock layer's, shared by nested layers): two requests with
-            // one key are duplicates, whoever owns them.
-            run.outer_owner = parts.extensions.remove::<OwnerExtension>();
-            run.outer_lease = parts.extensions.get::<Lease>().cloned();
+            // again (an outer lock layer's, which its lease names, so the lease is taken
+            // off meanwhile): two requests with one key are duplicates, whoever owns them.
+            run.outer_lease = parts.extensions.remove::<Lease>();
             // A retry of a finished request is answered without taking any lock.
             if let Some(answer) = shared.stored(&run).await {
                 return Ok(answer);
@@ -204,7 +201,6 @@ impl Shared {
             answer_key: format!("{}done:{scoped}", self.locks.key_policy().prefix).into(),
             lock_key: format!("run:{scoped}"),
             fingerprint,
-            outer_owner: None,
             outer_lease: None,
         }
     }
@@ -346,11 +342,6 @@ where
             extensions.remove::<Lease>();
             if let Some(lease) = run.outer_lease.clone() {
                 extensions.insert(lease);
-            }
-            if let Some(owner) = run.outer_owner.clone() {
-                extensions.insert(owner);
-            } else {
-                extensions.remove::<OwnerExtension>();
             }
             // The first request may have finished between the first look and the lock.
             if let Some(answer) = shared.stored(&run).await {

@@ -186,6 +186,30 @@ async fn memory_inspect_and_held_batches() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_batches_are_listed_from_the_first_look_on() {
+    // Until someone asks, requests keep no list: a batch granted before the first look is
+    // not in it, and one granted after is, until its release.
+    let locks = Locks::new(Store::isolated_memory()).ttl(TTL);
+    let gate = Gate::new();
+    let app = router(&locks, &gate);
+    let before = spawn_send(&app, request("/work/1", "a", Some("req-1")));
+    gate.wait_entered().await;
+    assert!(locks.held_batches().is_empty());
+
+    let after = spawn_send(&app, request("/work/2", "b", Some("req-2")));
+    gate.wait_entered().await;
+    let batches = locks.held_batches();
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    assert_eq!(batches[0].request_id(), Some("req-2"));
+
+    gate.open();
+    gate.open();
+    assert_eq!(before.await.unwrap().status, StatusCode::OK);
+    assert_eq!(after.await.unwrap().status, StatusCode::OK);
+    assert!(locks.held_batches().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_force_release() {
     force_release_frees_a_held_key(Locks::new(Store::isolated_memory())).await;
 }

@@ -17,7 +17,7 @@ pub(crate) struct Store {
 
 impl Store {
     pub(crate) fn memory() -> Self {
-        let locks = Locks::new(store::Store::isolated_memory());
+        let locks = listing(Locks::new(store::Store::isolated_memory()));
         Self {
             name: "memory",
             locks: [locks.clone(), locks],
@@ -28,11 +28,11 @@ impl Store {
     pub(crate) fn redis() -> Self {
         let server = RedisServer::start();
         let handle = || {
-            Locks::new(
+            listing(Locks::new(
                 store::Redis::url(server.url())
                     .build()
                     .expect("a valid URL"),
-            )
+            ))
         };
         Self {
             name: "redis",
@@ -52,7 +52,7 @@ impl Store {
                 .node_timeout(Duration::from_millis(1500))
                 .build()
                 .expect("valid URLs");
-            Locks::new(store)
+            listing(Locks::new(store))
         };
         Self {
             name: "redlock",
@@ -69,4 +69,11 @@ impl Store {
     pub(crate) fn observers(&self) -> Vec<Observer> {
         self.servers.iter().map(Observer::of).collect()
     }
+}
+
+/// `locks`, listing its held batches from the start (the first look starts the list), for
+/// the checks that none is left.
+fn listing(locks: Locks) -> Locks {
+    assert!(locks.held_batches().is_empty());
+    locks
 }
