@@ -224,8 +224,9 @@
 //!
 //! [`Locks::inspect`] shows what the store holds for some keys (held or free, time left,
 //! holds, waiters; never who holds them), [`Locks::held_batches`] the batches this process
-//! holds, and [`Locks::force_release`] frees a stuck lock; the `admin` feature serves them
-//! as JSON routes for an admin port (`admin::router`).
+//! holds (from its first call, or from `admin::router`, on: requests keep no list before
+//! someone asks), and [`Locks::force_release`] frees a stuck lock; the `admin` feature
+//! serves them as JSON routes for an admin port (`admin::router`).
 //!
 //! # Production checklist
 //!
