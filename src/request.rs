@@ -54,20 +54,14 @@ where
                 return Locking::Now(pending.hold(locks, acquired));
             }
             let locks = locks.clone();
-            return Locking::Later(Box::pin(async move {
-                let acquired = pending.claim.acquire(&locks, &span).await;
-                pending.hold(&locks, acquired)
-            }));
+            return Locking::Later(Box::pin(async move { pending.lock(&locks, &span).await }));
         }
         Err(extracting) => extracting,
     };
     let locks = locks.clone();
     Locking::Later(Box::pin(async move {
         match admit(&locks, extracting.await, layer, &span)? {
-            Admitted::Keys(pending) => {
-                let acquired = pending.claim.acquire(&locks, &span).await;
-                pending.hold(&locks, acquired)
-            }
+            Admitted::Keys(pending) => pending.lock(&locks, &span).await,
             Admitted::Unlocked(request) => Ok((request, None)),
         }
     }))
@@ -207,6 +201,12 @@ impl Claim {
 }
 
 impl<B> Pending<B> {
+    /// Acquires the keys, waiting as the policy says, and holds them.
+    async fn lock(self, locks: &Locks, span: &Span) -> Locked<B> {
+        let acquired = self.claim.acquire(locks, span).await;
+        self.hold(locks, acquired)
+    }
+
     /// The request with its hold on the keys `acquired` granted, or the response that
     /// refuses it.
     fn hold(self, locks: &Locks, acquired: Result<Granted, Rejection>) -> Locked<B> {
