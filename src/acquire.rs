@@ -57,7 +57,14 @@ pub(crate) async fn acquire(
     // and the hold at `at`.
     let started = Instant::now();
     let acquired = acquisition.run(owner, started).await;
-    conclude(locks, keys.len(), layer, span, started, acquired)
+    conclude(
+        locks,
+        keys.len(),
+        layer,
+        span,
+        (started, Instant::now()),
+        acquired,
+    )
 }
 
 /// [`acquire`] without a future, where the store answers at once (in memory) and its first
@@ -74,22 +81,29 @@ pub(crate) fn acquire_now(
     span: &Span,
 ) -> Option<Result<Granted, Rejection>> {
     let acquisition = Acquisition::new(locks, keys, modes, holds_keys, layer);
+    // One clock read: the store answered at once, so the hold starts with the attempt.
     let started = Instant::now();
     let acquired = acquisition.now(owner, started)?;
-    Some(conclude(locks, keys.len(), layer, span, started, acquired))
+    Some(conclude(
+        locks,
+        keys.len(),
+        layer,
+        span,
+        (started, started),
+        acquired,
+    ))
 }
 
-/// Records how an acquisition of `of` keys that started at `started` ended, and gives the
-/// grant, or the response that refuses the request.
+/// Records how an acquisition of `of` keys, from its start to its answer, ended, and gives
+/// the grant, or the response that refuses the request.
 fn conclude(
     locks: &Locks,
     of: usize,
     layer: Option<&Layer>,
     span: &Span,
-    started: Instant,
+    (started, at): (Instant, Instant),
     acquired: Result<(LockGuard, FencingToken), Refusal>,
 ) -> Result<Granted, Rejection> {
-    let at = Instant::now();
     let (granted, outcome) = match acquired {
         Ok((guard, fencing_token)) => {
             let granted = Granted {
@@ -215,7 +229,9 @@ impl<'a> Acquisition<'a> {
         } else {
             Line::Outside
         };
-        let answer = self.store.acquire_now(&self.request(holder, line))?;
+        let answer = self
+            .store
+            .acquire_now(&self.request(holder, line), started)?;
         self.outage.answered();
         match answer {
             // Nothing was in flight, so the guard is made once there is something to hold.

@@ -269,7 +269,7 @@ impl Locks {
         I::Item: Into<String>,
     {
         let keys = keys.into_iter().map(|key| Key::from(key.into())).collect();
-        Ok(normalize(keys, self.key_policy(), false)?.keys.into())
+        Ok(normalize(keys, self.key_policy(), false)?.keys)
     }
 
     fn timed_out(&self, doing: &str) -> Rejection {

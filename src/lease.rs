@@ -272,7 +272,6 @@ async fn lock_for(
 ) -> Result<HeldKeys, Rejection> {
     let policy = locks.policy();
     let Batch { keys, modes } = normalize(keys, &policy.keys, false)?;
-    let keys: Arc<[String]> = keys.into();
     if keys.is_empty() {
         let detail = "there are no keys to lock".to_owned();
         return Err(Rejection::limit(StatusCode::BAD_REQUEST, "no_keys", detail));

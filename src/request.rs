@@ -159,7 +159,7 @@ fn admit<B>(
     let layer = layer.holding(&modes);
     observe::batch(&layer, keys.len());
     let claim = Claim {
-        keys: keys.into(),
+        keys,
         modes,
         owner,
         made_here,

@@ -21,7 +21,7 @@ pub(crate) struct KeyPolicy {
 /// A normalized batch: the stored keys, sorted, and how each is held.
 #[derive(Debug)]
 pub(crate) struct Batch {
-    pub(crate) keys: Vec<String>,
+    pub(crate) keys: Arc<[String]>,
     pub(crate) modes: Modes,
 }
 
@@ -85,7 +85,8 @@ pub(crate) fn normalize(
     } else {
         Modes::of_each(keys.iter().map(|&(_, mode)| mode))
     };
-    // One prefix in front of every key keeps them in the order just sorted.
+    // One prefix in front of every key keeps them in the order just sorted. Collected
+    // straight into the shared slice that the request, its guard and its lease hold.
     let keys = keys
         .into_iter()
         .map(|(key, _)| [&*policy.prefix, &*key].concat())
@@ -97,7 +98,7 @@ pub(crate) fn normalize(
 #[cfg(test)]
 fn exclusive(keys: Vec<String>, policy: &KeyPolicy) -> Result<Vec<String>, Rejection> {
     let keys = keys.into_iter().map(Key::from).collect();
-    normalize(keys, policy, false).map(|batch| batch.keys)
+    normalize(keys, policy, false).map(|batch| batch.keys.to_vec())
 }
 
 #[cfg(test)]
@@ -160,7 +161,7 @@ mod tests {
             Key::shared("b"),
         ];
         let batch = normalize(keys.clone(), &policy(), false).unwrap();
-        assert_eq!(batch.keys, ["lock:a", "lock:b"]);
+        assert_eq!(*batch.keys, ["lock:a", "lock:b"]);
         let each = Modes::Each(vec![Mode::Shared, Mode::Exclusive].into());
         assert_eq!(batch.modes, each);
         // One mode for all needs no list; a shared route holds every key shared.

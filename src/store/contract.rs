@@ -11,7 +11,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 #[cfg(feature = "idempotency")]
@@ -527,8 +527,10 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// [`acquire`](Self::acquire)'s answer without a future, from a store that has it at
     /// once (the memory store); `None` from one that must be asked over the network. The
     /// request path takes its first attempt this way where it can: a boxed future for an
-    /// answer that is already there costs more than the rest of the attempt.
-    fn acquire_now(&self, _request: &AcquireRequest) -> Option<Acquire> {
+    /// answer that is already there costs more than the rest of the attempt. `now` is
+    /// when the attempt started, which a store that keeps time in this process counts
+    /// the TTL from.
+    fn acquire_now(&self, _request: &AcquireRequest, _now: Instant) -> Option<Acquire> {
         None
     }
 

@@ -282,7 +282,8 @@ impl MemoryStore {
         }
     }
 
-    fn try_acquire(&self, request: &AcquireRequest) -> Acquire {
+    /// One attempt at `now`.
+    fn try_acquire(&self, request: &AcquireRequest, now: Instant) -> Acquire {
         let AcquireRequest {
             keys,
             modes,
@@ -295,7 +296,6 @@ impl MemoryStore {
         let (holder, line) = (*holder, *line);
         let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
         let mut shards = self.lock_shards(&slots);
-        let now = Instant::now();
         // Check every key before writing any, so a refused batch locks nothing.
         let mut contention = Contention {
             keys: Vec::new(),
@@ -567,11 +567,13 @@ impl Shard {
 
 impl LockStore for MemoryStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
-        Box::pin(std::future::ready(Ok(self.try_acquire(request))))
+        Box::pin(std::future::ready(Ok(
+            self.try_acquire(request, Instant::now())
+        )))
     }
 
-    fn acquire_now(&self, request: &AcquireRequest) -> Option<Acquire> {
-        Some(self.try_acquire(request))
+    fn acquire_now(&self, request: &AcquireRequest, now: Instant) -> Option<Acquire> {
+        Some(self.try_acquire(request, now))
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {

@@ -44,7 +44,7 @@ fn attempt_in(
     holder: Holder,
     line: Line,
 ) -> Acquire {
-    store.try_acquire(&request(keys, modes, holder, TTL, 20, line))
+    store.try_acquire(&request(keys, modes, holder, TTL, 20, line), Instant::now())
 }
 
 /// `holder`'s exclusive acquisition of `keys`.
@@ -57,7 +57,10 @@ fn attempt(
     line: Line,
 ) -> Acquire {
     let exclusive = Modes::All(Mode::Exclusive);
-    store.try_acquire(&request(keys, exclusive, holder, ttl, report, line))
+    store.try_acquire(
+        &request(keys, exclusive, holder, ttl, report, line),
+        Instant::now(),
+    )
 }
 
 fn granted(outcome: Acquire) -> bool {
@@ -514,10 +517,13 @@ fn a_shared_hold_renews_and_expires_on_its_own() {
     let batch = keys(&["a"]);
     let (short, long) = (holder(), holder());
     let shared_for = |holder, ttl| request(&batch, SHARED, holder, ttl, 20, Line::Outside);
+    assert!(granted(store.try_acquire(
+        &shared_for(short, Duration::from_millis(40)),
+        Instant::now()
+    )));
     assert!(granted(
-        store.try_acquire(&shared_for(short, Duration::from_millis(40)))
+        store.try_acquire(&shared_for(long, TTL), Instant::now())
     ));
-    assert!(granted(store.try_acquire(&shared_for(long, TTL))));
     // Extending one hold leaves the other's expiry alone.
     assert!(store.try_extend(&batch, long, TTL));
     std::thread::sleep(Duration::from_millis(60));
