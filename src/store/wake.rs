@@ -32,6 +32,15 @@ impl Wakeups {
             .collect()
     }
 
+    /// Wakes the waiters that watch the slots of `keys`.
+    pub(crate) fn wake_keys(&self, keys: &[String]) {
+        match keys {
+            // Most releases free one key: no list of slots to build and sort.
+            [key] => self.wake_slots([slot(key)]),
+            keys => self.wake_slots(slots_of(keys)),
+        }
+    }
+
     /// Wakes the waiters of these slots.
     pub(crate) fn wake_slots(&self, slots: impl IntoIterator<Item = usize>) {
         for s in slots {

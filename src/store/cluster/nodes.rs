@@ -28,7 +28,7 @@ use crate::{
         error::StoreError,
         fanout::{bounded, node_pool, Fanout},
         redis::{replicas::ReplicaAck, RedisStore},
-        wake::{slots_of, Wakeups},
+        wake::Wakeups,
     },
 };
 
@@ -260,7 +260,7 @@ impl Nodes {
 
     /// Wakes this process's waiters for `keys`, and announces their release to the others.
     pub(super) async fn freed(&self, keys: &[String]) {
-        self.wakeups.wake_slots(slots_of(keys));
+        self.wakeups.wake_keys(keys);
         if let Ok(control) = self.control().await {
             announce::announce(control, keys);
         }

@@ -20,7 +20,7 @@ use super::{
         Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
         LockStore, Mode, OwnerToken, Reply, Ticket, RESERVATION_TTL,
     },
-    wake::{slots_of, Wakeups},
+    wake::Wakeups,
 };
 #[cfg(feature = "idempotency")]
 use answers::Answers;
@@ -424,7 +424,7 @@ impl MemoryStore {
             }
             had
         });
-        self.wakeups.wake_slots(slots_of(keys));
+        self.wakeups.wake_keys(keys);
         released
     }
 
@@ -432,7 +432,7 @@ impl MemoryStore {
         let now = Instant::now();
         let withdrawn = self.each_entry(keys, now, |entry| entry.withdraw(ticket, now));
         // Requests that only this waiter kept out may go now.
-        self.wakeups.wake_slots(slots_of(keys));
+        self.wakeups.wake_keys(keys);
         withdrawn
     }
 
@@ -479,7 +479,7 @@ impl MemoryStore {
             entry.holds = None;
             held
         });
-        self.wakeups.wake_slots(slots_of(keys));
+        self.wakeups.wake_keys(keys);
         released
     }
 

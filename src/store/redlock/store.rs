@@ -27,7 +27,7 @@ use crate::store::{
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout, NodeFailure, NodeReply},
     redis::RedisStore,
-    wake::{slots_of, Wakeups},
+    wake::Wakeups,
 };
 
 /// One master: its store, and its `host:port` for the logs (never the URL: it may carry a
@@ -161,7 +161,7 @@ impl RedlockStore {
                 Err(failure) => self.report(node, call, &failure),
             }
         }
-        self.wakeups.wake_slots(slots_of(keys));
+        self.wakeups.wake_keys(keys);
         (answered, freed)
     }
 
@@ -354,7 +354,7 @@ impl LockStore for RedlockStore {
                     })
                     .await;
                     finish_in_background(replies);
-                    self.wakeups.wake_slots(slots_of(keys));
+                    self.wakeups.wake_keys(keys);
                     return Ok(deleted);
                 }
             }
