@@ -40,101 +40,6 @@ pub(crate) struct Granted {
     pub(crate) at: Instant,
 }
 
-/// Acquires `keys` in `modes` for `owner`, which may already hold others, under the policy
-/// of `locks`: see [`Acquisition`]. A request's acquisition has the `layer` its metrics and
-/// waiting count under, and records its outcome and time there and in `span`.
-pub(crate) async fn acquire(
-    locks: &Locks,
-    keys: &Arc<[String]>,
-    modes: &Modes,
-    owner: OwnerToken,
-    holds_keys: bool,
-    layer: Option<&Layer>,
-    span: &Span,
-) -> Result<Granted, Rejection> {
-    let acquisition = Acquisition::new(locks, keys, modes, holds_keys, layer);
-    // The clock is read once before and once after: the first attempt starts at `started`,
-    // and the hold at `at`.
-    let started = Instant::now();
-    let acquired = acquisition.run(owner, started).await;
-    conclude(
-        locks,
-        keys.len(),
-        layer,
-        span,
-        (started, Instant::now()),
-        acquired,
-    )
-}
-
-/// [`acquire`] without a future, where the store answers at once (in memory) and its first
-/// answer settles the request: a grant, or a refusal that waiting cannot change. `None`
-/// otherwise, having changed nothing: the request then goes the way of [`acquire`], which
-/// asks again, with the waiter's ticket where it waits in line.
-pub(crate) fn acquire_now(
-    locks: &Locks,
-    keys: &Arc<[String]>,
-    modes: &Modes,
-    owner: OwnerToken,
-    holds_keys: bool,
-    layer: Option<&Layer>,
-    span: &Span,
-) -> Option<Result<Granted, Rejection>> {
-    let acquisition = Acquisition::new(locks, keys, modes, holds_keys, layer);
-    // One clock read: the store answered at once, so the hold starts with the attempt.
-    let started = Instant::now();
-    let acquired = acquisition.now(owner, started)?;
-    Some(conclude(
-        locks,
-        keys.len(),
-        layer,
-        span,
-        (started, started),
-        acquired,
-    ))
-}
-
-/// Records how an acquisition of `of` keys, from its start to its answer, ended, and gives
-/// the grant, or the response that refuses the request.
-fn conclude(
-    locks: &Locks,
-    of: usize,
-    layer: Option<&Layer>,
-    span: &Span,
-    (started, at): (Instant, Instant),
-    acquired: Result<(LockGuard, FencingToken), Refusal>,
-) -> Result<Granted, Rejection> {
-    let (granted, outcome) = match acquired {
-        Ok((guard, fencing_token)) => {
-            let granted = Granted {
-                guard,
-                fencing_token,
-                at,
-            };
-            (Ok(granted), Outcome::Granted)
-        }
-        Err(Refusal::Contended(contention)) => {
-            span.record("outcome", "contended");
-            tracing::debug!(held = contention.total, "locks held by another owner");
-            let rejection = contention_rejection(locks, of, contention);
-            (Err(rejection), Outcome::Contended)
-        }
-        Err(Refusal::Unavailable) => {
-            span.record("outcome", "unavailable");
-            (Err(Rejection::unavailable()), Outcome::Unavailable)
-        }
-    };
-    if let Some(layer) = layer {
-        let took = at - started;
-        span.record("acquire_ms", took.as_secs_f64() * 1e3);
-        if granted.is_ok() {
-            span.record("outcome", "granted");
-        }
-        observe::outcome(layer, outcome, Some(took));
-    }
-    granted
-}
-
 /// The response for a batch refused because `contention` holds some of its `of` keys.
 fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rejection {
     let policy = locks.policy();
@@ -156,8 +61,10 @@ fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rej
     )
 }
 
-/// One request's acquisition of one batch.
-struct Acquisition<'a> {
+/// One request's acquisition of one batch, under the policy of a [`Locks`] handle (which
+/// holds the policy; this is the mechanism).
+pub(crate) struct Acquisition<'a> {
+    locks: &'a Locks,
     store: &'a Arc<dyn LockStore>,
     /// The key prefix: the namespace of the fencing counter.
     namespace: &'a Arc<str>,
@@ -186,7 +93,10 @@ enum Refusal {
 }
 
 impl<'a> Acquisition<'a> {
-    fn new(
+    /// The acquisition of `keys` in `modes` under the policy of `locks`, for an owner that
+    /// may already hold others (`holds_keys`, see [`Line::Holder`]). A request's has the
+    /// `layer` its metrics and waiting count under; a handler's `Lease::lock` has none.
+    pub(crate) fn new(
         locks: &'a Locks,
         keys: &'a Arc<[String]>,
         modes: &'a Modes,
@@ -200,6 +110,7 @@ impl<'a> Acquisition<'a> {
             policy.max_named_conflicts.max(WATCHED_CONFLICTS)
         };
         Self {
+            locks,
             store: &locks.store().locks,
             namespace: &policy.keys.prefix,
             keys,
@@ -214,8 +125,76 @@ impl<'a> Acquisition<'a> {
         }
     }
 
+    /// Acquires the batch for `owner`: see [`run`](Self::run). Records the outcome and the
+    /// time in the layer's metrics and in `span`.
+    pub(crate) async fn acquire(
+        &self,
+        owner: OwnerToken,
+        span: &Span,
+    ) -> Result<Granted, Rejection> {
+        // The clock is read once before and once after: the first attempt starts at
+        // `started`, and the hold at the answer.
+        let started = Instant::now();
+        let acquired = self.run(owner, started).await;
+        self.conclude(span, (started, Instant::now()), acquired)
+    }
+
+    /// [`acquire`](Self::acquire) without a future, where the store answers at once (in
+    /// memory) and its first answer settles the request: a grant, or a refusal that waiting
+    /// cannot change. `None` otherwise, having changed nothing: the request then goes the
+    /// way of `acquire`, which asks again, with the waiter's ticket where it waits in line.
+    pub(crate) fn acquire_now(
+        &self,
+        owner: OwnerToken,
+        span: &Span,
+    ) -> Option<Result<Granted, Rejection>> {
+        // One clock read: the store answered at once, so the hold starts with the attempt.
+        let started = Instant::now();
+        let acquired = self.now(owner, started)?;
+        Some(self.conclude(span, (started, started), acquired))
+    }
+
+    /// Records how the acquisition, from its start to its answer, ended, and gives the
+    /// grant, or the response that refuses the request.
+    fn conclude(
+        &self,
+        span: &Span,
+        (started, at): (Instant, Instant),
+        acquired: Result<(LockGuard, FencingToken), Refusal>,
+    ) -> Result<Granted, Rejection> {
+        let (granted, outcome) = match acquired {
+            Ok((guard, fencing_token)) => {
+                let granted = Granted {
+                    guard,
+                    fencing_token,
+                    at,
+                };
+                (Ok(granted), Outcome::Granted)
+            }
+            Err(Refusal::Contended(contention)) => {
+                span.record("outcome", "contended");
+                tracing::debug!(held = contention.total, "locks held by another owner");
+                let rejection = contention_rejection(self.locks, self.keys.len(), contention);
+                (Err(rejection), Outcome::Contended)
+            }
+            Err(Refusal::Unavailable) => {
+                span.record("outcome", "unavailable");
+                (Err(Rejection::unavailable()), Outcome::Unavailable)
+            }
+        };
+        if let Some(layer) = self.layer {
+            let took = at - started;
+            span.record("acquire_ms", took.as_secs_f64() * 1e3);
+            if granted.is_ok() {
+                span.record("outcome", "granted");
+            }
+            observe::outcome(layer, outcome, Some(took));
+        }
+        granted
+    }
+
     /// One attempt, where the store answers at once; `None` where it does not, or where
-    /// the batch is refused and the policy waits (see [`acquire_now`]). It stands in no
+    /// the batch is refused and the policy waits (see [`acquire_now`](Self::acquire_now)). It stands in no
     /// line: kept out by every reservation, it reserves nothing, and a waiter takes its
     /// ticket when it starts waiting.
     fn now(
@@ -277,7 +256,7 @@ impl<'a> Acquisition<'a> {
     /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
     /// that already holds keys stands in no line ([`Line::Holder`]).
     async fn run(
-        self,
+        &self,
         owner: OwnerToken,
         started: Instant,
     ) -> Result<(LockGuard, FencingToken), Refusal> {

@@ -7,7 +7,7 @@ use http::{request::Parts, HeaderValue, StatusCode};
 use tracing::Span;
 
 use crate::{
-    acquire::{acquire, Granted},
+    acquire::{Acquisition, Granted},
     guard::LeaseState,
     keys::{
         extractor::Key,
@@ -280,16 +280,9 @@ async fn lock_for(
         mut guard,
         fencing_token,
         at,
-    } = acquire(
-        locks,
-        &keys,
-        &modes,
-        owner.token,
-        true,
-        None,
-        &Span::current(),
-    )
-    .await?;
+    } = Acquisition::new(locks, &keys, &modes, true, None)
+        .acquire(owner.token, &Span::current())
+        .await?;
     if policy.renew {
         let until = policy.max_hold.and_then(|max| at.checked_add(max));
         guard.renew(policy.ttl, until, at);

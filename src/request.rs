@@ -10,7 +10,7 @@ use http::{Request, StatusCode};
 use tracing::Span;
 
 use crate::{
-    acquire::{acquire, acquire_now, Granted},
+    acquire::{Acquisition, Granted},
     keys::{
         extractor::{Extracted, KeyExtractor},
         normalize::{normalize, Batch},
@@ -170,33 +170,23 @@ fn admit<B>(
 }
 
 impl Claim {
-    /// [`acquire_now`]: the store's first answer, where it is at once and settles.
+    /// [`Acquisition::acquire_now`]: the store's first answer, where it is at once and
+    /// settles.
     fn acquire_now(&self, locks: &Locks, span: &Span) -> Option<Result<Granted, Rejection>> {
-        let (keys, modes, token) = (&self.keys, &self.modes, self.owner.token);
-        acquire_now(
-            locks,
-            keys,
-            modes,
-            token,
-            self.holds_keys,
-            Some(&self.layer),
-            span,
-        )
+        self.acquisition(locks).acquire_now(self.owner.token, span)
     }
 
-    /// [`acquire`]: until granted, refused or out of time, waiting as the policy says.
+    /// [`Acquisition::acquire`]: until granted, refused or out of time, waiting as the
+    /// policy says.
     async fn acquire(&self, locks: &Locks, span: &Span) -> Result<Granted, Rejection> {
-        let (keys, modes, token) = (&self.keys, &self.modes, self.owner.token);
-        acquire(
-            locks,
-            keys,
-            modes,
-            token,
-            self.holds_keys,
-            Some(&self.layer),
-            span,
-        )
-        .await
+        self.acquisition(locks)
+            .acquire(self.owner.token, span)
+            .await
+    }
+
+    fn acquisition<'a>(&'a self, locks: &'a Locks) -> Acquisition<'a> {
+        let layer = Some(&self.layer);
+        Acquisition::new(locks, &self.keys, &self.modes, self.holds_keys, layer)
     }
 }
 
