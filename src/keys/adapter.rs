@@ -13,7 +13,7 @@ use http_body::Body;
 
 use super::{
     body::{read_capped, DEFAULT_BODY_LIMIT},
-    extractor::{Extracted, IntoKeys, Key, KeyExtractor},
+    extractor::{first_poll, Extracted, IntoKeys, Key, KeyExtractor},
 };
 use crate::rejection::Rejection;
 
@@ -180,6 +180,11 @@ impl<B: Send + 'static> KeyExtractor<B> for FromPartsKeys {
                 (_, Err(rejection)) => Err(as_problem(rejection).await),
             }
         })
+    }
+
+    /// At once where the extractors read only the head, as most do.
+    fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+        first_poll(self.extract(request))
     }
 }
 

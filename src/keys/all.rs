@@ -4,7 +4,7 @@ use std::{future::Future, pin::Pin};
 
 use http::Request;
 
-use super::extractor::{Extracted, KeyExtractor};
+use super::extractor::{first_poll, Extracted, KeyExtractor};
 
 /// The keys of every extractor in a tuple, together: `keys::all((keys::path("order"),
 /// keys::json(f)))` locks the order of the path and the products of the body as one batch.
@@ -77,6 +77,11 @@ macro_rules! impl_all {
                     )+
                     Ok((request, keys))
                 })
+            }
+
+            /// At once where every extractor's keys are in the head.
+            fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
+                first_poll(self.extract(request))
             }
         }
     };

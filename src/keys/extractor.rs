@@ -4,6 +4,7 @@
 use std::{
     borrow::Cow,
     future::{ready, Future, Ready},
+    pin::Pin,
 };
 
 use axum::response::{IntoResponse, Response};
@@ -165,6 +166,18 @@ where
     fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
         Ok(self.extract(request).into_inner())
     }
+}
+
+/// The future of an extractor that awaits something of its own (boxed).
+pub(crate) type BoxedExtraction<B> = Pin<Box<dyn Future<Output = Extracted<B>> + Send>>;
+
+/// [`KeyExtractor::extract_now`] for a boxed extraction: its first poll, which finishes
+/// where what it reads is in the request's head already, or the same future, to await,
+/// where it is not.
+pub(crate) fn first_poll<B>(
+    mut extracting: BoxedExtraction<B>,
+) -> Result<Extracted<B>, BoxedExtraction<B>> {
+    futures_util::FutureExt::now_or_never(&mut extracting).ok_or(extracting)
 }
 
 /// What a key closure returns: the keys, as any collection or iterator of strings (each

@@ -8,7 +8,7 @@ use axum::{
 };
 use http::{request::Parts, Request, StatusCode};
 
-use super::extractor::{Extracted, Key, KeyExtractor};
+use super::extractor::{first_poll, Extracted, Key, KeyExtractor};
 use crate::rejection::Rejection;
 
 /// One key from a path parameter of the matched route: `{kind}:{value}`.
@@ -217,8 +217,7 @@ where
     /// axum's path parameters are in the request's extensions already: the extraction
     /// finishes on its first poll.
     fn extract_now(&self, request: Request<B>) -> Result<Extracted<B>, Self::Future> {
-        let mut extracting = self.extract(request);
-        futures_util::FutureExt::now_or_never(&mut extracting).ok_or(extracting)
+        first_poll(self.extract(request))
     }
 }
 

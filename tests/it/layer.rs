@@ -547,6 +547,40 @@ async fn head_keys_in_memory_are_decided_on_the_first_poll() {
     assert_eq!(first_poll(&mut service, "a").await, StatusCode::OK);
 }
 
+#[tokio::test]
+async fn path_composite_and_parts_keys_are_decided_on_the_first_poll_too() {
+    let locks = Locks::new(Store::isolated_memory());
+    let from_parts = keys::from_parts(|axum::extract::Path(sku): axum::extract::Path<String>| {
+        [format!("sku:{sku}")]
+    });
+    let both = keys::all((keys::path("sku"), keys::header("x-keys", "line")));
+    let mut router: Router = Router::new()
+        .route(
+            "/path/{sku}",
+            put(|| async {}).layer(locks.layer(keys::path("sku"))),
+        )
+        .route(
+            "/parts/{sku}",
+            put(|| async {}).layer(locks.layer(from_parts)),
+        )
+        .route("/all/{sku}", put(|| async {}).layer(locks.layer(both)));
+    for uri in ["/path/7", "/parts/7", "/all/7"] {
+        ServiceExt::<Request<Body>>::ready(&mut router)
+            .await
+            .unwrap();
+        let request = Request::put(uri)
+            .header("x-keys", "1")
+            .body(Body::empty())
+            .unwrap();
+        let mut future = std::pin::pin!(router.call(request));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(response) => assert_eq!(response.unwrap().status(), StatusCode::OK),
+            Poll::Pending => panic!("{uri} was not decided on the first poll"),
+        }
+    }
+}
+
 /// The status of the response to a request on `keys`, which must be ready on the first poll
 /// of `service`'s future.
 async fn first_poll<S>(service: &mut S, keys: &str) -> StatusCode
