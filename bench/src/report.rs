@@ -384,9 +384,10 @@ fn in_process(out: &mut String, http: &Value) {
     let recorded = &figures["with_recorder"];
     let _ = writeln!(
         out,
-        "\nWithout the network: `oneshot` in a loop on one task, the routes taking turns, median \
-         of the runs; added: over bare axum in the same runs; with a metrics recorder: the three \
-         again once one was installed (metrics-exporter-prometheus):\n"
+        "\nWithout the network: `oneshot` in a loop on one task, the routes taking turns, five \
+         rounds, median of the rounds; added: the median of the rounds' differences with bare \
+         axum in the same round; with a metrics recorder: the three again once one was \
+         installed (metrics-exporter-prometheus):\n"
     );
     let _ = writeln!(
         out,
