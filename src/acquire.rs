@@ -194,9 +194,9 @@ impl<'a> Acquisition<'a> {
     }
 
     /// One attempt, where the store answers at once; `None` where it does not, or where
-    /// the batch is refused and the policy waits (see [`acquire_now`](Self::acquire_now)). It stands in no
-    /// line: kept out by every reservation, it reserves nothing, and a waiter takes its
-    /// ticket when it starts waiting.
+    /// the batch is refused and the policy waits (see [`acquire_now`](Self::acquire_now)).
+    /// It stands in no line: kept out by every reservation, it reserves nothing, and a
+    /// waiter takes its ticket when it starts waiting.
     fn now(
         &self,
         owner: OwnerToken,
@@ -215,11 +215,20 @@ impl<'a> Acquisition<'a> {
         match answer {
             // Nothing was in flight, so the guard is made once there is something to hold.
             Acquire::Granted(fence) => Some(Ok((self.guard(holder, started), fence))),
-            Acquire::Held(contention) if self.wait.bound().is_zero() || contention.upgrade => {
+            // Answered at once: the attempt's start is the time of its answer.
+            Acquire::Held(contention) if self.gives_up(&contention, started, started) => {
                 Some(Err(Refusal::Contended(contention)))
             }
             Acquire::Held(_) => None,
         }
+    }
+
+    /// Whether a request that started at `started` and was refused at `now` for
+    /// `contention` stops there: its wait is over, or it asked for an upgrade that other
+    /// readers keep out. Such an upgrade is refused at once: one of them may be waiting to
+    /// upgrade too, and each would wait for the other until the bound.
+    fn gives_up(&self, contention: &Contention, started: Instant, now: Instant) -> bool {
+        now >= started + self.wait.bound() || contention.upgrade
     }
 
     /// What an attempt under `holder`, standing in `line`, asks of the store.
@@ -313,9 +322,7 @@ impl<'a> Acquisition<'a> {
                 }
             };
             let now = Instant::now();
-            // An upgrade that other readers keep out is refused at once: one of them may be
-            // waiting to upgrade too, and each would wait for the other until the bound.
-            if now >= deadline || contention.upgrade {
+            if self.gives_up(&contention, started, now) {
                 // Withdrawn before the answer, so that the client's retry does not find
                 // them in its way.
                 if let Some(place) = place {
