@@ -4,7 +4,7 @@
 //!
 //! - `tower-batch-lock`: a tower service behind `locks.layer(extractor)`, called with
 //!   `oneshot`; the extractor, a closure over the request head, names the n keys. One
-//!   `EVALSHA` acquires the batch, one releases it, and the response waits for the release.
+//!   `FCALL` acquires the batch, one releases it, and the response waits for the release.
 //! - `pipelined SETNX`: round trip 1, a pipeline of n `SETNX key token`; round trip 2, a
 //!   pipeline of n `EXPIRE key 30`; release, one `DEL` of all n keys. (Not even safe: a
 //!   crash between the two round trips leaves keys that never expire, and the release
@@ -15,7 +15,8 @@
 //!   libraries in other languages (node-redlock 5 without retries, bsm/redislock for Go), each
 //!   an acquire script and a release script over the whole batch (`bench/scripts/`, written
 //!   for this bench from the libraries' descriptions), loaded with `SCRIPT LOAD` and run with
-//!   `EVALSHA` by this bench's client, as the crate's store runs its own: the same client,
+//!   `EVALSHA` by this bench's client (the crate's store calls its own as functions, with
+//!   `FCALL`, on the same connection type): the same client,
 //!   Redis and run for all, so that only the algorithms differ. redislock's scripts `unpack`
 //!   the whole batch, which Lua refuses near 8,000 values: above about 4,000 keys they fail,
 //!   and the case records the error.
@@ -25,7 +26,7 @@
 //!   else: the least Redis time any batch scripted over string keys with TTLs can take
 //!   while a release checks its owner, the crate's and node-redlock's alike.
 //! - `floor`: `CONFIG RESETSTAT` before the crate's measured rounds, then the `usec` of
-//!   `evalsha` and `eval` in `INFO commandstats`, divided by the rounds: the time Redis
+//!   `fcall` in `INFO commandstats`, divided by the rounds: the time Redis
 //!   itself spends running the two scripts of one cycle. No client can beat it. The
 //!   baselines' own commands are counted the same way.
 //! - `longest call`: at 3,000 keys and more, a few more cycles of the crate and of the
@@ -127,12 +128,11 @@ impl Algorithm {
 
     /// The commands whose server time is this algorithm's. Redis 7 also counts the
     /// commands a script calls under their own names, so the scripted algorithms' are
-    /// `evalsha` and `eval` alone.
+    /// `fcall` (the crate's functions), or `evalsha` and `eval`, alone.
     fn commands(self) -> &'static [&'static str] {
         match self {
-            Self::Crate | Self::NodeRedlock | Self::Redislock | Self::LuaFloor => {
-                &["evalsha", "eval"]
-            }
+            Self::Crate => &["fcall"],
+            Self::NodeRedlock | Self::Redislock | Self::LuaFloor => &["evalsha", "eval"],
             Self::Pipelined => &["setnx", "expire", "del"],
             Self::Naive => &["set", "del"],
         }
@@ -142,7 +142,8 @@ impl Algorithm {
     /// none for the naive loop, whose every command names one key.
     fn longest_command(self) -> Option<&'static str> {
         match self {
-            Self::Crate | Self::NodeRedlock | Self::Redislock => Some("evalsha"),
+            Self::Crate => Some("fcall"),
+            Self::NodeRedlock | Self::Redislock => Some("evalsha"),
             Self::Pipelined => Some("del"),
             // A floor of Redis's time per key, not a library: its calls are not compared.
             Self::LuaFloor | Self::Naive => None,
@@ -155,17 +156,8 @@ impl Algorithm {
         let command = args.first()?.to_ascii_lowercase();
         match self {
             // The crate's scripts take a big batch in steps (`Redis::step_keys`), each a
-            // call of its own: their hashes tell them apart, whatever the keys of a call.
-            Self::Crate if command == "evalsha" => {
-                let sha = args.get(1)?;
-                if *sha == crate::http::ACQUIRE.get_hash() {
-                    Some("acquire")
-                } else if *sha == crate::http::RELEASE.get_hash() {
-                    Some("release")
-                } else {
-                    None
-                }
-            }
+            // call of its own: their function's names tell them apart.
+            Self::Crate if command == "fcall" => crate::http::crate_call(args.get(1)?),
             Self::Pipelined if command == "del" => Some("DEL"),
             // A peer's two scripts both name the batch alone: their hashes tell them apart.
             Self::NodeRedlock | Self::Redislock if command == "evalsha" => {
@@ -279,8 +271,8 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
             LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of MGET of the keys and DEL of those holding the owner's value, a thousand keys a command (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's: a release must check the owner, and Redis 7 cannot set the TTLs of many keys in one command",
-            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of evalsha + eval over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
-            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one evalsha (del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
+            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of fcall (the crate's functions) over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
+            "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one script call (fcall for the crate, evalsha for the peers, del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their function names or hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
         },
         "ttl_ms": TTL.as_millis() as u64,

@@ -13,7 +13,7 @@
 //! installed (metrics-exporter-prometheus, as an application would) only once every figure
 //! without one is taken, and the memory layer runs again, taking turns with bare axum.
 
-use std::{net::SocketAddr, sync::LazyLock, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_batch_lock::store::{Redis, Store};
 
 use axum::{
@@ -25,7 +25,6 @@ use axum::{
 use deadpool_redis::Pool;
 use http::{request::Parts, HeaderMap, StatusCode};
 use redis::aio::MultiplexedConnection;
-use redis::Script;
 use serde_json::{json, Value};
 use tower::limit::ConcurrencyLimitLayer;
 use tower_batch_lock::Locks;
@@ -108,9 +107,24 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let pool = pool.clone();
     let pooled = pool.get().await.map_err(|e| e.to_string())?;
-    let conn = deadpool_redis::Connection::take(pooled);
+    let mut conn = deadpool_redis::Connection::take(pooled);
+    // The store's check loads the crate's functions, which the hand-written handler calls.
+    Locks::new(
+        Redis::pool(pool.clone())
+            .build()
+            .map_err(|e| e.to_string())?,
+    )
+    .check()
+    .await
+    .map_err(|e| e.to_string())?;
+    let [acquire, release] = crate_functions(&mut conn).await?;
+    let hand = Hand {
+        conn,
+        acquire: acquire.into(),
+        release: release.into(),
+    };
     let server = tokio::spawn(async move {
-        axum::serve(listener, app(pool, conn))
+        axum::serve(listener, app(pool, hand))
             .with_graceful_shutdown(async {
                 let _ = stopped.await;
             })
@@ -552,9 +566,12 @@ const RUNS: &str = "requests_per_second_runs";
 struct Hand {
     /// One multiplexed connection shared by every request, as the crate's Redis store has.
     conn: MultiplexedConnection,
+    /// The names of the crate's acquire and release functions ([`crate_functions`]).
+    acquire: Arc<str>,
+    release: Arc<str>,
 }
 
-fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
+fn app(pool: Pool, hand: Hand) -> Router {
     let memory = Locks::new(Store::isolated_memory()).ttl(TTL);
     let redis = Locks::new(Redis::pool(pool.clone()).build().unwrap()).ttl(TTL);
     Router::new()
@@ -564,7 +581,7 @@ fn app(pool: Pool, conn: MultiplexedConnection) -> Router {
         .route("/redis/100", get(ok).layer(redis.layer(hundred_keys)))
         .route("/hand/1", get(hand_one))
         .route("/hand/100", get(hand_hundred))
-        .with_state(Hand { conn })
+        .with_state(hand)
 }
 
 pub(crate) async fn ok() -> &'static str {
@@ -598,31 +615,57 @@ async fn hand_hundred(State(hand): State<Hand>, headers: HeaderMap) -> Response 
     hand.locked(&headers, 100).await
 }
 
-/// A script of the crate's Redis store, as the store builds it: the prelude of one Redis,
-/// the clock and fencing counter, the lock value's functions, then the script's own file. Read from the crate's source, so
-/// that the hand-written handler always does the same Redis work as the layer.
-fn crate_script(body: &str) -> Script {
-    Script::new(
-        &[
-            include_str!("../../src/store/redis/scripts/single.lua"),
-            include_str!("../../src/store/redis/scripts/clock.lua"),
-            include_str!("../../src/store/redis/scripts/value.lua"),
-            body,
-        ]
-        .concat(),
-    )
+/// The names of the crate's acquire and release functions on the server behind `conn`
+/// (`FUNCTION LIST`), once a check of the crate's store loaded its library: the
+/// hand-written handler calls the very functions the layer calls, so that it always does
+/// the same Redis work.
+pub(crate) async fn crate_functions(
+    conn: &mut MultiplexedConnection,
+) -> Result<[String; 2], String> {
+    let listed: redis::Value = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .arg("LIBRARYNAME")
+        .arg("tower_batch_lock_*")
+        .query_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut names = Vec::new();
+    function_names(&listed, &mut names);
+    let named = |call: &str| {
+        let mut found = names.iter().filter(|name| crate_call(name) == Some(call));
+        match (found.next(), found.next()) {
+            (Some(name), None) => Ok(name.clone()),
+            _ => Err(format!("not one {call} function of the crate's: {names:?}")),
+        }
+    };
+    Ok([named("acquire")?, named("release")?])
 }
 
-/// KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
-/// milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl, modes
-/// ('x': the whole batch exclusive), '1' to count the grant. The crate's own, byte for byte
-/// (the batch section tells its calls apart by this hash).
-pub(crate) static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/acquire.lua")));
+/// Which of the crate's functions `name` calls, if it is the acquire or the release: the
+/// batch section tells the calls in its SLOWLOG apart by it.
+pub(crate) fn crate_call(name: &str) -> Option<&'static str> {
+    // `tower_batch_lock_<hash>_<call>`.
+    let (_hash, call) = name.strip_prefix("tower_batch_lock_")?.split_once('_')?;
+    ["acquire", "release"]
+        .into_iter()
+        .find(|kind| *kind == call)
+}
 
-/// KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
-pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| crate_script(include_str!("../../src/store/redis/scripts/release.lua")));
+/// Every string in a `FUNCTION LIST` reply (names, flags, descriptions).
+fn function_names(value: &redis::Value, names: &mut Vec<String>) {
+    match value {
+        redis::Value::BulkString(bytes) => names.extend(String::from_utf8(bytes.clone())),
+        redis::Value::SimpleString(text) => names.push(text.clone()),
+        redis::Value::Array(values) | redis::Value::Set(values) => {
+            values.iter().for_each(|value| function_names(value, names))
+        }
+        redis::Value::Map(pairs) => pairs.iter().for_each(|(key, value)| {
+            function_names(key, names);
+            function_names(value, names);
+        }),
+        _ => {}
+    }
+}
 
 impl Hand {
     /// What a careful handler writes without the layer: acquire every key in one script,
@@ -642,9 +685,14 @@ impl Hand {
         let owner = uuid::Uuid::new_v4().simple().to_string();
         let hold = format!("{:016x}", fastrand::u64(..));
         let mut conn = self.conn.clone();
-        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>, i64)> = ACQUIRE
-            .key("hand:")
-            .key(&keys)
+        // KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
+        // milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl,
+        // modes ('x': the whole batch exclusive), '1' to count the grant.
+        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>, i64)> = redis::cmd("FCALL")
+            .arg(&*self.acquire)
+            .arg(keys.len() + 1)
+            .arg("hand:")
+            .arg(&keys)
             .arg(&owner)
             .arg(&hold)
             .arg(TTL.as_millis() as u64)
@@ -655,7 +703,7 @@ impl Hand {
             // Exclusive, and counting the grant, as the layer's one-step batches do.
             .arg("x")
             .arg("1")
-            .invoke_async(&mut conn)
+            .query_async(&mut conn)
             .await;
         match acquired {
             Ok((1, ..)) => {}
@@ -663,13 +711,16 @@ impl Hand {
             Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
         }
         let response = ok().await.into_response();
-        let released: redis::RedisResult<i64> = RELEASE
-            .key(&keys)
+        // KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
+        let released: redis::RedisResult<i64> = redis::cmd("FCALL")
+            .arg(&*self.release)
+            .arg(keys.len())
+            .arg(&keys)
             .arg(&owner)
             .arg(&hold)
             .arg("hand:released")
             .arg("*")
-            .invoke_async(&mut conn)
+            .query_async(&mut conn)
             .await;
         match released {
             Ok(_) => response,

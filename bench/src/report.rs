@@ -653,8 +653,10 @@ fn cluster(out: &mut String, cluster: &Value) {
             (Some(n), Some(o)) if o > 0.0 => format!("{:.2}×", n / o),
             _ => "–".to_owned(),
         };
-        let script_calls = node["calls_per_cycle"]["evalsha"].as_f64().unwrap_or(0.0)
-            + node["calls_per_cycle"]["eval"].as_f64().unwrap_or(0.0);
+        let script_calls = ["fcall", "evalsha", "eval"]
+            .iter()
+            .map(|command| node["calls_per_cycle"][command].as_f64().unwrap_or(0.0))
+            .sum::<f64>();
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {of_one} | {} | {script_calls:.2} | {} | {} | {} |",
@@ -806,7 +808,7 @@ fn redis_scripts(out: &mut String, quotes: &[Value]) {
     if !held.is_empty() {
         let _ = writeln!(
             out,
-            "\nRedis's time in scripts over those runs (`INFO commandstats`, `evalsha` + `eval`): {}.",
+            "\nRedis's time in scripts over those runs (`INFO commandstats`, `fcall` + `evalsha` + `eval`): {}.",
             held.join("; ")
         );
     }

@@ -165,7 +165,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
         .collect();
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; {CLIENTS} clients (keep-alive connections, on a thread and runtime of their own) post quotes back to back, each naming all {SKUS} skus of a hot set (keys::json) and holding them {} ms (a sleep), waiting up to {} s for busy keys (Wait::up_to, fair); the route holds its keys shared (LockLayer::shared) or exclusively, {} runs of {} s each (each after a warm-up of {} s), the two taking turns; quotes/s counts 2xx, latencies cover every answer; ratio: median of the paired runs' ratios; on Redis, Redis's time in scripts from INFO commandstats (evalsha + eval) over each run. Then the shared quotes stream for {} s while orders of the same {SKUS} skus (exclusive, waiting up to {} s, fair) go out one at a time on a connection of their own, from {} ms on, {} ms after the previous answer, at most {}, none later than its wait before the stream ends; time to grant = from sending an order (connection open) until its handler starts. A server per store; Redis (Redis::url, pub/sub wake-ups) flushed before its turn",
+            "axum on 127.0.0.1:0 in the bench process; {CLIENTS} clients (keep-alive connections, on a thread and runtime of their own) post quotes back to back, each naming all {SKUS} skus of a hot set (keys::json) and holding them {} ms (a sleep), waiting up to {} s for busy keys (Wait::up_to, fair); the route holds its keys shared (LockLayer::shared) or exclusively, {} runs of {} s each (each after a warm-up of {} s), the two taking turns; quotes/s counts 2xx, latencies cover every answer; ratio: median of the paired runs' ratios; on Redis, Redis's time in scripts from INFO commandstats (fcall + evalsha + eval) over each run. Then the shared quotes stream for {} s while orders of the same {SKUS} skus (exclusive, waiting up to {} s, fair) go out one at a time on a connection of their own, from {} ms on, {} ms after the previous answer, at most {}, none later than its wait before the stream ends; time to grant = from sending an order (connection open) until its handler starts. A server per store; Redis (Redis::url, pub/sub wake-ups) flushed before its turn",
             WORK.as_millis(),
             QUOTE_WAIT.as_secs(),
             plan.runs_per_mode,
@@ -205,7 +205,7 @@ type Answer = Result<(u16, Option<Duration>), String>;
 /// A run of quotes, and on Redis the time Redis spent in scripts meanwhile.
 struct Run {
     outcome: Outcome,
-    /// The `usec` and `calls` of `evalsha` and `eval` (`INFO commandstats`).
+    /// The `usec` and `calls` of `fcall`, `evalsha` and `eval` (`INFO commandstats`).
     scripts: Option<(u64, u64)>,
 }
 
@@ -313,7 +313,10 @@ async fn measure(
             let outcome = http::drive(addr, quotes(*hold, plan.run)).await?;
             check(&outcome)?;
             let scripts = match &mut redis {
-                Some(redis) => Some(sum(&command_stats(redis).await?, &["evalsha", "eval"])),
+                Some(redis) => Some(sum(
+                    &command_stats(redis).await?,
+                    &["fcall", "evalsha", "eval"],
+                )),
                 None => None,
             };
             progress::end(&format!(

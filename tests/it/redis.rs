@@ -448,6 +448,38 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_out_of_memory_takes_no_new_hold_and_still_frees_the_held_ones() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(30));
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["oom:1", "oom:2"])).await });
+    gate.wait_entered().await;
+
+    // Any memory in use is over a limit of one byte (the policy is noeviction).
+    let limit = |bytes: u64| {
+        observer.cmd::<()>(redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(bytes));
+    };
+    limit(1);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let refused = send(&counting_router(&locks, &runs), batch(&["oom:3"])).await;
+    assert_unavailable(&refused);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    // The release frees memory: Redis runs it, and the keys go long before their ttl.
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let freed = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+        observer.locks().is_empty()
+    })
+    .await;
+    limit(0);
+    assert!(freed.is_some(), "{:?}", observer.locks());
+}
+
 /// A script of the crate's Redis store, as the store builds it.
 fn crate_script(body: &str) -> redis::Script {
     one_redis_script(
@@ -513,7 +545,7 @@ async fn an_acquisition_run_twice_is_one_hold() {
 // ---------------------------------------------------------------------------------------
 
 /// The largest number of keys any script call carried since `SLOWLOG RESET`, with every
-/// call logged (`slowlog-log-slower-than 0`): `EVALSHA sha numkeys ...`.
+/// call logged (`slowlog-log-slower-than 0`): `FCALL function numkeys ...`.
 fn most_keys_a_call(observer: &Observer) -> usize {
     let log: redis::Value = observer.cmd(redis::cmd("SLOWLOG").arg("GET").arg(-1));
     let redis::Value::Array(entries) = log else {
@@ -533,7 +565,7 @@ fn most_keys_a_call(observer: &Observer) -> usize {
                 _ => None,
             };
             let command = text(args.first()?)?.to_ascii_lowercase();
-            (command == "evalsha" || command == "eval")
+            (command == "fcall")
                 .then(|| text(args.get(2)?)?.parse().ok())
                 .flatten()
         })
@@ -1243,7 +1275,7 @@ fn calls(observer: &Observer, command: &str) -> u64 {
 async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_thaws() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    // Load the scripts through another pool, so the frozen EVALSHA finds them.
+    // Load the scripts through another pool, so the frozen FCALL finds them.
     let runs = Arc::new(AtomicUsize::new(0));
     let warm = counting_router(
         &Locks::new(Redis::pool(server.pool()).build().unwrap()),
@@ -1354,11 +1386,11 @@ async fn a_pool_that_cannot_connect_gives_503_fast() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 7. NOSCRIPT
+// 7. A server without the crate's functions
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn scripts_are_reloaded_after_script_flush() {
+async fn the_functions_load_again_after_function_flush() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let locks =
@@ -1368,7 +1400,7 @@ async fn scripts_are_reloaded_after_script_flush() {
     assert_eq!(send(&app, batch(&["ns:1"])).await.status, StatusCode::OK);
 
     // Acquire after a flush.
-    observer.cmd::<()>(redis::cmd("SCRIPT").arg("FLUSH"));
+    observer.cmd::<()>(redis::cmd("FUNCTION").arg("FLUSH"));
     let reply = send(&app, batch(&["ns:1", "ns:2"])).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert!(observer.locks().is_empty());
@@ -1378,12 +1410,12 @@ async fn scripts_are_reloaded_after_script_flush() {
     let holder = gated_router(&locks, &gate);
     let held = tokio::spawn(async move { send(&holder, batch(&["ns:3"])).await });
     gate.wait_entered().await;
-    observer.cmd::<()>(redis::cmd("SCRIPT").arg("FLUSH"));
+    observer.cmd::<()>(redis::cmd("FUNCTION").arg("FLUSH"));
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     assert!(
         observer.locks().is_empty(),
-        "the release did not reload its script: {:?}",
+        "the release did not load its function again: {:?}",
         observer.locks()
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);

@@ -471,7 +471,7 @@ async fn a_waiting_request_holds_none_of_its_batch() {
 // ---------------------------------------------------------------------------------------
 
 /// Script calls in the order the server received them, each with when the monitor saw it;
-/// `None` for a call the server refused with NOSCRIPT (it ran nothing).
+/// `None` for a call the server refused because it had no such function (it ran nothing).
 type Calls = Arc<Mutex<Vec<Option<(Instant, Script)>>>>;
 
 /// The script calls a Redis server runs, from `MONITOR`.
@@ -515,10 +515,10 @@ impl Monitor {
                     let mut seen = seen.lock().unwrap();
                     if command
                         .to_ascii_lowercase()
-                        .starts_with("\"script\" \"load\"")
+                        .starts_with("\"function\" \"load\"")
                     {
-                        // The client's last call found no script (NOSCRIPT) and ran
-                        // nothing; the client sends it again after loading it.
+                        // The client's last call found no function and ran nothing; the
+                        // client sends it again after loading the library.
                         if let Some(i) = last_call.remove(client) {
                             seen[i] = None;
                         }
@@ -533,7 +533,7 @@ impl Monitor {
     }
 
     /// The client and the command of a MONITOR line: `+1700000000.000001 [0
-    /// 127.0.0.1:5000] "EVALSHA" ...`. Commands that scripts run (`[0 lua] ...`) count as
+    /// 127.0.0.1:5000] "FCALL" ...`. Commands that scripts run (`[0 lua] ...`) count as
     /// a client of their own.
     fn parse(line: &str) -> Option<(&str, &str)> {
         let client = &line[line.find('[')? + 1..line.find(']')?];
@@ -545,7 +545,7 @@ impl Monitor {
     fn script(command: &str) -> Option<Script> {
         let words: Vec<&str> = command.split_whitespace().collect();
         let name = words.first()?.to_ascii_lowercase();
-        if name != "\"evalsha\"" && name != "\"eval\"" {
+        if name != "\"fcall\"" {
             return None;
         }
         Some(if command.contains("\"tower-batch-lock:released\"") {

@@ -113,14 +113,17 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///
 /// # Requirements
 ///
-/// - Redis 7.0 or later (or Valkey): the scripts carry the `allow-cross-slot-keys` flag,
+/// - Redis 7.0 or later (or Valkey): the scripts are functions (loaded on each master
+///   where a call finds them missing) with the `allow-cross-slot-keys` flag,
 ///   and wake-ups use sharded pub/sub (`SPUBLISH` to the channel
 ///   `tower-batch-lock:released`, `SSUBSCRIBE` in each process: only the shard of the
 ///   channel carries them, where a plain `PUBLISH` goes to every node).
-/// - **ACL.** The user needs `EVALSHA`, `EVAL`, `SCRIPT LOAD`, `SET`, `GET`, `DEL`,
+/// - **ACL.** The user needs `FCALL`, `FUNCTION LOAD`, `EVALSHA`, `EVAL` (the fencing
+///   counter's script), `SET`, `GET`, `DEL`,
 ///   `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` on the
 ///   prefix's keys (and `idempotency:*` for the idempotency layer) and on the channel.
-/// - **Managed services.** The service must let clients run Lua scripts and `CLUSTER
+/// - **Managed services.** The service must let clients load and run Lua functions and
+///   scripts and `CLUSTER
 ///   SLOTS`. Services that put a proxy in front of the cluster (one endpoint that hides the
 ///   slots) refuse scripts over keys of several slots: use their cluster-API endpoint. The
 ///   store never uses the commands services often disable or rename (`KEYS`, `CONFIG`,

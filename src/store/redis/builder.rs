@@ -41,8 +41,14 @@ use crate::store::handle::Store;
 /// its own hold with it: `*<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]|...`, the
 /// key's own expiry at least its longest hold's; in an exclusive value, a hold its owner
 /// took shared follows a `;`. The prefix itself, `lock:`, holds the namespace's fencing
-/// counter (it is never a lock: empty keys are refused). The Lua scripts, one file each under `src/store/redis/scripts/`, run
-/// through `EVALSHA` and are loaded again after a `SCRIPT FLUSH` or a restart:
+/// counter (it is never a lock: empty keys are refused). The Lua scripts, one file each
+/// under `src/store/redis/scripts/`, are the functions of one library, which the store
+/// loads (`FUNCTION LOAD`) where a call finds it missing (the first call, after a restart
+/// without persistence or a `FUNCTION FLUSH`) and calls with `FCALL`. The library is
+/// named after a hash of its source, `tower_batch_lock_<12 hex digits>`, so that two
+/// versions of the crate each run their own during a rolling upgrade; each version leaves
+/// its library (about 30 KB, replicated and persisted like any function) until
+/// `FUNCTION DELETE` removes it, which is safe once no process of that version runs:
 ///
 /// - *acquire* takes each free key with one `SET key value PX ttl NX GET`; `GET` shows what
 ///   was there instead. A key the caller's owner holds is entered again, and a shared key
@@ -75,8 +81,8 @@ use crate::store::handle::Store;
 ///   this store needs every key of a batch on one node.
 /// - **Eviction.** Use `maxmemory-policy noeviction` (the default) on the Redis that holds
 ///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
-/// - **ACL.** The user needs `+evalsha +script|load +set +get +mget +del +pttl +pexpire
-///   +time +incr +publish +subscribe +info` on `~lock:*` (or your prefix; and
+/// - **ACL.** The user needs `+fcall +function|load +set +get +mget +del +pttl +pexpire
+///   +time +publish +subscribe +info` on `~lock:*` (or your prefix; and
 ///   `~idempotency:*` for the idempotency layer) and `&tower-batch-lock:released`.
 /// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
 /// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails

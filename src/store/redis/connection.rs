@@ -1,13 +1,14 @@
 //! The one connection a Redis store shares between its calls, and what a failed call
 //! does to it.
 
-use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult, ScriptInvocation};
+use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult};
 
 use std::{
     sync::{Mutex, PoisonError},
     time::Duration,
 };
 
+use super::scripts::Invocation;
 use crate::store::error::StoreError;
 use deadpool_redis::Pool;
 
@@ -123,7 +124,7 @@ struct Shared {
 /// What one call sends.
 #[derive(Clone, Copy)]
 pub(super) enum Command<'a> {
-    Script(&'a ScriptInvocation<'a>),
+    Script(&'a Invocation),
     /// A plain command (the idempotency layer's answers need no script).
     #[cfg(feature = "idempotency")]
     Plain(&'a redis::Cmd),
@@ -135,7 +136,7 @@ impl Command<'_> {
         connection: &mut MultiplexedConnection,
     ) -> RedisResult<T> {
         match self {
-            Self::Script(script) => script.invoke_async(connection).await,
+            Self::Script(script) => script.invoke(connection).await,
             #[cfg(feature = "idempotency")]
             Self::Plain(command) => command.query_async(connection).await,
         }

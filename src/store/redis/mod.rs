@@ -1,8 +1,6 @@
 //! One Redis: the store that one Redis, each Redlock master and each cluster master run
-//! (the scripts in their topology's form); `builder.rs` holds the public [`Redis`](builder::Redis).
-//!
-//! `redis::Script` sends `EVALSHA` and falls back to loading the script when the server
-//! answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`).
+//! (the scripts in their topology's form, as a function library: `scripts.rs`);
+//! `builder.rs` holds the public [`Redis`](builder::Redis).
 
 use std::{
     fmt,
@@ -13,7 +11,7 @@ use std::{
 #[cfg(feature = "idempotency")]
 use bytes::Bytes;
 use deadpool_redis::Pool;
-use redis::{FromRedisValue, RedisResult, Script, ScriptInvocation};
+use redis::{FromRedisValue, RedisResult};
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -30,7 +28,7 @@ use pubsub::{listen_for_releases, slot_list, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
-use scripts::{Scripts, RAISE_FENCE, SINGLE};
+use scripts::{Function, Invocation, Scripts, SINGLE};
 
 pub(super) mod builder;
 mod connection;
@@ -132,10 +130,7 @@ impl RedisStore {
     }
 
     /// Runs a script on the shared connection (see [`SharedConnection::send`]).
-    async fn invoke<T: FromRedisValue>(
-        &self,
-        script: &ScriptInvocation<'_>,
-    ) -> Result<T, StoreError> {
+    async fn invoke<T: FromRedisValue>(&self, script: &Invocation) -> Result<T, StoreError> {
         self.connection.send(Command::Script(script)).await
     }
 
@@ -146,13 +141,13 @@ impl RedisStore {
     /// to come back. Returns the sum of the steps' counts.
     async fn free_in_steps(
         &self,
-        script: &Script,
+        script: &Function,
         keys: &[String],
-        args: impl Fn(&mut ScriptInvocation<'_>),
+        args: impl Fn(&mut Invocation),
     ) -> Result<usize, StoreError> {
         let mut count = 0;
         for step in keys.chunks(self.step) {
-            let mut invocation = self.scripts.prepare(script, step);
+            let mut invocation = self.scripts.prepare(script, None, step);
             args(&mut invocation);
             let slots = slots_of(step);
             invocation.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
@@ -168,7 +163,7 @@ impl RedisStore {
     /// waiter out.
     pub(crate) async fn reserve(&self, keys: &[String], ticket: Ticket) -> Result<(), StoreError> {
         for step in keys.chunks(self.step) {
-            let mut script = self.scripts.prepare(&self.scripts.reserve, step);
+            let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
             script.arg(ticket.get()).arg(millis(RESERVATION_TTL));
             self.invoke::<i64>(&script).await?;
         }
@@ -177,8 +172,10 @@ impl RedisStore {
 
     /// Raises the fencing counter of `namespace` to at least `floor`.
     pub(crate) async fn raise_fence(&self, namespace: &str, floor: u64) -> Result<(), StoreError> {
-        let mut script = RAISE_FENCE.prepare_invoke();
-        script.key(namespace).arg(floor);
+        let mut script = self
+            .scripts
+            .prepare(&self.scripts.raise_fence, Some(namespace), &[]);
+        script.arg(floor);
         self.invoke::<i64>(&script).await?;
         Ok(())
     }
@@ -197,7 +194,7 @@ impl RedisStore {
     /// try again.
     async fn invoke_acknowledged(
         &self,
-        script: &ScriptInvocation<'_>,
+        script: &Invocation,
         request: &AcquireRequest,
         ack: ReplicaAck,
     ) -> Result<AcquireReply, StoreError> {
@@ -229,13 +226,15 @@ impl RedisStore {
         count: bool,
     ) -> Result<Acquire, StoreError> {
         let (keys, line) = (&*request.keys, request.line);
-        let mut script = self.scripts.acquire.prepare_invoke();
-        if self.scripts.keys_as_args {
-            // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
-            script.arg(keys.len() + 1).arg("").arg(keys);
+        // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
+        let counter = if self.scripts.keys_as_args {
+            ""
         } else {
-            script.key(&*request.namespace).key(keys);
-        }
+            &request.namespace
+        };
+        let mut script = self
+            .scripts
+            .prepare(&self.scripts.acquire, Some(counter), keys);
         script
             .arg(request.holder.owner.as_hex())
             .arg(request.holder.hold_hex())
@@ -291,7 +290,7 @@ impl LockStore for RedisStore {
             // A step that lost a key ends it: the lease is lost, and the keys extended
             // before are released with it.
             for step in keys.chunks(self.step) {
-                let mut script = self.scripts.prepare(&self.scripts.extend, step);
+                let mut script = self.scripts.prepare(&self.scripts.extend, None, step);
                 script.arg(&owner).arg(&hold).arg(millis(ttl));
                 if self.invoke::<i64>(&script).await? != 1 {
                     return Ok(false);
@@ -324,7 +323,7 @@ impl LockStore for RedisStore {
         Box::pin(async move {
             let mut views = Vec::with_capacity(keys.len());
             for step in keys.chunks(self.step) {
-                let script = self.scripts.prepare(&self.scripts.inspect, step);
+                let script = self.scripts.prepare(&self.scripts.inspect, None, step);
                 let reply: Vec<i64> = self.invoke(&script).await?;
                 if reply.len() != step.len() * 4 {
                     return Err(StoreError::unknown(format!(
@@ -346,7 +345,7 @@ impl LockStore for RedisStore {
         })
     }
 
-    /// Redis 7.0 or later (the scripts need it), and every script loads.
+    /// Redis 7.0 or later (the scripts need it), and the library of scripts loads.
     fn check(&self) -> Reply<'_, ()> {
         Box::pin(async move {
             let mut call = self.connection.call().await?;
@@ -373,18 +372,9 @@ impl LockStore for RedisStore {
                     Err(error) => return call.end(Err(error)),
                 }
             }
-            let own = &self.scripts;
-            let mut scripts = vec![&own.acquire, &own.extend, &own.release, &own.withdraw];
-            // Redlock raises fences; a cluster node keeps no counter.
-            if !own.keys_as_args {
-                scripts.push(&*RAISE_FENCE);
-            }
-            // Inspect and force_release are an operator's: they load when first used.
-            for script in scripts {
-                let loaded = script.load_async(&mut call.connection).await;
-                if loaded.is_err() {
-                    return call.end(loaded).map(drop);
-                }
+            // Every function, the operator's included, loads with the library.
+            if let Err(error) = self.scripts.load(&mut call.connection).await {
+                return call.end(Err(error));
             }
             call.end(Ok(()))
         })

@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-use redis::{aio::ConnectionLike, FromRedisValue, ScriptInvocation};
+use redis::{aio::ConnectionLike, FromRedisValue};
 
+use super::scripts::Invocation;
 use crate::store::error::StoreError;
 
 /// How many replicas must acknowledge a grant, and how long to wait for them.
@@ -52,7 +53,7 @@ pub(super) enum Acknowledged<T> {
 /// write this connection made, so it must be the connection that ran the script.
 pub(super) async fn acquire_acknowledged<T, C>(
     connection: &mut C,
-    script: &ScriptInvocation<'_>,
+    script: &Invocation,
     granted: impl Fn(&T) -> bool,
     ack: ReplicaAck,
 ) -> Result<Acknowledged<T>, StoreError>
@@ -61,7 +62,7 @@ where
     C: ConnectionLike + Send,
 {
     let answer: T = script
-        .invoke_async(connection)
+        .invoke(connection)
         .await
         .map_err(StoreError::unknown)?;
     if !granted(&answer) {

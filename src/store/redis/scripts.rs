@@ -1,87 +1,224 @@
-//! The Lua scripts, one file each under `scripts/`, each behind the prelude of its
-//! topology, the clock and fencing counter's functions, and the value format's.
+//! The Lua scripts, one file each under `scripts/`, loaded into Redis as one function
+//! library per topology (`FUNCTION LOAD`) and called with `FCALL`: the prelude of the
+//! topology, the clock and fencing counter's functions and the value format's are built
+//! once, when the library loads, where a script sent with `EVALSHA` builds them again on
+//! every call (about a quarter of Redis's time for a one-key acquire and release).
+//!
+//! A library's name carries a hash of its source, so that processes of two versions of the
+//! crate (a rolling upgrade) each call their own functions on the same Redis, over the same
+//! values. A call to a function that the server does not have (after a restart without
+//! persistence, a `FUNCTION FLUSH`, or on a server that never had it) loads the library and
+//! runs again.
 
-use std::sync::LazyLock;
+use std::{fmt::Write as _, sync::LazyLock};
 
-use redis::{Script, ScriptInvocation};
+use redis::{aio::ConnectionLike, FromRedisValue, RedisError, RedisResult, ToRedisArgs};
 
 /// Redis's clock, and the fencing counter that never counts below it.
 const CLOCK: &str = include_str!("scripts/clock.lua");
 
-/// The scripts that read or write lock values, each its prelude (`single.lua` or
-/// `cluster.lua`: where the keys come from, and what a node may do with them), the clock's
-/// and the fencing counter's functions (`clock.lua`), the value format's (`value.lua`),
-/// then its own body.
+/// The functions of one library: the scripts that read or write lock values, each behind
+/// its topology's prelude (`single.lua` or `cluster.lua`: where the keys come from, and
+/// what a node may do with them), the clock's and the fencing counter's functions
+/// (`clock.lua`) and the value format's (`value.lua`).
 pub(crate) struct Scripts {
+    /// The library's source, for `FUNCTION LOAD`.
+    library: String,
     /// Locks a batch, all or nothing, or reserves it for a waiter in line.
-    pub(super) acquire: Script,
+    pub(super) acquire: Function,
     /// Extends a batch if every key still has the hold.
-    pub(super) extend: Script,
+    pub(super) extend: Function,
     /// Ends a hold on the keys that still have it, and announces the release.
-    pub(super) release: Script,
+    pub(super) release: Function,
     /// Takes a waiter's reservations off its keys, and announces it.
-    pub(super) withdraw: Script,
+    pub(super) withdraw: Function,
     /// Reads what an operator may see of keys: state, ttl, holds, waiters; never owners.
-    pub(super) inspect: Script,
+    pub(super) inspect: Function,
     /// Ends every hold on keys, whoever has it, and announces it.
-    pub(super) force_release: Script,
+    pub(super) force_release: Function,
     /// Puts a waiter's reservation on keys (the keys of a refused batch that a cluster
     /// group or an earlier step took).
-    pub(super) reserve: Script,
+    pub(super) reserve: Function,
+    /// Raises a namespace's fencing counter to a floor (for Redlock).
+    pub(super) raise_fence: Function,
     /// Whether the keys go as arguments (a group of a batch on a cluster node) rather than
     /// as declared keys.
     pub(super) keys_as_args: bool,
 }
 
+/// A function of a library, by its name in Redis.
+pub(crate) struct Function {
+    name: String,
+}
+
 impl Scripts {
-    fn with_prelude(prelude: &str, keys_as_args: bool) -> Self {
-        let script = |body: &str| {
-            Script::new(&[prelude, CLOCK, include_str!("scripts/value.lua"), body].concat())
+    /// The library of `prelude`'s topology. `cross_slot`: whether its functions touch keys
+    /// of several slots of a cluster node (which Redis allows only to functions that say
+    /// so).
+    fn library(prelude: &str, keys_as_args: bool, cross_slot: bool) -> Self {
+        // Each function's body, and the flags Redis checks before it runs: the ones that
+        // free memory or only read run when Redis is out of memory, as their commands (DEL,
+        // PEXPIRE, reads) did from a script without flags; the ones that may add keys
+        // are refused then, as their SET would have been.
+        let bodies = [
+            ("acquire", include_str!("scripts/acquire.lua"), ""),
+            ("extend", include_str!("scripts/extend.lua"), "allow-oom"),
+            ("release", include_str!("scripts/release.lua"), "allow-oom"),
+            (
+                "withdraw",
+                include_str!("scripts/withdraw.lua"),
+                "allow-oom",
+            ),
+            ("inspect", include_str!("scripts/inspect.lua"), "no-writes"),
+            (
+                "force_release",
+                include_str!("scripts/force_release.lua"),
+                "allow-oom",
+            ),
+            ("reserve", include_str!("scripts/reserve.lua"), ""),
+            ("raise_fence", include_str!("scripts/raise_fence.lua"), ""),
+        ];
+        let mut code = [
+            "-- The call's keys and arguments, which each function sets (below).\n",
+            "local KEYS, ARGV\n",
+            prelude,
+            CLOCK,
+            include_str!("scripts/value.lua"),
+        ]
+        .concat();
+        for (name, body, _) in bodies {
+            let _ = write!(code, "local function {name}()\n{body}\nend\n");
+        }
+        code.push_str(include_str!("scripts/library.lua"));
+        // The hash of everything but the header, which names the library after it.
+        let version = sha1_smol::Sha1::from(&code).digest().to_string();
+        let prefix = format!("tower_batch_lock_{}", &version[..12]);
+        for (name, _, flag) in bodies {
+            let flags = [
+                flag,
+                if cross_slot {
+                    "allow-cross-slot-keys"
+                } else {
+                    ""
+                },
+            ]
+            .iter()
+            .filter(|flag| !flag.is_empty())
+            .map(|flag| format!("'{flag}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+            let _ = writeln!(code, "register('{prefix}_{name}', {name}, {{{flags}}})");
+        }
+        let function = |name: &str| Function {
+            name: format!("{prefix}_{name}"),
         };
         Self {
-            acquire: script(include_str!("scripts/acquire.lua")),
-            extend: script(include_str!("scripts/extend.lua")),
-            release: script(include_str!("scripts/release.lua")),
-            withdraw: script(include_str!("scripts/withdraw.lua")),
-            inspect: script(include_str!("scripts/inspect.lua")),
-            force_release: script(include_str!("scripts/force_release.lua")),
-            reserve: script(include_str!("scripts/reserve.lua")),
+            library: format!("#!lua name={prefix}\n{code}"),
+            acquire: function("acquire"),
+            extend: function("extend"),
+            release: function("release"),
+            withdraw: function("withdraw"),
+            inspect: function("inspect"),
+            force_release: function("force_release"),
+            reserve: function("reserve"),
+            raise_fence: function("raise_fence"),
             keys_as_args,
         }
     }
 
-    /// An invocation of `script` (one of these) on `keys`.
-    pub(super) fn prepare<'a>(&self, script: &'a Script, keys: &[String]) -> ScriptInvocation<'a> {
-        let mut invocation = script.prepare_invoke();
+    /// A call of `function` (one of these) on `keys`, after `lead`, a key that goes first
+    /// when given (the acquire script's counter).
+    pub(super) fn prepare(
+        &'static self,
+        function: &Function,
+        lead: Option<&str>,
+        keys: &[String],
+    ) -> Invocation {
+        let count = keys.len() + usize::from(lead.is_some());
+        let mut command = redis::cmd("FCALL");
+        command.arg(&function.name);
         if self.keys_as_args {
-            invocation.arg(keys.len()).arg(keys);
-        } else {
-            invocation.key(keys);
+            command.arg(0);
         }
-        invocation
+        command.arg(count);
+        if let Some(lead) = lead {
+            command.arg(lead);
+        }
+        command.arg(keys);
+        Invocation {
+            command,
+            scripts: self,
+        }
+    }
+
+    /// Loads the library where it is not: a library of the same name is this very one.
+    pub(super) async fn load(&self, connection: &mut impl ConnectionLike) -> RedisResult<()> {
+        let loaded = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg(&self.library)
+            .query_async::<redis::Value>(connection)
+            .await;
+        match loaded {
+            Err(error) if detail(&error).is_some_and(|d| d.ends_with("already exists")) => Ok(()),
+            loaded => loaded.map(drop),
+        }
     }
 }
 
-/// The scripts on one Redis, and on each Redlock master.
-pub(super) static SINGLE: LazyLock<Scripts> =
-    LazyLock::new(|| Scripts::with_prelude(include_str!("scripts/single.lua"), false));
+/// One call of a function, its arguments added with [`arg`](Self::arg).
+pub(crate) struct Invocation {
+    command: redis::Cmd,
+    scripts: &'static Scripts,
+}
 
-/// The scripts on a Redis Cluster node, for the keys of a batch that the node serves.
+impl Invocation {
+    /// Adds an argument after the keys.
+    pub(super) fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.command.arg(arg);
+        self
+    }
+
+    /// Runs the call on `connection`: once more after loading the library, if the server
+    /// does not have the function.
+    pub(super) async fn invoke<T: FromRedisValue>(
+        &self,
+        connection: &mut impl ConnectionLike,
+    ) -> RedisResult<T> {
+        match self.command.query_async(connection).await {
+            Err(error) if detail(&error) == Some("Function not found") => {
+                self.scripts.load(connection).await?;
+                self.command.query_async(connection).await
+            }
+            reply => reply,
+        }
+    }
+}
+
+/// The text of an `ERR` answer.
+fn detail(error: &RedisError) -> Option<&str> {
+    (error.code() == Some("ERR"))
+        .then(|| error.detail())
+        .flatten()
+}
+
+/// The library on one Redis, and on each Redlock master.
+pub(super) static SINGLE: LazyLock<Scripts> =
+    LazyLock::new(|| Scripts::library(include_str!("scripts/single.lua"), false, false));
+
+/// The library on a Redis Cluster node, for the keys of a batch that the node serves.
 #[cfg(feature = "cluster")]
 pub(super) static CLUSTER: LazyLock<Scripts> =
-    LazyLock::new(|| Scripts::with_prelude(include_str!("scripts/cluster.lua"), true));
+    LazyLock::new(|| Scripts::library(include_str!("scripts/cluster.lua"), true, true));
 
 /// Counts a grant in a namespace's fencing counter, apart from any batch: the cluster
-/// store's token. Its source, for `EVAL` where a node does not have it cached.
+/// store's token, on the counter's master through the cluster connection (which routes a
+/// command by its key, and would send `FUNCTION LOAD` to every master). Its source, for
+/// `EVAL` where a node does not have it cached.
 #[cfg(feature = "cluster")]
 pub(crate) static COUNT_GRANT_SOURCE: LazyLock<String> =
     LazyLock::new(|| [CLOCK, include_str!("scripts/count_grant.lua")].concat());
 
 /// [`COUNT_GRANT_SOURCE`], for its hash (`EVALSHA`).
 #[cfg(feature = "cluster")]
-pub(crate) static COUNT_GRANT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&COUNT_GRANT_SOURCE));
-
-/// Raises a namespace's fencing counter to a floor (for Redlock).
-pub(super) static RAISE_FENCE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("scripts/raise_fence.lua")));
+pub(crate) static COUNT_GRANT: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(&COUNT_GRANT_SOURCE));

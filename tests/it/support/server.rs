@@ -250,12 +250,15 @@ impl Observer {
         self.cmd::<u64>(&mut redis::cmd("DBSIZE")) - counters.sum::<u64>()
     }
 
-    /// How many script calls (`EVALSHA` and `EVAL`) the server has received.
+    /// How many script calls (`FCALL` of the crate's functions, `EVALSHA` and `EVAL`) the
+    /// server has received.
     pub(crate) fn script_calls(&self) -> u64 {
         let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
         info.lines()
             .filter(|line| {
-                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+                ["cmdstat_fcall:", "cmdstat_evalsha:", "cmdstat_eval:"]
+                    .iter()
+                    .any(|command| line.starts_with(command))
             })
             .map(|line| {
                 let calls = line.split("calls=").nth(1).expect("calls=");

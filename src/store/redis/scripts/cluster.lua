@@ -1,13 +1,13 @@
-#!lua flags=allow-cross-slot-keys
 -- The prelude of every script on a Redis Cluster node, where one call carries the keys of a
 -- batch that this node serves: keys of many hash slots.
 --
 -- Redis refuses (CROSSSLOT) a call whose declared keys hash to several slots, with the
--- `allow-cross-slot-keys` flag or without it; the flag only lets the script itself touch
--- keys of several slots of this node, and still each command one slot at a time. So the
--- keys come as arguments (ARGV[1]: how many; ARGV[2..]: the keys; then the script's own
--- arguments), and this prelude hands them to the script as KEYS and ARGV, which it reads
--- as on one Redis. Every command names one key (`per_key`).
+-- `allow-cross-slot-keys` flag or without it; the flag (which every function of this
+-- library has) only lets the script itself touch keys of several slots of this node, and
+-- still each command one slot at a time. So the keys come as arguments (the call's first
+-- argument: how many; then the keys; then the script's own arguments), and `inputs` hands
+-- them to the script as KEYS and ARGV, which it reads as on one Redis. Every command names
+-- one key (`per_key`).
 --
 -- A command on a key that this node does not serve (its slot moved, or is migrating and
 -- the key is not here) fails the script there. Acquire touches every key first with a
@@ -15,12 +15,12 @@
 -- extend reads every key before it writes; release, withdraw and force_release may stop
 -- midway, and the cluster store runs them again on the keys' new nodes (each is
 -- idempotent).
-local KEYS, ARGV = (function(args)
+local function inputs(_, args)
   local count, keys, rest = tonumber(args[1]), {}, {}
   for i = 2, count + 1 do keys[#keys + 1] = args[i] end
   for i = count + 2, #args do rest[#rest + 1] = args[i] end
   return keys, rest
-end)(ARGV)
+end
 local per_key = true
 
 -- A node counts nothing: the cluster store takes the token from the namespace's one

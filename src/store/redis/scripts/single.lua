@@ -1,5 +1,6 @@
 -- The prelude of every script on one Redis (and on each Redlock master): KEYS are the keys,
 -- and one command may name any number of them.
+local function inputs(keys, args) return keys, args end
 local per_key = false
 
 -- Acquire's KEYS[1] is the namespace's fencing counter: a grant is counted there, in the

@@ -54,9 +54,9 @@ local function is_shared(holds)
   return string.byte(holds, 1) == 42
 end
 
--- One whole entry, from where the pattern is applied.
-local READER = '^%*' .. string.rep('%x', 32) .. ':' .. string.rep('%x', 16) .. '/'
-  .. string.rep('%d', 13)
+-- One whole entry, from where the pattern is applied. Built with string methods: while a
+-- library loads, Redis hides the `string` table (not strings' own methods).
+local READER = '^%*' .. ('%x'):rep(32) .. ':' .. ('%x'):rep(16) .. '/' .. ('%d'):rep(13)
 
 -- Whether `holds` has the form of shared holds: whole entries, the first of them in every
 -- character. A value another program wrote does not begin with one of these entries by
