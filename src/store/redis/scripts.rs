@@ -90,9 +90,6 @@ impl Scripts {
             let _ = write!(code, "local function {name}()\n{body}\nend\n");
         }
         code.push_str(include_str!("scripts/library.lua"));
-        // The hash of everything but the header, which names the library after it.
-        let version = sha1_smol::Sha1::from(&code).digest().to_string();
-        let prefix = format!("tower_batch_lock_{}", &version[..12]);
         for (name, _, flag) in bodies {
             let flags = [
                 flag,
@@ -107,13 +104,16 @@ impl Scripts {
             .map(|flag| format!("'{flag}'"))
             .collect::<Vec<_>>()
             .join(", ");
-            let _ = writeln!(code, "register('{prefix}_{name}', {name}, {{{flags}}})");
+            let _ = writeln!(code, "register('{name}', {name}, {{{flags}}})");
         }
+        // Named after a hash of everything else, the flags included.
+        let hash = sha1_smol::Sha1::from(&code).digest().to_string();
+        let prefix = format!("tower_batch_lock_{}", &hash[..12]);
         let function = |name: &str| Function {
             name: format!("{prefix}_{name}"),
         };
         Self {
-            library: format!("#!lua name={prefix}\n{code}"),
+            library: format!("#!lua name={prefix}\nlocal PREFIX = '{prefix}_'\n{code}"),
             acquire: function("acquire"),
             extend: function("extend"),
             release: function("release"),
