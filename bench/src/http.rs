@@ -688,7 +688,8 @@ impl Hand {
         // KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
         // milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl,
         // modes ('x': the whole batch exclusive), '1' to count the grant.
-        let acquired: redis::RedisResult<(i64, i64, i64, Vec<String>, i64)> = redis::cmd("FCALL")
+        // A grant answers its fencing token, a refusal a list.
+        let acquired: redis::RedisResult<redis::Value> = redis::cmd("FCALL")
             .arg(&*self.acquire)
             .arg(keys.len() + 1)
             .arg("hand:")
@@ -706,7 +707,7 @@ impl Hand {
             .query_async(&mut conn)
             .await;
         match acquired {
-            Ok((1, ..)) => {}
+            Ok(redis::Value::Int(_)) => {}
             Ok(_) => return (StatusCode::CONFLICT, "held").into_response(),
             Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
         }

@@ -181,8 +181,26 @@ impl RedisStore {
     }
 }
 
-/// The acquire script's reply.
-type AcquireReply = (i64, i64, i64, Vec<String>, i64);
+/// The acquire script's reply: a grant's fencing token (0 where the grant is not counted),
+/// or what kept the batch out: how many keys conflict, the earliest pttl among the held
+/// ones (-1: none could be read), the keys it names, and whether a conflict is an upgrade
+/// that the owner's fellow readers keep out.
+enum AcquireReply {
+    Granted(i64),
+    Held(i64, i64, Vec<String>, i64),
+}
+
+impl FromRedisValue for AcquireReply {
+    fn from_redis_value(value: redis::Value) -> Result<Self, redis::ParsingError> {
+        match value {
+            redis::Value::Int(token) => Ok(Self::Granted(token)),
+            held => {
+                let (count, earliest, named, upgrade) = FromRedisValue::from_redis_value(held)?;
+                Ok(Self::Held(count, earliest, named, upgrade))
+            }
+        }
+    }
+}
 
 impl RedisStore {
     /// Runs the acquire script on a connection of its own and, when it grants, waits for
@@ -199,7 +217,7 @@ impl RedisStore {
         ack: ReplicaAck,
     ) -> Result<AcquireReply, StoreError> {
         let mut connection = self.connection.dedicated().await?;
-        let granted = |reply: &AcquireReply| reply.0 == 1;
+        let granted = |reply: &AcquireReply| matches!(reply, AcquireReply::Granted(_));
         match acquire_acknowledged(&mut *connection, script, granted, ack).await? {
             Acknowledged::Answer(reply) => Ok(reply),
             Acknowledged::Short(acknowledged) => {
@@ -252,24 +270,28 @@ impl RedisStore {
             })
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" });
-        let (granted, count, earliest, named, upgrade): AcquireReply = match self.replicas {
+        let reply = match self.replicas {
             None => self.invoke(&script).await?,
             Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
         };
-        if granted == 1 {
-            let fence = u64::try_from(count).map_err(|_| {
-                let counter = &request.namespace;
-                StoreError::unknown(format!("the fencing counter {counter:?} is negative"))
-            })?;
-            return Ok(Acquire::Granted(FencingToken::new(fence)));
+        match reply {
+            AcquireReply::Granted(token) => {
+                let fence = u64::try_from(token).map_err(|_| {
+                    let counter = &request.namespace;
+                    StoreError::unknown(format!("the fencing counter {counter:?} is negative"))
+                })?;
+                Ok(Acquire::Granted(FencingToken::new(fence)))
+            }
+            AcquireReply::Held(count, earliest, named, upgrade) => {
+                Ok(Acquire::Held(Contention {
+                    keys: named,
+                    total: usize::try_from(count).unwrap_or(1),
+                    // -1: no conflicting key had a ttl the script could read.
+                    earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
+                    upgrade: upgrade == 1,
+                }))
+            }
         }
-        Ok(Acquire::Held(Contention {
-            keys: named,
-            total: usize::try_from(count).unwrap_or(1),
-            // -1: no conflicting key had a ttl the script could read.
-            earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
-            upgrade: upgrade == 1,
-        }))
     }
 }
 
