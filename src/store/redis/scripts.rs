@@ -2,7 +2,7 @@
 //! library per topology (`FUNCTION LOAD`) and called with `FCALL`: the prelude of the
 //! topology, the clock and fencing counter's functions and the value format's are built
 //! once, when the library loads, where a script sent with `EVALSHA` builds them again on
-//! every call (about a quarter of Redis's time for a one-key acquire and release).
+//! every call (a sixth of Redis's time for a one-key acquire and release, in the bench).
 //!
 //! A library's name carries a hash of its source, so that processes of two versions of the
 //! crate (a rolling upgrade) each call their own functions on the same Redis, over the same
