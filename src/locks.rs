@@ -410,7 +410,8 @@ impl Locks {
 
     /// Whether the lock store can serve locks now: it answers within the
     /// [store timeout](Self::store_timeout), and has what the locks need (for Redis:
-    /// version 7.0 or later, and every script loads; for Redlock: a majority of the masters
+    /// version 7.0 or later, and the crate's function library loads, which a user without
+    /// `FUNCTION LOAD` may not do; for Redlock: a majority of the masters
     /// pass that check). For readiness probes, and for `main` before it serves:
     ///
     /// ```no_run
