@@ -263,7 +263,8 @@ impl LockGuard {
 
     /// Releases the keys without a future, where nothing needs waiting for: no renewal has
     /// started (an extension could be in flight), and the store answers at once. Whether it
-    /// did: otherwise the guard is as it was, for [`release`](Self::release).
+    /// did: otherwise the guard still holds the keys, for [`release`](Self::release), with
+    /// its hold already counted as ended (counting it again there changes nothing).
     pub(crate) fn release_now(&mut self) -> bool {
         let Some(held) = &mut self.held else {
             return true;

@@ -213,14 +213,13 @@ impl<B> Pending<B> {
                 },
         } = self;
         let policy = locks.policy();
+        // The hold, and `max_hold`, count from the grant: the time spent waiting for the keys
+        // is not holding.
         let Granted {
             mut guard,
             fencing_token,
             at: granted_at,
         } = acquired.map_err(|rejection| locks.refuse(rejection))?;
-        // The hold, and `max_hold`, count from the grant: the time spent waiting for the keys
-        // is not holding.
-
         // The handler's view of its locks, for the request's extensions (a granted guard is
         // always armed, so there is one).
         let lease = guard.status().map(|status| {
