@@ -17,7 +17,7 @@ use futures_util::future::BoxFuture;
 use super::body::ResponseBody;
 use crate::{
     owner::RequestGuard,
-    request::{Holding, Locked, Locking},
+    request::{Holding, Locked},
 };
 
 pin_project! {
@@ -74,18 +74,20 @@ impl<S, B, ResBody> ResponseFuture<S, B, ResBody>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
 {
-    /// The future of a request whose locking goes on as `locking` says, and which `inner`
-    /// (made ready) serves once it holds its keys.
-    pub(crate) fn new(locking: Locking<B>, mut inner: S, span: Span) -> Self {
-        let entered = span.enter();
-        let state = match locking {
-            Locking::Now(locked) => State::start(locked, &mut inner),
-            Locking::Later(locking) => State::Locking {
-                locking,
-                inner: Some(inner),
-            },
+    /// The future of a request whose locking is decided already: `inner` (made ready) is
+    /// called now with the request `locked` gives, or the refusal is kept.
+    pub(crate) fn start(locked: Locked<B>, inner: &mut S, span: Span) -> Self {
+        let state = span.in_scope(|| State::start(locked, inner));
+        Self { state, span }
+    }
+
+    /// The future of a request whose locking goes on in `locking`, and which `inner` (made
+    /// ready) serves once it holds its keys.
+    pub(crate) fn later(locking: BoxFuture<'static, Locked<B>>, inner: S, span: Span) -> Self {
+        let state = State::Locking {
+            locking,
+            inner: Some(inner),
         };
-        drop(entered);
         Self { state, span }
     }
 }

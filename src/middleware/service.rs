@@ -9,7 +9,12 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use super::{body::ResponseBody, future::ResponseFuture};
-use crate::{keys::extractor::KeyExtractor, locks::Locks, observe::Labels, request};
+use crate::{
+    keys::extractor::KeyExtractor,
+    locks::Locks,
+    observe::Labels,
+    request::{self, Locking},
+};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around its inner service.
 #[derive(Debug, Clone)]
@@ -63,10 +68,17 @@ where
                 span.clone(),
             )
         };
-        // The inner service was made ready by `poll_ready`; the locking happens later, in
-        // the future, so move the ready one there and keep a fresh clone here.
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(locking, ready, span)
+        match locking {
+            // Decided already: the ready inner service is called here, as any middleware
+            // calls it, and no clone of it is made.
+            Locking::Now(locked) => ResponseFuture::start(locked, &mut self.inner, span),
+            // The inner service was made ready by `poll_ready`, and is called once the keys
+            // are held: move the ready one into the future and keep a fresh clone here.
+            Locking::Later(locking) => {
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::later(locking, ready, span)
+            }
+        }
     }
 }

@@ -5,6 +5,8 @@
 //! waiter then wakes for nothing and simply tries again. The hash is the same in every
 //! process (FNV-1a), so slot numbers can travel between processes over Redis pub/sub.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use tokio::sync::watch;
 
 /// Enough slots that unrelated releases rarely wake a waiter, few enough that a release
@@ -14,26 +16,54 @@ pub(crate) const SLOTS: usize = 1024;
 #[derive(Debug)]
 pub(crate) struct Wakeups {
     slots: Box<[watch::Sender<()>]>,
+    /// How many [`Watches`] live: while none does, which is the rule when nothing is
+    /// contended, a release looks at this count alone, and not at its keys' slots, each
+    /// a cache line of its own somewhere in the store's memory.
+    watching: AtomicUsize,
+}
+
+/// A waiter's watch on some slots, from [`Wakeups::watch`] until dropped.
+#[derive(Debug)]
+pub(crate) struct Watches<'a> {
+    receivers: Vec<watch::Receiver<()>>,
+    wakeups: &'a Wakeups,
+}
+
+impl Drop for Watches<'_> {
+    fn drop(&mut self) {
+        self.wakeups.watching.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl Wakeups {
     pub(crate) fn new() -> Self {
         Self {
             slots: (0..SLOTS).map(|_| watch::Sender::new(())).collect(),
+            watching: AtomicUsize::new(0),
         }
     }
 
     /// Watches the slots of `keys`. A release after this call wakes the returned watch,
     /// even if it happens before the watch is awaited.
-    pub(crate) fn watch(&self, keys: &[String]) -> Vec<watch::Receiver<()>> {
-        slots_of(keys)
+    pub(crate) fn watch(&self, keys: &[String]) -> Watches<'_> {
+        // Counted before subscribing: a release that finds no watcher cannot come after
+        // a subscription it should have woken.
+        self.watching.fetch_add(1, Ordering::AcqRel);
+        let receivers = slots_of(keys)
             .into_iter()
             .map(|s| self.slots[s].subscribe())
-            .collect()
+            .collect();
+        Watches {
+            receivers,
+            wakeups: self,
+        }
     }
 
     /// Wakes the waiters that watch the slots of `keys`.
     pub(crate) fn wake_keys(&self, keys: &[String]) {
+        if self.watching.load(Ordering::Acquire) == 0 {
+            return;
+        }
         match keys {
             // Most releases free one key: no list of slots to build and sort.
             [key] => self.wake_slots([slot(key)]),
@@ -43,6 +73,9 @@ impl Wakeups {
 
     /// Wakes the waiters of these slots.
     pub(crate) fn wake_slots(&self, slots: impl IntoIterator<Item = usize>) {
+        if self.watching.load(Ordering::Acquire) == 0 {
+            return;
+        }
         for s in slots {
             // Nobody watching: nothing to wake, and no lock to take on the release path.
             if let Some(sender) = self.slots.get(s).filter(|s| s.receiver_count() > 0) {
@@ -77,11 +110,11 @@ pub(crate) fn slots_of(keys: &[String]) -> Vec<usize> {
 }
 
 /// Waits until any of `watches` sees a release.
-pub(crate) async fn any_released(watches: &mut [watch::Receiver<()>]) {
-    if watches.is_empty() {
+pub(crate) async fn any_released(watches: &mut Watches<'_>) {
+    if watches.receivers.is_empty() {
         return std::future::pending().await;
     }
-    let changes = watches.iter_mut().map(|w| Box::pin(w.changed()));
+    let changes = watches.receivers.iter_mut().map(|w| Box::pin(w.changed()));
     // An error means the store was dropped: nothing will be released any more, and the
     // waiter's own deadline ends the wait.
     if futures_util::future::select_all(changes).await.0.is_err() {
@@ -99,6 +132,23 @@ mod tests {
         let keys = vec!["lock:a".to_owned()];
         let mut watches = wakeups.watch(&keys);
         wakeups.wake_slots(slots_of(&keys));
+        tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            any_released(&mut watches),
+        )
+        .await
+        .expect("the release was missed");
+    }
+
+    #[tokio::test]
+    async fn a_watch_counts_while_it_lives_and_later_ones_still_wake() {
+        let wakeups = Wakeups::new();
+        let keys = vec!["lock:a".to_owned()];
+        drop(wakeups.watch(&keys));
+        // No watcher left: releases skip the slots.
+        assert_eq!(wakeups.watching.load(Ordering::Acquire), 0);
+        let mut watches = wakeups.watch(&keys);
+        wakeups.wake_keys(&keys);
         tokio::time::timeout(
             std::time::Duration::from_secs(1),
             any_released(&mut watches),
