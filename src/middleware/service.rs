@@ -20,19 +20,26 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct LockService<S, E> {
     inner: S,
-    locks: Locks,
     extractor: E,
+    shared: Arc<Shared>,
+}
+
+/// What a service and its clones share, behind one reference count: axum clones a route's
+/// service for every request, on whichever thread serves it.
+#[derive(Debug)]
+struct Shared {
+    locks: Locks,
     /// The metrics labels of this service and its clones.
-    labels: Arc<Labels>,
+    labels: Labels,
 }
 
 impl<S, E> LockService<S, E> {
     pub(crate) fn new(inner: S, locks: Locks, extractor: E) -> Self {
+        let labels = Labels::default();
         Self {
             inner,
-            locks,
             extractor,
-            labels: Arc::default(),
+            shared: Arc::new(Shared { locks, labels }),
         }
     }
 }
@@ -61,8 +68,8 @@ where
         let locking = {
             let _entered = span.enter();
             request::lock(
-                &self.locks,
-                &self.labels,
+                &self.shared.locks,
+                &self.shared.labels,
                 &self.extractor,
                 request,
                 span.clone(),
