@@ -46,8 +46,9 @@ impl Wakeups {
     /// Watches the slots of `keys`. A release after this call wakes the returned watch,
     /// even if it happens before the watch is awaited.
     pub(crate) fn watch(&self, keys: &[String]) -> Watches<'_> {
-        // Counted before subscribing: a release that finds no watcher cannot come after
-        // a subscription it should have woken.
+        // Counted before subscribing. A release that reads the count just as it rises
+        // came between the waiter's attempt and this watch, and is missed, as such a
+        // release always was: the waiter's pause bounds the loss.
         self.watching.fetch_add(1, Ordering::AcqRel);
         let receivers = slots_of(keys)
             .into_iter()
