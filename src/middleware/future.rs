@@ -107,25 +107,20 @@ where
             }
         };
         let future = inner.call(request);
-        let Some(Holding {
-            guard,
-            cancel_on_loss,
-            until_body_end,
-            renew_at,
-        }) = holding
-        else {
-            return Self::Running {
-                future,
-                guard: None,
-                lost: None,
-                until_body_end: false,
-                renew_at: RenewAt::Never,
-            };
+        // A request that named no keys holds nothing: no guard, no lease to lose.
+        let (guard, lost, until_body_end, renew_at) = match holding {
+            Some(Holding {
+                guard,
+                cancel_on_loss,
+                until_body_end,
+                renew_at,
+            }) => (Some(guard), cancel_on_loss, until_body_end, renew_at),
+            None => (None, None, false, None),
         };
         Self::Running {
             future,
-            guard: Some(guard),
-            lost: cancel_on_loss,
+            guard,
+            lost,
             until_body_end,
             renew_at: renew_at.map_or(RenewAt::Never, RenewAt::Due),
         }

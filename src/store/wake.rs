@@ -62,14 +62,9 @@ impl Wakeups {
 
     /// Wakes the waiters that watch the slots of `keys`.
     pub(crate) fn wake_keys(&self, keys: &[String]) {
-        if self.watching.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        match keys {
-            // Most releases free one key: no list of slots to build and sort.
-            [key] => self.wake_slots([slot(key)]),
-            keys => self.wake_slots(slots_of(keys)),
-        }
+        // Hashed one by one as `wake_slots` goes, so that nothing is hashed while nobody
+        // watches; a slot two keys share is woken twice, which wakes its waiters once.
+        self.wake_slots(keys.iter().map(|key| slot(key)));
     }
 
     /// Wakes the waiters of these slots.
