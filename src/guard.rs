@@ -252,7 +252,7 @@ impl LockGuard {
     /// and the guard's drop keeps retrying in the background.
     pub(crate) async fn release(mut self) {
         if let Some(held) = &mut self.held {
-            held.hold_ended();
+            held.hold_ended(Instant::now());
             held.stop_renewal().await;
             if !held.release().await {
                 return; // dropped armed: retried from `Drop`
@@ -272,8 +272,10 @@ impl LockGuard {
         if held.renewal.is_some() {
             return false;
         }
-        held.hold_ended();
-        let Some(count) = held.store.release_now(&held.keys, held.holder) else {
+        // One reading of the clock for both: the hold's end, and the store's time.
+        let now = Instant::now();
+        held.hold_ended(now);
+        let Some(count) = held.store.release_now(&held.keys, held.holder, now) else {
             return false;
         };
         held.released(count);
@@ -290,11 +292,11 @@ impl Drop for Held {
 }
 
 impl Held {
-    /// Counts the hold's length, once: it ends when its release begins.
-    fn hold_ended(&mut self) {
+    /// Counts the hold's length, once: it ends when its release begins, at `now`.
+    fn hold_ended(&mut self, now: Instant) {
         self.listed = None;
         if let Some((began, holds)) = self.timed.take() {
-            let held = began.elapsed();
+            let held = now.saturating_duration_since(began);
             holds.record(held);
             if let Some(layer) = &self.layer {
                 observe::holding(layer, -1.0);
@@ -382,7 +384,7 @@ impl Drop for LockGuard {
         let Some(mut held) = self.held.take() else {
             return;
         };
-        held.hold_ended();
+        held.hold_ended(Instant::now());
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {

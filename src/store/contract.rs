@@ -545,8 +545,9 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize>;
 
     /// [`release`](Self::release)'s answer without a future, as
-    /// [`acquire_now`](Self::acquire_now) gives [`acquire`](Self::acquire)'s.
-    fn release_now(&self, _keys: &Keys, _holder: Holder) -> Option<usize> {
+    /// [`acquire_now`](Self::acquire_now) gives [`acquire`](Self::acquire)'s; `now` is when
+    /// the release began.
+    fn release_now(&self, _keys: &Keys, _holder: Holder, _now: Instant) -> Option<usize> {
         None
     }
 

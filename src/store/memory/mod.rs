@@ -1,8 +1,7 @@
 //! Locks in this process's memory, with the same semantics as the Redis backend.
 
 use std::{
-    collections::HashMap,
-    hash::BuildHasher,
+    hash::{BuildHasher, RandomState},
     sync::{
         atomic::{AtomicU64, Ordering},
         Mutex, MutexGuard, PoisonError,
@@ -12,6 +11,8 @@ use std::{
 
 #[cfg(feature = "idempotency")]
 use bytes::Bytes;
+use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -38,7 +39,9 @@ const FIRST_SWEEP_AT: usize = 1024;
 
 pub(crate) struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
-    hasher: std::hash::RandomState,
+    /// SipHash with a random key, as `std`'s maps: the keys come from requests, and a
+    /// client that could make them collide could make every lookup slow.
+    hasher: RandomState,
     /// The last fencing token granted. One counter for the whole store: strictly
     /// increasing across all grants, so across every grant that shares a key. It starts at
     /// the clock's floor ([`FencingToken::clock_floor`]), so that a store made later (after
@@ -52,10 +55,25 @@ pub(crate) struct MemoryStore {
     answers: Mutex<Answers>,
 }
 
+/// The hashes of a batch's keys, one per key, in order: each key is hashed once per call,
+/// and its hash picks its shard and finds it in the shard's table.
+type Hashes = SmallVec<[u64; 4]>;
+
 #[derive(Debug, Default)]
 struct Shard {
-    entries: HashMap<String, Entry>,
+    /// Each entry with its key and the key's hash: a table rather than a map, so that a
+    /// key's hash, taken once, serves its shard, its lookup and its insert, where a map
+    /// hashes the key again for each.
+    entries: HashTable<Keyed>,
     sweep_at: usize,
+}
+
+/// An entry of a shard's table, with its key, and the key's hash for when the table grows.
+#[derive(Debug)]
+struct Keyed {
+    key: String,
+    hash: u64,
+    entry: Entry,
 }
 
 /// A key's holds, and the reservations of the waiters that want it.
@@ -73,7 +91,8 @@ enum Holds {
         owner: OwnerToken,
         /// The owner's holds on the key, each in the mode it was taken in: it is free when
         /// the last one is released, and shared again when the last exclusive one is.
-        holds: Vec<(u64, Mode)>,
+        /// Mostly one, kept without an allocation.
+        holds: SmallVec<[(u64, Mode); 1]>,
         expires_at: Instant,
     },
     /// Shared holds, each ending on its own: a reader that dies takes only its own hold
@@ -200,7 +219,7 @@ impl Entry {
             }
             (None, Mode::Exclusive) => Holds::Exclusive {
                 owner: holder.owner,
-                holds: vec![(holder.hold, Mode::Exclusive)],
+                holds: SmallVec::from_buf([(holder.hold, Mode::Exclusive)]),
                 expires_at,
             },
             (None, Mode::Shared) => Holds::Shared(vec![(holder, expires_at)]),
@@ -245,7 +264,7 @@ impl MemoryStore {
     pub(crate) fn new() -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: std::hash::RandomState::new(),
+            hasher: RandomState::new(),
             fence: AtomicU64::new(FencingToken::clock_floor()),
             wakeups: Wakeups::new(),
             #[cfg(feature = "idempotency")]
@@ -253,13 +272,15 @@ impl MemoryStore {
         }
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    fn hashes(&self, keys: &[String]) -> Hashes {
+        keys.iter()
+            .map(|key| self.hasher.hash_one(key.as_str()))
+            .collect()
     }
 
-    /// Locks the shards of `slots` in ascending order (every batch takes them in the same
-    /// order, so two batches never wait on each other).
-    fn lock_shards(&self, slots: &[usize]) -> LockedShards<'_> {
+    /// Locks the shards of the keys of `hashes` in ascending order (every batch takes them
+    /// in the same order, so two batches never wait on each other).
+    fn lock_shards(&self, hashes: &[u64]) -> LockedShards<'_> {
         // A panic cannot leave a shard half-written (every write is one insert or remove),
         // so a poisoned shard is still consistent.
         let lock = |slot: usize| {
@@ -267,14 +288,14 @@ impl MemoryStore {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
         };
-        match slots {
-            [first, rest @ ..] if rest.iter().all(|slot| slot == first) => {
-                LockedShards::One(*first, lock(*first))
+        match hashes {
+            [first, rest @ ..] if rest.iter().all(|&hash| shard_of(hash) == shard_of(*first)) => {
+                LockedShards::One(shard_of(*first), lock(shard_of(*first)))
             }
             _ => {
                 let mut wanted = [false; SHARDS];
-                for &slot in slots {
-                    wanted[slot] = true;
+                for &hash in hashes {
+                    wanted[shard_of(hash)] = true;
                 }
                 let locked = (0..SHARDS).map(|slot| wanted[slot].then(|| lock(slot)));
                 LockedShards::Many(locked.collect())
@@ -294,8 +315,8 @@ impl MemoryStore {
             ..
         } = request;
         let (holder, line) = (*holder, *line);
-        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
-        let mut shards = self.lock_shards(&slots);
+        let hashes = self.hashes(keys);
+        let mut shards = self.lock_shards(&hashes);
         // Check every key before writing any, so a refused batch locks nothing.
         let mut contention = Contention {
             keys: Vec::new(),
@@ -303,8 +324,8 @@ impl MemoryStore {
             earliest_expiry: None,
             upgrade: false,
         };
-        for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
-            let Some(entry) = shards.get(slot).entries.get(key.as_str()) else {
+        for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
+            let Some(entry) = shards.get(hash).get(key, hash) else {
                 continue;
             };
             let Some(block) = entry.blocks(holder.owner, modes.at(index), line, now) else {
@@ -325,11 +346,10 @@ impl MemoryStore {
             // A waiter in line reserves the whole batch against later arrivals.
             if let Line::At(ticket) = line {
                 let until = now + RESERVATION_TTL;
-                for (key, &slot) in keys.iter().zip(&slots) {
-                    let entries = &mut shards.get(slot).entries;
-                    entries
-                        .entry(key.clone())
-                        .or_default()
+                for (key, &hash) in keys.iter().zip(&hashes) {
+                    shards
+                        .get(hash)
+                        .entry(key, hash)
                         .reserve(ticket, until, now);
                 }
             }
@@ -337,8 +357,8 @@ impl MemoryStore {
         }
 
         let expires_at = now + *ttl;
-        for (index, (key, &slot)) in keys.iter().zip(&slots).enumerate() {
-            let entry = shards.get(slot).entries.entry(key.clone()).or_default();
+        for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
+            let entry = shards.get(hash).entry(key, hash);
             if let Line::At(ticket) = line {
                 entry.withdraw(ticket, now);
             }
@@ -353,20 +373,19 @@ impl MemoryStore {
     }
 
     fn try_extend(&self, keys: &[String], holder: Holder, ttl: Duration) -> bool {
-        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
-        let mut shards = self.lock_shards(&slots);
+        let hashes = self.hashes(keys);
+        let mut shards = self.lock_shards(&hashes);
         let now = Instant::now();
-        let held = keys.iter().zip(&slots).all(|(key, &slot)| {
+        let held = keys.iter().zip(&hashes).all(|(key, &hash)| {
             shards
-                .get(slot)
-                .entries
-                .get(key.as_str())
+                .get(hash)
+                .get(key, hash)
                 .is_some_and(|e| e.held_by(holder, now))
         });
         if held {
             let until = now + ttl;
-            for (key, &slot) in keys.iter().zip(&slots) {
-                let entry = shards.get(slot).entries.get_mut(key.as_str());
+            for (key, &hash) in keys.iter().zip(&hashes) {
+                let entry = shards.get(hash).get_mut(key, hash);
                 match entry.and_then(|e| e.holds.as_mut()) {
                     Some(Holds::Exclusive { expires_at, .. }) => {
                         *expires_at = (*expires_at).max(until);
@@ -384,10 +403,9 @@ impl MemoryStore {
         held
     }
 
-    fn release_owned(&self, keys: &[String], holder: Holder) -> usize {
+    fn release_owned(&self, keys: &[String], holder: Holder, now: Instant) -> usize {
         // Release needs no cross-shard atomicity: a competitor that sees some keys free
         // and others still held is refused, which is what it would see a moment earlier.
-        let now = Instant::now();
         let released = self.each_entry(keys, now, |entry| {
             let (had, left) = match &mut entry.holds {
                 Some(Holds::Exclusive {
@@ -438,13 +456,13 @@ impl MemoryStore {
 
     /// What each key looks like now, seen all at once (every shard of the batch locked).
     fn view(&self, keys: &[String]) -> Vec<KeyView> {
-        let slots: Vec<usize> = keys.iter().map(|k| self.shard_of(k)).collect();
-        let mut shards = self.lock_shards(&slots);
+        let hashes = self.hashes(keys);
+        let mut shards = self.lock_shards(&hashes);
         let now = Instant::now();
         keys.iter()
-            .zip(&slots)
-            .map(|(key, &slot)| {
-                let Some(entry) = shards.get(slot).entries.get(key.as_str()) else {
+            .zip(&hashes)
+            .map(|(key, &hash)| {
+                let Some(entry) = shards.get(hash).get(key, hash) else {
                     return KeyView::FREE;
                 };
                 let waiters = entry.queue.iter().filter(|r| r.until > now).count();
@@ -494,17 +512,19 @@ impl MemoryStore {
     ) -> usize {
         let mut changed = 0;
         for key in keys {
-            let mut shard = self.shards[self.shard_of(key)]
+            let hash = self.hasher.hash_one(key.as_str());
+            let mut shard = self.shards[shard_of(hash)]
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let Some(entry) = shard.entries.get_mut(key.as_str()) else {
+            let Ok(mut found) = shard.entries.find_entry(hash, |k| k.key == *key) else {
                 continue;
             };
+            let entry = &mut found.get_mut().entry;
             if change(entry) {
                 changed += 1;
             }
             if !entry.in_use(now) {
-                shard.entries.remove(key.as_str());
+                found.remove();
             }
         }
         changed
@@ -533,8 +553,9 @@ enum LockedShards<'a> {
 }
 
 impl LockedShards<'_> {
-    /// The shard `slot`, one of the batch's.
-    fn get(&mut self, slot: usize) -> &mut Shard {
+    /// The shard of the key of `hash`, one of the batch's.
+    fn get(&mut self, hash: u64) -> &mut Shard {
+        let slot = shard_of(hash);
         let shard = match self {
             Self::One(one, shard) => (*one == slot).then_some(shard),
             Self::Many(shards) => shards[slot].as_mut(),
@@ -554,12 +575,44 @@ impl LockedShards<'_> {
     }
 }
 
+/// The shard of the key of `hash`: from bits that the shard's table does not read, so that
+/// the keys of one shard still spread over its table. hashbrown takes a key's bucket from
+/// the low bits of its hash (as many as the table has buckets: fewer than 32) and its
+/// control byte from the top seven.
+fn shard_of(hash: u64) -> usize {
+    (hash >> 32) as usize % SHARDS
+}
+
 impl Shard {
+    /// The entry of `key`, whose hash is `hash`.
+    fn get(&self, key: &str, hash: u64) -> Option<&Entry> {
+        let found = self.entries.find(hash, |k| k.key == key);
+        found.map(|k| &k.entry)
+    }
+
+    fn get_mut(&mut self, key: &str, hash: u64) -> Option<&mut Entry> {
+        let found = self.entries.find_mut(hash, |k| k.key == key);
+        found.map(|k| &mut k.entry)
+    }
+
+    /// The entry of `key`, a new one if it has none.
+    fn entry(&mut self, key: &str, hash: u64) -> &mut Entry {
+        let found = self
+            .entries
+            .entry(hash, |k| k.key == key, |k| k.hash)
+            .or_insert_with(|| Keyed {
+                key: key.to_owned(),
+                hash,
+                entry: Entry::default(),
+            });
+        &mut found.into_mut().entry
+    }
+
     /// Drops expired entries that nobody released or withdrew (their holder or waiter
     /// crashed, or its release was lost), so that the map does not grow without bound.
     fn sweep_if_grown(&mut self, now: Instant) {
         if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
-            self.entries.retain(|_, e| e.in_use(now));
+            self.entries.retain(|k| k.entry.in_use(now));
             self.sweep_at = self.entries.len() * 2;
         }
     }
@@ -581,11 +634,12 @@ impl LockStore for MemoryStore {
     }
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
-        Box::pin(std::future::ready(Ok(self.release_owned(keys, holder))))
+        let released = self.release_owned(keys, holder, Instant::now());
+        Box::pin(std::future::ready(Ok(released)))
     }
 
-    fn release_now(&self, keys: &Keys, holder: Holder) -> Option<usize> {
-        Some(self.release_owned(keys, holder))
+    fn release_now(&self, keys: &Keys, holder: Holder, now: Instant) -> Option<usize> {
+        Some(self.release_owned(keys, holder, now))
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {

@@ -116,14 +116,14 @@ fn release_only_deletes_the_owners_keys() {
         20,
         Line::Outside
     )));
-    assert_eq!(backend.release_owned(&keys(&["1"]), b), 0);
+    assert_eq!(backend.release_owned(&keys(&["1"]), b, Instant::now()), 0);
     assert!(matches!(
         attempt(&backend, &keys(&["1"]), b, TTL, 20, Line::Outside),
         Acquire::Held(_)
     ));
-    assert_eq!(backend.release_owned(&keys(&["1"]), a), 1);
+    assert_eq!(backend.release_owned(&keys(&["1"]), a, Instant::now()), 1);
     assert_eq!(
-        backend.release_owned(&keys(&["1"]), a),
+        backend.release_owned(&keys(&["1"]), a, Instant::now()),
         0,
         "release is idempotent"
     );
@@ -159,7 +159,7 @@ fn expired_keys_are_free_and_cannot_be_released_by_their_old_owner() {
         20,
         Line::Outside
     )));
-    assert_eq!(backend.release_owned(&keys(&["1"]), a), 0);
+    assert_eq!(backend.release_owned(&keys(&["1"]), a, Instant::now()), 0);
     assert!(matches!(
         attempt(&backend, &keys(&["1"]), a, TTL, 20, Line::Outside),
         Acquire::Held(_)
@@ -222,7 +222,7 @@ fn extend_needs_every_key_still_held_by_the_owner() {
     // Extended past the original expiry: still held.
     assert!(!grants(&backend, &keys(&["2"]), b, TTL));
 
-    assert_eq!(backend.release_owned(&keys(&["2"]), a), 1);
+    assert_eq!(backend.release_owned(&keys(&["2"]), a, Instant::now()), 1);
     assert!(
         !backend.try_extend(&keys(&["1", "2"]), a, TTL),
         "extended a partly lost lease"
@@ -271,13 +271,22 @@ fn an_owner_reenters_its_keys_and_frees_them_with_its_last_hold() {
     assert!(!grants(&backend, &keys(&["1"]), stranger, TTL));
 
     // The inner release keeps the outer hold, and is harmless twice.
-    assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 2);
-    assert_eq!(backend.release_owned(&keys(&["1", "2"]), inner), 0);
+    assert_eq!(
+        backend.release_owned(&keys(&["1", "2"]), inner, Instant::now()),
+        2
+    );
+    assert_eq!(
+        backend.release_owned(&keys(&["1", "2"]), inner, Instant::now()),
+        0
+    );
     assert!(!grants(&backend, &keys(&["1"]), stranger, TTL));
     assert!(grants(&backend, &keys(&["2"]), stranger, TTL));
 
     // The outermost release frees the key.
-    assert_eq!(backend.release_owned(&keys(&["1"]), outer), 1);
+    assert_eq!(
+        backend.release_owned(&keys(&["1"]), outer, Instant::now()),
+        1
+    );
     assert!(grants(&backend, &keys(&["1"]), stranger, TTL));
 }
 
@@ -295,7 +304,10 @@ fn reentry_never_shortens_a_lease_and_extends_only_its_own_hold() {
         "re-entry shortened the lease"
     );
     assert!(backend.try_extend(&keys(&["1"]), inner, TTL));
-    assert_eq!(backend.release_owned(&keys(&["1"]), inner), 1);
+    assert_eq!(
+        backend.release_owned(&keys(&["1"]), inner, Instant::now()),
+        1
+    );
     assert!(
         !backend.try_extend(&keys(&["1"]), inner, TTL),
         "extended a released hold"
@@ -348,9 +360,9 @@ fn shared_holds_admit_each_other_and_no_exclusive_hold() {
     // All or nothing: the refused mixed batch took nothing.
     assert!(store.view(&batch).iter().all(|v| v.holds == 2));
     // The last reader out frees the key for the writer.
-    assert_eq!(store.release_owned(&batch, r1), 2);
+    assert_eq!(store.release_owned(&batch, r1, Instant::now()), 2);
     assert!(!granted(attempt(&store, &batch, w, TTL, 20, Line::Outside)));
-    assert_eq!(store.release_owned(&batch, r2), 2);
+    assert_eq!(store.release_owned(&batch, r2, Instant::now()), 2);
     assert!(granted(attempt(&store, &batch, w, TTL, 20, Line::Outside)));
     // An exclusive hold keeps readers out.
     assert!(!granted(attempt_in(
@@ -360,7 +372,7 @@ fn shared_holds_admit_each_other_and_no_exclusive_hold() {
         r1,
         Line::Outside
     )));
-    assert_eq!(store.release_owned(&batch, w), 2);
+    assert_eq!(store.release_owned(&batch, w, Instant::now()), 2);
     assert_eq!(store.len(), 0);
 }
 
@@ -395,7 +407,7 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         Line::Outside
     )));
     // Its exclusive hold ended, the key is shared again: another reader comes in.
-    assert_eq!(store.release_owned(&batch, write), 1);
+    assert_eq!(store.release_owned(&batch, write, Instant::now()), 1);
     let view = store.view(&batch);
     assert_eq!((view[0].status, view[0].holds), (KeyStatus::Shared, 1));
     let beside = holder();
@@ -406,8 +418,8 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         beside,
         Line::Outside
     )));
-    assert_eq!(store.release_owned(&batch, beside), 1);
-    assert_eq!(store.release_owned(&batch, read), 1);
+    assert_eq!(store.release_owned(&batch, beside, Instant::now()), 1);
+    assert_eq!(store.release_owned(&batch, read, Instant::now()), 1);
 
     // With another reader: contention that says it is an upgrade.
     let other = holder();
@@ -431,7 +443,8 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
     assert!(refused.upgrade);
     // A writer that holds the key exclusively takes it shared freely.
     assert_eq!(
-        store.release_owned(&batch, read) + store.release_owned(&batch, other),
+        store.release_owned(&batch, read, Instant::now())
+            + store.release_owned(&batch, other, Instant::now()),
         2
     );
     assert!(granted(attempt(
@@ -499,8 +512,8 @@ fn a_waiting_writers_reservation_keeps_new_readers_out() {
         again,
         Line::Holder
     )));
-    store.release_owned(&batch, again);
-    store.release_owned(&batch, reader);
+    store.release_owned(&batch, again, Instant::now());
+    store.release_owned(&batch, reader, Instant::now());
     assert!(granted(attempt(
         &store,
         &batch,
@@ -534,6 +547,6 @@ fn a_shared_hold_renews_and_expires_on_its_own() {
     );
     let view = store.view(&batch);
     assert_eq!((view[0].status, view[0].holds), (KeyStatus::Shared, 1));
-    assert_eq!(store.release_owned(&batch, long), 1);
+    assert_eq!(store.release_owned(&batch, long, Instant::now()), 1);
     assert_eq!(store.len(), 0);
 }
