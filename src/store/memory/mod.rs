@@ -577,8 +577,8 @@ impl LockedShards<'_> {
 
 /// The shard of the key of `hash`: from bits that the shard's table does not read, so that
 /// the keys of one shard still spread over its table. hashbrown takes a key's bucket from
-/// the low bits of its hash (as many as the table has buckets: fewer than 32) and its
-/// control byte from the top seven.
+/// the low bits of its hash (as many as it takes to count its buckets: fewer than 32 below
+/// four billion buckets) and its control byte from the top seven.
 fn shard_of(hash: u64) -> usize {
     (hash >> 32) as usize % SHARDS
 }
