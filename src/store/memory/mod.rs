@@ -272,10 +272,12 @@ impl MemoryStore {
         }
     }
 
+    fn hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
     fn hashes(&self, keys: &[String]) -> Hashes {
-        keys.iter()
-            .map(|key| self.hasher.hash_one(key.as_str()))
-            .collect()
+        keys.iter().map(|key| self.hash(key)).collect()
     }
 
     /// Locks the shards of the keys of `hashes` in ascending order (every batch takes them
@@ -512,7 +514,7 @@ impl MemoryStore {
     ) -> usize {
         let mut changed = 0;
         for key in keys {
-            let hash = self.hasher.hash_one(key.as_str());
+            let hash = self.hash(key);
             let mut shard = self.shards[shard_of(hash)]
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
