@@ -1,7 +1,7 @@
 //! The memory store's own checks, below the layer.
 
 use super::*;
-use crate::store::contract::Modes;
+use crate::store::contract::{Modes, OwnerToken};
 
 fn keys(names: &[&str]) -> Vec<String> {
     let mut keys: Vec<String> = names.iter().map(|n| format!("lock:{n}")).collect();
