@@ -128,10 +128,12 @@ impl Algorithm {
 
     /// The commands whose server time is this algorithm's. Redis 7 also counts the
     /// commands a script calls under their own names, so the scripted algorithms' are
-    /// `fcall` (the crate's functions), or `evalsha` and `eval`, alone.
+    /// `fcall` (the crate's functions), or `evalsha` and `eval`, alone; the crate's also
+    /// `set`, for the plain `SET`s that take a big batch's free keys (which also counts
+    /// the `SET`s its scripts call, once more: against the crate).
     fn commands(self) -> &'static [&'static str] {
         match self {
-            Self::Crate => &["fcall"],
+            Self::Crate => &["fcall", "set"],
             Self::NodeRedlock | Self::Redislock | Self::LuaFloor => &["evalsha", "eval"],
             Self::Pipelined => &["setnx", "expire", "del"],
             Self::Naive => &["set", "del"],
@@ -265,13 +267,14 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         .map(|((_, floor), (_, theirs))| floor / theirs);
     Ok(json!({
         "method": {
-            CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; one EVALSHA acquires, one releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
+            CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; a batch of fewer than 64 keys: one FCALL acquires; of 64 or more: a pipeline of SET key value PX ttl NX GET takes the free keys, then one FCALL counts the grant (and takes the keys that were not free, in steps of 1,000); one FCALL a 1,000 keys releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
             PIPELINED: "pipeline of n SETNX, then a pipeline of n EXPIRE, then one DEL of all n keys, on one multiplexed connection shared by the case's cycles",
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
             LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of MGET of the keys and DEL of those holding the owner's value, a thousand keys a command (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's: a release must check the owner, and Redis 7 cannot set the TTLs of many keys in one command",
-            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of fcall (the crate's functions) over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
+            FLOOR: "CONFIG RESETSTAT, then INFO commandstats usec of fcall (the crate's functions) and set (the plain SETs that take a big batch's free keys; Redis also counts there the SETs the scripts call, counted twice, against the crate) over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
+            "server_cpu_ms": "INFO cpu, used_cpu_user_main_thread + used_cpu_sys_main_thread, after the measured rounds minus before, divided by the rounds: Redis's CPU time per cycle on the thread that runs the commands, with reading, parsing and replies, which commandstats leaves out (and with the event loop's own upkeep meanwhile)",
             "longest_call_us": "at 3,000 keys and more, after the measured rounds, longest_call_cycles more cycles of the crate, the pipelined baseline and the peers' scripts, each after SLOWLOG RESET and followed by SLOWLOG GET 128, with slowlog-log-slower-than a tenth of the mean time of one script call (fcall for the crate, evalsha for the peers, del for the pipelined baseline) in the measured rounds (restored afterwards): the largest duration of each call, the crate's and the peers' acquire and release scripts (told apart by their function names or hashes; the crate's take a batch of more than 1,000 keys in steps, a call each) and the baseline's DEL. Not 0: Redis 7 logs the commands a script calls too, which slows the scripts down and pushes their own entries out of the log",
             "pool_pings_per_cycle": "INFO commandstats calls of ping per cycle: deadpool-redis checks a connection with UNWATCH + PING, one round trip, each time the pool hands it out; the baselines take one multiplexed connection out of the pool per case and share it",
         },
@@ -285,6 +288,8 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             "cycle_crate_over_redislock": redislock.0.map(|r| stats::round(r, 3)),
             "redis_time_crate_over_redislock": redislock.1.map(|r| stats::round(r, 3)),
             "redis_time_crate_over_lua_floor": lua_floor.map(|r| stats::round(r, 3)),
+            "redis_cpu_crate_over_node_redlock": cpu_over(&cases, NODE_REDLOCK).map(|r| stats::round(r, 3)),
+            "redis_cpu_crate_over_lua_floor": cpu_over(&cases, LUA_FLOOR).map(|r| stats::round(r, 3)),
             "redis_time_lua_floor_over_node_redlock": floor_over_node_redlock.map(|r| stats::round(r, 3)),
         },
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
@@ -297,6 +302,9 @@ struct Case {
     server: Duration,
     /// Calls per cycle of those commands.
     server_calls: f64,
+    /// Redis's CPU time per cycle (`INFO cpu`, main thread): parsing and replies included,
+    /// which `INFO commandstats` leaves out.
+    cpu: Duration,
     /// The pool's connection checks per cycle, each a round trip of its own.
     pings: f64,
     /// The longest single call of each kind, in microseconds, where measured.
@@ -312,6 +320,8 @@ impl Case {
             "server_ms": stats::ms(self.server),
             "server_per_key_us": per_key_us(self.server, keys),
             "server_calls_per_cycle": stats::round(self.server_calls, 2),
+            "server_cpu_ms": stats::ms(self.cpu),
+            "server_cpu_per_key_us": per_key_us(self.cpu, keys),
             "pool_pings_per_cycle": stats::round(self.pings, 2),
         });
         if !self.longest.is_empty() {
@@ -346,7 +356,9 @@ async fn measure(
     // not count among the cycles'.
     let mut stats_conn = pool.get().await.map_err(|e| e.to_string())?;
     reset_stats(&mut stats_conn).await?;
+    let cpu_before = main_thread_cpu(&mut stats_conn).await?;
     let samples = stats::rounds(budget, |_| cycle.run()).await?;
+    let cpu = main_thread_cpu(&mut stats_conn).await? - cpu_before;
     let stats = command_stats(&mut stats_conn).await?;
     let (usec, calls) = sum(&stats, algorithm.commands());
     // deadpool-redis pings a pooled connection (UNWATCH + PING, one round trip) each time it
@@ -367,6 +379,7 @@ async fn measure(
         summary: Summary::of(samples),
         server: Duration::from_secs_f64(usec as f64 / 1e6 / rounds),
         server_calls: calls as f64 / rounds,
+        cpu: Duration::from_secs_f64(cpu / rounds),
         pings: pings as f64 / rounds,
         longest,
     })
@@ -677,6 +690,24 @@ pub(crate) async fn command_stats(
         .collect())
 }
 
+/// The CPU time (s, user + system) of Redis's main thread so far, from `INFO cpu`: the
+/// thread that runs every command, with what `INFO commandstats` does not count (reading
+/// and parsing commands, writing replies).
+async fn main_thread_cpu(conn: &mut impl redis::aio::ConnectionLike) -> Result<f64, String> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(conn)
+        .await
+        .map_err(redis_error)?;
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|value| value.parse::<f64>().ok())
+            .ok_or_else(|| format!("INFO cpu has no {name}"))
+    };
+    Ok(field("used_cpu_user_main_thread")? + field("used_cpu_sys_main_thread")?)
+}
+
 /// The `usec` and `calls` of `commands`, summed.
 pub(crate) fn sum(stats: &CommandStats, commands: &[&str]) -> (u64, u64) {
     let (mut usec, mut calls) = (0, 0);
@@ -710,6 +741,17 @@ fn find(cases: &[Value], algorithm: &str, keys: usize) -> Option<(f64, f64)> {
         .iter()
         .find(|c| c["algorithm"] == algorithm && c["keys"] == keys)?;
     Some((case["median_ms"].as_f64()?, case["server_ms"].as_f64()?))
+}
+
+/// Redis's CPU time per cycle, ours over `theirs`, at 3,000 keys.
+fn cpu_over(cases: &[Value], theirs: &str) -> Option<f64> {
+    let cpu = |algorithm: &str| {
+        cases
+            .iter()
+            .find(|c| c["algorithm"] == algorithm && c["keys"] == 3_000)?["server_cpu_ms"]
+            .as_f64()
+    };
+    Some(cpu(CRATE)? / cpu(theirs)?)
 }
 
 /// Ours over `theirs` at 3,000 keys: the cycle's median, and Redis's time per cycle.
@@ -746,6 +788,11 @@ fn targets(cases: &[Value]) -> Vec<Target> {
         Target::at_most(
             "Redis time per 3,000-key cycle: crate / node-redlock's",
             node_redlock.1,
+            0.6,
+        ),
+        Target::at_most(
+            "Redis CPU time per 3,000-key cycle (INFO cpu): crate / node-redlock's",
+            cpu_over(cases, NODE_REDLOCK),
             0.6,
         ),
         Target::holds(

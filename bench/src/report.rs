@@ -131,7 +131,24 @@ fn batch(out: &mut String, batch: &Value) {
     }
     failed(out, cases);
     peers_at_3000(out, batch);
-    server_time(out, cases, &sizes);
+    server_time(
+        out,
+        cases,
+        &sizes,
+        "server_per_key_us",
+        "Redis's own time per key over the same rounds (`INFO commandstats`; parsing and \
+         replies not counted): our two scripts and plain `SET`s, the pipelined baseline's \
+         `SETNX`, `EXPIRE` and `DEL`, and the peers' two scripts:",
+    );
+    server_time(
+        out,
+        cases,
+        &sizes,
+        "server_cpu_per_key_us",
+        "Redis's CPU time per key over the same rounds (`INFO cpu`, the main thread: with \
+         reading and parsing commands and writing replies, which `INFO commandstats` does \
+         not count, and so fairer to scripts, which parse one command for many keys):",
+    );
     longest_calls(out, batch, cases);
     round_trips(out, cases);
 }
@@ -177,14 +194,18 @@ fn peers_at_3000(out: &mut String, batch: &Value) {
         "\nAt 3,000 keys, ours ÷ {NODE_REDLOCK}: {} a cycle, {} of Redis's time; ours ÷ \
          {REDISLOCK}: {} a cycle, {} of Redis's time. `{LUA_FLOOR}` (one `SET NX PX` a \
          key, then one `MGET` and one `DEL` a thousand keys, nothing else: the floor of any \
-         batch scripted over string keys with TTLs whose release checks its owner) takes {} of {NODE_REDLOCK}' Redis time; ours takes {} of \
-         that floor's.",
+         batch that takes its keys inside a script, over string keys with TTLs whose release \
+         checks its owner) takes {} of {NODE_REDLOCK}' Redis time; ours, whose free keys are \
+         taken with plain `SET`s, takes {} of that floor's. In Redis's CPU time (`INFO cpu`), \
+         ours takes {} of {NODE_REDLOCK}' and {} of the floor's.",
         ratio(&ratios["cycle_crate_over_node_redlock"]),
         ratio(&ratios["redis_time_crate_over_node_redlock"]),
         ratio(&ratios["cycle_crate_over_redislock"]),
         ratio(&ratios["redis_time_crate_over_redislock"]),
         ratio(&ratios["redis_time_lua_floor_over_node_redlock"]),
         ratio(&ratios["redis_time_crate_over_lua_floor"]),
+        ratio(&ratios["redis_cpu_crate_over_node_redlock"]),
+        ratio(&ratios["redis_cpu_crate_over_lua_floor"]),
     );
 }
 
@@ -222,21 +243,16 @@ fn round_trips(out: &mut String, cases: &[Value]) {
     );
 }
 
-/// Redis's own time per key for our scripts and for the pipelined baseline's commands, side
-/// by side at every size: the work neither can avoid, without the round trips.
-fn server_time(out: &mut String, cases: &[Value], sizes: &[u64]) {
+/// Redis's time per key (the cases' `field`) for every algorithm, side by side at every
+/// size: the work none can avoid, without the round trips.
+fn server_time(out: &mut String, cases: &[Value], sizes: &[u64], field: &str, intro: &str) {
     let per_key = |algorithm: &str, keys: u64| {
         cases
             .iter()
             .find(|c| c["algorithm"] == algorithm && c["keys"] == keys)
-            .and_then(|c| c["server_per_key_us"].as_f64())
+            .and_then(|c| c[field].as_f64())
     };
-    let _ = writeln!(
-        out,
-        "\nRedis's own time per key over the same rounds (`INFO commandstats`; parsing and \
-         replies not counted): our two scripts, the pipelined baseline's `SETNX`, `EXPIRE` \
-         and `DEL`, and the peers' two scripts:\n"
-    );
+    let _ = writeln!(out, "\n{intro}\n");
     let _ = writeln!(
         out,
         "| keys | ours | {PIPELINED} | ours ÷ pipelined | {NODE_REDLOCK} | ours ÷ node-redlock | {REDISLOCK} | ours ÷ redislock | {LUA_FLOOR} | ours ÷ it |"

@@ -434,6 +434,9 @@ async fn a_redis_that_refuses_writes_is_unavailable_not_contention() {
     );
     let refused = send(&app, batch(&["doc:1", "doc:2"])).await;
     assert_unavailable(&refused);
+    // A batch big enough for plain `SET`s too.
+    let big: Vec<String> = (0..100).map(|i| format!("doc:{i}")).collect();
+    assert_unavailable(&send(&app, batch(&big)).await);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     observer.cmd::<()>(
         redis::cmd("CONFIG")
@@ -467,7 +470,14 @@ async fn a_redis_out_of_memory_takes_no_new_hold_and_still_frees_the_held_ones()
     let runs = Arc::new(AtomicUsize::new(0));
     let refused = send(&counting_router(&locks, &runs), batch(&["oom:3"])).await;
     assert_unavailable(&refused);
+    // A batch big enough for plain `SET`s too: refused whole, nothing taken.
+    let big: Vec<String> = (0..100).map(|i| format!("oom:b{i}")).collect();
+    assert_unavailable(&send(&counting_router(&locks, &runs), batch(&big)).await);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:oom:1".to_owned(), "lock:oom:2".to_owned()])
+    );
 
     // The release frees memory: Redis runs it, and the keys go long before their ttl.
     gate.open();
@@ -598,8 +608,8 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
     let keys: Vec<String> = (0..1000).map(|i| format!("s:{i:04}")).collect();
     let runs = Arc::new(AtomicUsize::new(0));
 
-    // Granted and released in steps of at most 100 keys (the acquisitions add the
-    // fencing counter to their keys).
+    // Granted (its keys are free: plain `SET`s take them, and one script call counts the
+    // grant) and released in steps of at most 100 keys.
     observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
     let granted = send(&counting_router(&locks, &runs), batch(&keys)).await;
     assert_eq!(granted.status, StatusCode::OK);
@@ -647,11 +657,19 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
     })
     .await;
     assert!(line.is_some(), "the waiter reserved its whole batch");
+    observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+    // No key of the waiter's batch was free (its reservations were on every one): the
+    // script took them all, in steps of 100 keys and the counter.
+    let most = most_keys_a_call(&observer);
+    assert!(
+        (100..=101).contains(&most),
+        "the largest call carried {most} keys"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -722,6 +740,78 @@ async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
     );
     assert_eq!(granted.status, StatusCode::OK, "{}", granted.text());
     assert!(observer.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batch_takes_its_free_keys_with_plain_sets_and_leaves_the_rest_to_the_script() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks =
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    let keys: Vec<String> = (0..200).map(|i| format!("p:{i:03}")).collect();
+
+    // A key of another type in the middle of the batch: the plain `SET` cannot take it,
+    // and the script finds it foreign. Refused, and nothing of the batch is left.
+    observer.cmd::<()>(redis::cmd("HSET").arg("lock:p:100").arg("f").arg("v"));
+    let sets = calls(&observer, "set");
+    let refused = send(&app, batch(&keys)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["p:100"])
+    );
+    assert!(
+        calls(&observer, "set") >= sets + 200,
+        "the free keys were not taken with plain SETs"
+    );
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:p:100".to_owned()]),
+        "nothing of the refused batch is left"
+    );
+    let field: String = observer.cmd(redis::cmd("HGET").arg("lock:p:100").arg("f"));
+    assert_eq!(field, "v", "the foreign key is intact");
+    observer.cmd::<()>(redis::cmd("DEL").arg("lock:p:100"));
+
+    // Granted, with every key written as the script writes it, under one ttl; and each
+    // grant's fencing token is above the one before.
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let app = {
+        let (tokens, observer) = (tokens.clone(), observer.clone());
+        batch_router(&locks, move |Extension(lease): Extension<Lease>| {
+            let (tokens, observer) = (tokens.clone(), observer.clone());
+            async move {
+                let values: BTreeSet<Option<String>> = ["lock:p:000", "lock:p:199"]
+                    .iter()
+                    .map(|key| observer.cmd(redis::cmd("GET").arg(key)))
+                    .collect();
+                let ttl: i64 = observer.cmd(redis::cmd("PTTL").arg("lock:p:150"));
+                tokens
+                    .lock()
+                    .unwrap()
+                    .push((lease.fencing_token(), values, ttl));
+            }
+        })
+    };
+    for _ in 0..2 {
+        assert_eq!(send(&app, batch(&keys)).await.status, StatusCode::OK);
+        assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+    }
+    let seen = tokens.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    for (_, values, ttl) in &seen {
+        assert_eq!(values.len(), 1, "one value for the batch: {values:?}");
+        let value = values.first().unwrap().clone().expect("held");
+        assert_eq!(
+            value.len(),
+            32 + 1 + 16,
+            "owner:hold, as the script writes: {value}"
+        );
+        assert!((9_000..=10_000).contains(ttl), "pttl {ttl}");
+    }
+    assert!(seen[1].0 > seen[0].0, "fencing tokens {:?}", seen);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -240,6 +240,45 @@ async fn an_inner_release_keeps_the_outer_hold_and_the_outermost_frees_everythin
     assert_eq!(server.keys("lock:?*"), Vec::<String>::new());
 }
 
+#[tokio::test]
+async fn a_big_inner_batch_reenters_the_outer_keys_and_its_release_keeps_them() {
+    // The inner batch is big enough that its free keys go with plain `SET`s: the outer
+    // layer's keys are not free, and the script enters them again.
+    let server = RedisServer::start();
+    let locks = Locks::new(Redis::pool(server.pool()).build().unwrap());
+    let outer: Vec<String> = (0..100).map(|i| format!("doc:{i:03}")).collect();
+    let inner: Vec<String> = (0..200).map(|i| format!("doc:{i:03}")).collect();
+    let (observe, observed) = oneshot::channel::<(usize, usize, usize)>();
+    let observe = std::sync::Arc::new(std::sync::Mutex::new(Some(observe)));
+    let url = server.url();
+    let app = Router::new().route(
+        "/",
+        post(move |Extension(lease): Extension<Lease>| {
+            let (observe, url, inner) =
+                (observe.lock().unwrap().take(), url.clone(), inner.clone());
+            async move {
+                let taken = lease.lock(inner).await.unwrap();
+                let mut redis = redis::Client::open(url).unwrap().get_connection().unwrap();
+                let holds = |redis: &mut redis::Connection, key| {
+                    lock_value(redis, key).map_or(0, |v| v.holds.len())
+                };
+                let both = holds(&mut redis, "lock:doc:050");
+                taken.release().await;
+                let outer = holds(&mut redis, "lock:doc:050");
+                let extra = holds(&mut redis, "lock:doc:150");
+                let _ = observe.unwrap().send((both, outer, extra));
+            }
+        })
+        .layer(locks.layer(move |_: &Parts| Ok::<_, Rejection>(outer.clone()))),
+    );
+    let (status, body) = send(&app, Request::post("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Two holds of one owner while both ran; after the inner release, the layer's hold on
+    // its keys remained, and the inner batch's other keys were freed.
+    assert_eq!(observed.await.unwrap(), (2, 1, 0));
+    assert_eq!(server.keys("lock:?*"), Vec::<String>::new());
+}
+
 const OWNER_HEADER: &str = "x-lock-owner";
 
 /// Service B: locks `order:1` too, and trusts owner headers only from callers that show

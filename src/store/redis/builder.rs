@@ -214,14 +214,22 @@ impl Redis {
     /// acquired, extended and released in steps of this many keys, so that no single
     /// script keeps Redis from its other clients for long, whatever the batch.
     ///
-    /// Each step of an acquisition holds its keys while the next is tried, and only the
-    /// last step grants: a step that is refused releases the steps before it (a waiter in
-    /// line keeps its reservation on the whole batch). What other clients see meanwhile:
-    /// the keys of the steps taken so far, held, as they would see them a moment later
-    /// once the batch is granted; a batch that is refused at a later step held its first
-    /// steps' keys for those round trips. At about 2 µs of Redis's time a key for an
-    /// acquisition, a step of 1,000 keys keeps Redis for about 2 ms; a batch of 100,000
-    /// keys takes 100 steps, and 100 round trips, instead of one call of about 400 ms.
+    /// An exclusive batch of 64 keys or more first takes its free keys with plain
+    /// `SET key value PX ttl NX` commands, pipelined, which cost Redis less than the same
+    /// command called from a script, and which Redis interleaves with its other clients'
+    /// commands; the steps then take the keys that were not free (held, reserved by
+    /// waiters, re-entered), which the script must read. On a cluster, and with
+    /// [`replicas`](Self::replicas), every key goes through the script.
+    ///
+    /// Each step of an acquisition (and the plain pass, as a first step) holds its keys
+    /// while the next is tried, and only the last step grants: a step that is refused
+    /// releases the keys taken before it (a waiter in line keeps its reservation on the
+    /// whole batch). What other clients see meanwhile: the keys taken so far, held, as they
+    /// would see them a moment later once the batch is granted; a batch that is refused
+    /// at a later step held its first keys for those round trips. At about 2 µs of Redis's
+    /// time a key for an acquisition in a script, a step of 1,000 keys keeps Redis for
+    /// about 2 ms; a batch of 100,000 keys that a script must read takes 100 steps, and
+    /// 100 round trips, instead of one call of about 400 ms.
     ///
     /// # Panics
     ///

@@ -125,6 +125,8 @@ struct Shared {
 #[derive(Clone, Copy)]
 pub(super) enum Command<'a> {
     Script(&'a Invocation),
+    /// Plain commands, sent together (a big batch's free keys).
+    Pipeline(&'a redis::Pipeline),
     /// A plain command (the idempotency layer's answers need no script).
     #[cfg(feature = "idempotency")]
     Plain(&'a redis::Cmd),
@@ -137,6 +139,7 @@ impl Command<'_> {
     ) -> RedisResult<T> {
         match self {
             Self::Script(script) => script.invoke(connection).await,
+            Self::Pipeline(pipeline) => pipeline.query_async(connection).await,
             #[cfg(feature = "idempotency")]
             Self::Plain(command) => command.query_async(connection).await,
         }

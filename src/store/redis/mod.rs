@@ -297,13 +297,7 @@ impl RedisStore {
 
 impl LockStore for RedisStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
-        Box::pin(async move {
-            if request.keys.len() <= self.step {
-                self.acquire_step(request, true).await
-            } else {
-                self.acquire_in_steps(request).await
-            }
-        })
+        Box::pin(self.acquire_batch(request))
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
