@@ -42,7 +42,7 @@ fn series(batch: &Value) -> Vec<Series> {
         (
             FLOOR,
             RGBColor(110, 110, 110),
-            points(CRATE, "server_per_key_us"),
+            points(CRATE, "server_cpu_per_key_us"),
         ),
     ]
 }
