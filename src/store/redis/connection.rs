@@ -38,7 +38,9 @@ impl SharedConnection {
     /// (the server restarted, say) fails the first command sent on it: then the command
     /// runs once more on a new one. Every command here is idempotent for its caller (a
     /// script acquiring again rewrites the same hold, and at worst takes one more fencing
-    /// number; an answer is stored only where none is), so running one twice is harmless.
+    /// number; a plain pass sent again finds its own keys taken, and leaves them to the
+    /// script, which enters them as this very hold; an answer is stored only where none
+    /// is), so running one twice is harmless.
     pub(super) async fn send<T: FromRedisValue>(
         &self,
         command: Command<'_>,

@@ -1,10 +1,11 @@
 //! How a batch goes to Redis: the free keys of a big batch with plain commands, the rest
 //! in steps.
 //!
-//! **Free keys.** A command called from a script costs Redis several times the same
-//! command sent on its own (for `SET key value PX ttl NX GET`, about three times, in
-//! Redis's CPU time, measured with `INFO cpu`), and the common key of a big batch is a
-//! free one, which a script would only `SET`. So an exclusive batch of [`PLAIN_FROM`] keys
+//! **Free keys.** A command called from a script costs Redis more than the same command
+//! sent on its own (`SET key value PX ttl NX` for 1,000 keys: 1.7 µs a key in a script
+//! against 0.5 µs plain, in `INFO commandstats`; 0.6 µs a key less in Redis's CPU time,
+//! `INFO cpu`, which also counts reading and parsing), and the common key of a big batch
+//! is a free one, which a script would only `SET`. So an exclusive batch of [`PLAIN_FROM`] keys
 //! or more first sends that `SET` for every key, pipelined: a key that was free is taken
 //! as the script would take it (the same value, the same ttl), and whatever was there
 //! instead (a hold, a reservation, a foreign value) makes the key one for the script,
@@ -23,7 +24,8 @@
 //! released, and a waiter in line first reserves every key of its batch, so that its place
 //! in line holds for the whole batch, as it does for a batch taken in one step. Keys are
 //! sorted, so two batches in steps meet in the same order and never hold out for each
-//! other.
+//! other. Two plain passes at once may each take part of what both want: then both are
+//! refused and undone, and waiters in line go in their order.
 
 use std::ops::Range;
 
