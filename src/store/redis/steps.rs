@@ -59,9 +59,6 @@ impl RedisStore {
             && !self.scripts.keys_as_args
             && self.replicas.is_none();
         if !plain {
-            if request.keys.len() <= self.step {
-                return self.acquire_step(request, true).await;
-            }
             return self.acquire_in_steps(request, Taken::NONE).await;
         }
         let found = self.take_free(request).await?;
@@ -124,8 +121,15 @@ impl RedisStore {
         loop {
             let step = done..(done + self.step).min(total);
             let last = step.end == total;
-            let part = request.of(&step.clone().collect::<Vec<_>>());
-            match self.acquire_step(&part, last).await {
+            // A batch of one step goes as it is; a part of one is a request of its own.
+            let part;
+            let part = if step.len() == total {
+                request
+            } else {
+                part = request.of(&step.clone().collect::<Vec<_>>());
+                &part
+            };
+            match self.acquire_step(part, last).await {
                 Ok(Acquire::Granted(fence)) if last => return Ok(Acquire::Granted(fence)),
                 Ok(Acquire::Granted(_)) => done = step.end,
                 Ok(Acquire::Held(contention)) => {
@@ -160,17 +164,15 @@ impl RedisStore {
         refused: Range<usize>,
     ) -> Result<(), StoreError> {
         let keys = &request.keys;
-        let taken: Vec<String> = taken.keys().cloned().collect();
-        if let Line::At(ticket) = request.line {
-            self.reserve(&taken, ticket).await?;
-            self.reserve(&keys[..refused.start], ticket).await?;
-            self.reserve(&keys[refused.end..], ticket).await?;
-        }
         let held: Keys = taken
-            .iter()
+            .keys()
             .chain(&keys[..refused.start])
             .cloned()
             .collect();
+        if let Line::At(ticket) = request.line {
+            self.reserve(&held, ticket).await?;
+            self.reserve(&keys[refused.end..], ticket).await?;
+        }
         if !held.is_empty() {
             self.release(&held, request.holder).await?;
         }
