@@ -17,6 +17,7 @@
 
 use std::{
     collections::HashMap,
+    error::Error,
     fmt,
     future::Future,
     sync::{
@@ -27,7 +28,7 @@ use std::{
 };
 
 use futures_util::{future::BoxFuture, FutureExt};
-use redis::ConnectionInfo;
+use redis::{ConnectionInfo, ErrorKind, RedisError};
 
 use super::{
     contract::{Acquire, AcquireRequest, Holder, LockStore},
@@ -131,6 +132,25 @@ impl NodeFailure {
             Self::TimedOut => true,
             Self::Failed(error) => error.may_have_applied(),
         }
+    }
+
+    /// Whether the command may still run on the node later: it got no answer in time, or
+    /// its connection failed; an error that the node answered with ended it.
+    pub(super) fn may_run_later(&self) -> bool {
+        let answered = self.redis_error().is_some_and(|error| {
+            matches!(error.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
+        });
+        self.may_have_applied() && !answered
+    }
+
+    /// The error of Redis, or of the connection to it, that the node failed with, if any:
+    /// the first among the causes of its error.
+    pub(super) fn redis_error(&self) -> Option<&RedisError> {
+        let Self::Failed(error) = self else {
+            return None;
+        };
+        std::iter::successors(Error::source(error), |&cause| cause.source())
+            .find_map(|cause| cause.downcast_ref())
     }
 }
 

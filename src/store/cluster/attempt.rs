@@ -68,15 +68,21 @@ impl Nodes {
                 self.fanout.spawn(index, call)
             })
             .collect();
-        // The groups that granted, and those that may have (no answer in time).
-        let (mut granted, mut unsure) = (Vec::new(), Vec::new());
+        // The groups that granted, those that may have (no answer in time), and those that
+        // met a moved slot after they may have taken some of their keys.
+        let (mut granted, mut unsure, mut taken) = (Vec::new(), Vec::new(), Vec::new());
         let (mut held, mut moved, mut why_unsure) = (Vec::new(), None, None);
         while let Some((index, reply)) = calls.next().await {
             match reply {
                 Ok(Acquire::Granted(_)) => granted.push(index),
                 Ok(Acquire::Held(contention)) => held.push(contention),
-                Err(failure) if !failure.may_have_applied() || cluster_moved(&failure) => {
+                Err(failure) if !failure.may_have_applied() => moved = Some(failure.to_string()),
+                // The map moved under the group: its node may have taken keys before it met
+                // the move (a plain pass, or the steps before), which are released with the
+                // granted groups, on the new map.
+                Err(failure) if cluster_moved(&failure) => {
                     moved = Some(failure.to_string());
+                    taken.push(index);
                 }
                 Err(failure) => {
                     let address = &topology.masters[groups[index].master].address;
@@ -107,6 +113,7 @@ impl Nodes {
             self.release_late_landings(late, holder, Instant::now() + request.ttl);
         }
         granted.extend(unsure);
+        granted.extend(taken);
         // A waiter in line kept out by some groups was granted the others: it keeps its
         // place in line on those keys too, as on one Redis (the refused groups' scripts
         // reserved theirs). The reservation goes on before the rollback, so that the keys
@@ -212,17 +219,10 @@ impl Nodes {
     }
 }
 
-/// Whether a group's failure says that the map moved under it (the node does not serve a
-/// key's slot any more, or not yet; the cluster is down; a master became a replica): then
-/// the node ran nothing of the call, or undid it (acquire's script undoes what it took
-/// before it fails).
+/// Whether a group's failure says that the map moved under it: the node does not serve a
+/// key's slot any more, or not yet; the cluster is down; a master became a replica.
 fn cluster_moved(failure: &NodeFailure) -> bool {
-    let NodeFailure::Failed(error) = failure else {
-        return false;
-    };
-    let Some(redis) = std::error::Error::source(error)
-        .and_then(|source| source.downcast_ref::<redis::RedisError>())
-    else {
+    let Some(redis) = failure.redis_error() else {
         return false;
     };
     if redis.is_connection_refusal() {

@@ -1,14 +1,17 @@
 //! Locks on a Redis Cluster: each batch grouped by the master that serves its keys' slots,
 //! one script call per master, all at once ([`RedisCluster`] tells the user's side).
 //!
-//! - **acquire** sends each master the keys of the batch it serves, as one call of the
-//!   acquire script in its cluster form (`scripts/cluster.lua`: keys of many slots pass as
-//!   arguments, which `allow-cross-slot-keys` lets the script touch one command at a time).
-//!   Each group is all or nothing on its master; the batch is granted when every group
-//!   was, and then takes its fencing token from the namespace's one counter. Otherwise every
-//!   group that granted or may have is released. A group refused because the map moved
-//!   under it (a slot moved or is migrating, a master failed over, the cluster is down)
-//!   refreshes the map, and the whole attempt is made again, until [`RedisCluster::retry_for`].
+//! - **acquire** sends each master the keys of the batch it serves, as one store of one
+//!   Redis acquires a batch (`redis/steps.rs`: the free keys of a big group with plain
+//!   `SET`s, the rest with the acquire script in its cluster form, `scripts/cluster.lua`:
+//!   keys of many slots pass as arguments, which `allow-cross-slot-keys` lets the script
+//!   touch one command at a time). Each group is all or nothing on its master; the batch is
+//!   granted when every group was, and then takes its fencing token from the namespace's
+//!   one counter. Otherwise every group that granted or may have is released. A group
+//!   refused because the map moved under it (a slot moved or is migrating, a master failed
+//!   over, the cluster is down) is released too, on the new map (its plain `SET`s or first
+//!   steps may have taken keys before one met the move), and the whole attempt is made
+//!   again, until [`RedisCluster::retry_for`].
 //! - **extend, release, withdraw, inspect, force_release** run on each group the same
 //!   way; a group refused for a moved slot is regrouped on a fresh map and sent again (each
 //!   of these is idempotent). A release finishes in the background if its caller stops

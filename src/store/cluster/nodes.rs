@@ -200,7 +200,7 @@ impl Nodes {
                         match reply {
                             Ok(answer) => answered.push((group.indices, answer)),
                             Err(error) => {
-                                if error.may_have_applied() {
+                                if error.may_run_later() {
                                     unsure.inspect(|flag| flag.store(true, Ordering::SeqCst));
                                 }
                                 let address = &topology.masters[group.master].address;

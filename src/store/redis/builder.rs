@@ -218,8 +218,13 @@ impl Redis {
     /// `SET key value PX ttl NX` commands, pipelined, which cost Redis less than the same
     /// command called from a script, and which Redis interleaves with its other clients'
     /// commands; the steps then take the keys that were not free (held, reserved by
-    /// waiters, re-entered), which the script must read. On a cluster, and with
-    /// [`replicas`](Self::replicas), every key goes through the script.
+    /// waiters, re-entered), which the script must read. With
+    /// [`replicas`](Self::replicas) every key goes through the script; so do a store's big
+    /// batches for a second after it refused a batch, because a refused plain pass keeps
+    /// others from the keys it took until it gives them back, which starves orders that
+    /// keep meeting each other, where the script refuses without showing anyone anything.
+    /// Each master of a `RedisCluster` and of a `Redlock` does the same with its part of a
+    /// batch.
     ///
     /// Each step of an acquisition (and the plain pass, as a first step) holds its keys
     /// while the next is tried, and only the last step grants: a step that is refused

@@ -4,8 +4,8 @@
 
 use std::{
     fmt,
-    sync::{Arc, OnceLock},
-    time::Duration,
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
 };
 
 #[cfg(feature = "idempotency")]
@@ -56,6 +56,9 @@ pub(crate) struct RedisStore {
     replicas: Option<ReplicaAck>,
     /// How many keys one script takes at most (see `steps.rs`).
     step: usize,
+    /// When this store last refused a batch: big ones skip the plain pass for a while after
+    /// (`steps.rs`).
+    last_refusal: Mutex<Option<Instant>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -97,6 +100,7 @@ impl RedisStore {
             subscribed: OnceLock::new(),
             replicas: None,
             step: DEFAULT_STEP,
+            last_refusal: Mutex::new(None),
         };
         // Built inside a runtime (the usual case), subscribe now, so that the first waiter
         // already hears of releases; otherwise on first use.

@@ -126,6 +126,13 @@ impl Scripts {
         }
     }
 
+    /// Whether the acquire script counts a grant (one Redis, a Redlock master), or a
+    /// cluster node's leaves that to the cluster store (cluster.lua), and takes a
+    /// placeholder for the counter.
+    pub(super) fn counts_grants(&self) -> bool {
+        !self.keys_as_args
+    }
+
     /// A call of `function` (one of these) on `keys`, after `lead`, a key that goes first
     /// when given (the acquire script's counter).
     pub(super) fn prepare(

@@ -197,6 +197,38 @@ impl Cluster {
         });
     }
 
+    /// Moves the slot of `key`, which must hold no key, to the master at `to`, as
+    /// `redis-cli --cluster reshard` would (importing, migrating, then the new owner on
+    /// every master, the new one first), and waits until every master says so: a client
+    /// that read the map before has a stale one.
+    pub(crate) fn move_empty_slot(&self, key: &str, to: u16) {
+        let (from, _) = self.shard_of(to, key);
+        let slot: i64 = self.cmd(to, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key));
+        let id = |port: u16| -> String { self.cmd(port, redis::cmd("CLUSTER").arg("MYID")) };
+        let setslot = |port: u16, state: &str, node: u16| {
+            let _: () = self.cmd(
+                port,
+                redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg(state)
+                    .arg(id(node)),
+            );
+        };
+        setslot(to, "IMPORTING", from);
+        setslot(from, "MIGRATING", to);
+        let mut masters = self.masters();
+        masters.sort_by_key(|&port| (port != to, port == from));
+        for port in masters {
+            setslot(port, "NODE", to);
+        }
+        wait_until(Duration::from_secs(10), "every master to agree", || {
+            self.masters()
+                .into_iter()
+                .all(|port| self.shard_of(port, key).0 == to)
+        });
+    }
+
     /// Moves `slots` slots from the master at `from` to the master at `to` with
     /// `redis-cli --cluster reshard`, in batches of `pipeline` keys per `MIGRATE`.
     pub(crate) fn reshard(from: u16, to: u16, slots: u32) {
@@ -231,13 +263,28 @@ impl Cluster {
 
     /// The total of a command's calls on every live master, from `INFO commandstats`.
     pub(crate) fn calls_of(&self, command: &str) -> u64 {
+        self.command_stat(command, "calls")
+    }
+
+    /// The total of a command's calls that every live master refused before running them
+    /// (`MOVED`, `ASK`, out of memory, ...), from `INFO commandstats`.
+    pub(crate) fn rejected_calls_of(&self, command: &str) -> u64 {
+        self.command_stat(command, "rejected_calls")
+    }
+
+    fn command_stat(&self, command: &str, field: &str) -> u64 {
         self.masters()
             .into_iter()
             .map(|port| {
                 let info: String = self.cmd(port, redis::cmd("INFO").arg("commandstats"));
-                info.lines()
-                    .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-                    .and_then(|rest| rest.split(',').next()?.parse().ok())
+                let stats = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:")));
+                stats
+                    .into_iter()
+                    .flat_map(|stats| stats.split(','))
+                    .find_map(|pair| pair.strip_prefix(&format!("{field}=")))
+                    .and_then(|value| value.parse().ok())
                     .unwrap_or(0)
             })
             .sum()
