@@ -616,7 +616,7 @@ fn cluster(out: &mut String, cluster: &Value) {
         "\nRedis Cluster: acquire + release of one {}-key batch, uncontended, through the layer, on one \
          Redis and on a cluster of {} masters without replicas on the same machine, taking turns \
          ({} rounds each). Redis's time: `INFO commandstats` per node, per cycle (one Redis: its \
-         scripts and the plain `SET`s that take the batch's free keys; a master: its scripts, `INCR` of the fencing counter, `SPUBLISH`):\n",
+         scripts and the plain `SET`s that take the batch's free keys; a master: the same, and `SPUBLISH`):\n",
         thousands(cluster["keys"].as_u64().unwrap_or(0)),
         cluster["masters"],
         one["rounds"],
@@ -653,11 +653,11 @@ fn cluster(out: &mut String, cluster: &Value) {
     );
     let _ = writeln!(
         out,
-        "\n| node | slots | keys of the batch | Redis's time per cycle | ÷ one Redis | scripts | script calls | plain `SET` | `INCR` | `SPUBLISH` | `PING` |"
+        "\n| node | slots | keys of the batch | Redis's time per cycle | ÷ one Redis | scripts | script calls | plain `SET` | `SPUBLISH` | `PING` |"
     );
     let _ = writeln!(
         out,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for node in &nodes {
         let calls = |command: &str| {
@@ -675,7 +675,7 @@ fn cluster(out: &mut String, cluster: &Value) {
             .sum::<f64>();
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {of_one} | {} | {script_calls:.2} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {of_one} | {} | {script_calls:.2} | {} | {} | {} |",
             text(&node["node"]),
             node["slots"].as_u64().map_or("–".to_owned(), thousands),
             node["batch_keys"].as_u64().map_or_else(
@@ -685,7 +685,6 @@ fn cluster(out: &mut String, cluster: &Value) {
             ms(node, "server_ms"),
             ms(node, "script_ms"),
             calls("set"),
-            calls("incr"),
             calls("spublish"),
             calls("ping"),
         );
