@@ -70,7 +70,7 @@ impl Nodes {
             .collect();
         // The groups that granted, those that may have (no answer in time), and those that
         // met a moved slot after they may have taken some of their keys.
-        let (mut granted, mut unsure, mut taken) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut granted, mut unsure, mut moved_under) = (Vec::new(), Vec::new(), Vec::new());
         let (mut held, mut moved, mut why_unsure) = (Vec::new(), None, None);
         while let Some((index, reply)) = calls.next().await {
             match reply {
@@ -82,7 +82,7 @@ impl Nodes {
                 // granted groups, on the new map.
                 Err(failure) if cluster_moved(&failure) => {
                     moved = Some(failure.to_string());
-                    taken.push(index);
+                    moved_under.push(index);
                 }
                 Err(failure) => {
                     let address = &topology.masters[groups[index].master].address;
@@ -113,7 +113,7 @@ impl Nodes {
             self.release_late_landings(late, holder, Instant::now() + request.ttl);
         }
         granted.extend(unsure);
-        granted.extend(taken);
+        granted.extend(moved_under);
         // A waiter in line kept out by some groups was granted the others: it keeps its
         // place in line on those keys too, as on one Redis (the refused groups' scripts
         // reserved theirs). The reservation goes on before the rollback, so that the keys
