@@ -129,7 +129,7 @@ async fn a_refused_batch_leaves_nothing_on_any_master() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_plain_pass_that_meets_a_moved_slot_gives_back_what_it_took() {
+async fn a_plain_pass_that_meets_a_moved_slot_leaves_nothing_behind() {
     let (_serial, cluster) = Cluster::start_in_turn().await;
     let (first, second) = (locks(&cluster), locks(&cluster));
     let gate = Gate::new();
@@ -150,7 +150,7 @@ async fn a_plain_pass_that_meets_a_moved_slot_gives_back_what_it_took() {
     cluster.move_empty_slot("lock:sku:0", to);
     // The other process holds a key that `from` serves in neither map, so that the batch
     // is refused rather than made again on a fresh map (where the same hold would find
-    // and release what it left).
+    // and release what it left, and hide a leak).
     let held_key = batch_keys[1..]
         .iter()
         .find(|key| cluster.shard_of(to, &format!("lock:{key}")).0 != from)
@@ -161,8 +161,8 @@ async fn a_plain_pass_that_meets_a_moved_slot_gives_back_what_it_took() {
     let rejected_before = cluster.rejected_calls_of("set");
 
     // `from` takes the rest of its group with plain `SET`s, and its `SET` of `sku:0`
-    // answers `MOVED`: it gives back what it took, so the refusal leaves nothing but the
-    // other process's key.
+    // answers `MOVED`: the attempt releases that group too (on the new map), so the
+    // refusal leaves nothing but the other process's key.
     let reply = send(&contender, batch(&batch_keys)).await;
     assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
     assert!(cluster.rejected_calls_of("set") > rejected_before);

@@ -108,7 +108,7 @@ impl RedisStore {
             // (a cluster store on the keys' new masters, where a slot moved).
             return Err(error.context(format!(
                 "taking the free keys of a batch ({} taken)",
-                taken.keys().count()
+                taken.len()
             )));
         }
         if found.is_empty() && !self.scripts.counts_grants() {
@@ -201,9 +201,9 @@ impl RedisStore {
                     })?;
                     return Ok(Acquire::Held(contention));
                 }
-                Err(error) if done == 0 && taken.keys().next().is_none() => return Err(error),
+                Err(error) if done == 0 && taken.is_empty() => return Err(error),
                 Err(error) => {
-                    let held = taken.keys().count() + done;
+                    let held = taken.len() + done;
                     return Err(StoreError::unknown(error).context(format!(
                         "a step failed after {held} keys of the batch were taken"
                     )));
@@ -255,6 +255,14 @@ impl<'a> Taken<'a> {
         batch: &[],
         found: &[],
     };
+
+    fn len(self) -> usize {
+        self.batch.len() - self.found.len()
+    }
+
+    fn is_empty(self) -> bool {
+        self.len() == 0
+    }
 
     fn keys(self) -> impl Iterator<Item = &'a String> {
         let mut found = self.found.iter().copied().peekable();
