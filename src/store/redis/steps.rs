@@ -170,7 +170,7 @@ impl RedisStore {
     /// Acquires `request` a step at a time (see the module docs), after the keys `taken`,
     /// which this acquisition already holds. With no key left, one empty step counts the
     /// grant.
-    pub(super) async fn acquire_in_steps(
+    async fn acquire_in_steps(
         &self,
         request: &AcquireRequest,
         taken: Taken<'_>,
@@ -222,7 +222,11 @@ impl RedisStore {
         taken: Taken<'_>,
         refused: Range<usize>,
     ) -> Result<(), StoreError> {
-        let held = held_before(request, taken, refused.start);
+        let held: Keys = taken
+            .keys()
+            .chain(&request.keys[..refused.start])
+            .cloned()
+            .collect();
         if let Line::At(ticket) = request.line {
             self.reserve(&held, ticket).await?;
             self.reserve(&request.keys[refused.end..], ticket).await?;
@@ -234,24 +238,18 @@ impl RedisStore {
     }
 }
 
-/// The keys an acquisition of `request` holds when its step at `end` begins: those a plain
-/// pass took, and those of the steps before.
-fn held_before(request: &AcquireRequest, taken: Taken<'_>, end: usize) -> Keys {
-    taken.keys().chain(&request.keys[..end]).cloned().collect()
-}
-
 /// The keys of a batch that a plain pass took (see the module docs): all but the `found`
 /// ones, which are left for the script. Listed only if a step is refused, to undo them.
 #[derive(Clone, Copy)]
-pub(super) struct Taken<'a> {
-    pub(super) batch: &'a [String],
+struct Taken<'a> {
+    batch: &'a [String],
     /// Indices into `batch`, in order.
-    pub(super) found: &'a [usize],
+    found: &'a [usize],
 }
 
 impl<'a> Taken<'a> {
     /// No key taken before the steps.
-    pub(super) const NONE: Self = Self {
+    const NONE: Self = Self {
         batch: &[],
         found: &[],
     };
