@@ -136,8 +136,11 @@ async fn a_cluster_grant_waits_for_the_replicas_of_its_masters() {
     let app = bare(&locks);
     // Keys on every master, so that the batch has a group on each.
     let keys: Vec<String> = (0..30).map(|i| format!("k{i}")).collect();
-    let reply = send(&app, batch(&keys)).await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    // A few tries: on a loaded machine a fresh replica can miss one `WAIT` of 300 ms.
+    assert!(
+        granted_within_tries(&app, &keys).await,
+        "no grant with healthy replicas"
+    );
 
     let (master, replicas) = cluster.shard_of(cluster.masters()[0], "lock:doc");
     cluster.signal(replicas[0], "STOP");
@@ -171,13 +174,20 @@ async fn a_cluster_grant_waits_for_the_replicas_of_its_masters() {
     assert!(emptied.is_some(), "left: {:?}", cluster.locks_on_masters());
     eprintln!("cluster, a master's replica frozen: 503 in {refused_in:?}, nothing left");
 
-    let mut granted = false;
+    assert!(
+        granted_within_tries(&app, &keys).await,
+        "grants did not resume after the thaw"
+    );
+}
+
+/// Whether a batch of `keys` was granted within 30 tries, 100 ms apart.
+#[cfg(feature = "cluster")]
+async fn granted_within_tries(app: &axum::Router, keys: &[String]) -> bool {
     for _ in 0..30 {
-        if send(&app, batch(&keys)).await.status == StatusCode::OK {
-            granted = true;
-            break;
+        if send(app, batch(keys)).await.status == StatusCode::OK {
+            return true;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(granted, "grants did not resume after the thaw");
+    false
 }
