@@ -23,7 +23,7 @@ use crate::{
             OwnerToken, Ticket,
         },
         error::StoreError,
-        wake::any_released,
+        wake::{any_released, Watches},
     },
     wait::Wait,
 };
@@ -282,6 +282,12 @@ impl<'a> Acquisition<'a> {
         // Counted from the first refusal that makes the request wait, until it ends.
         let mut waiting = None;
         let mut attempted = started;
+        // The last wait's watch, kept through the next attempt: a release while that
+        // attempt is under way (after the store found a key held, before its answer came
+        // back) has woken it, and the waiter tries again at once rather than after a
+        // pause. Measured across two processes on one Redis, a release that lands in that
+        // gap took 1-2% of the waits to 20-40 ms.
+        let mut watched: Option<Watches<'_>> = None;
         loop {
             // A hold of its own for each attempt: a release of a failed attempt that is still
             // retried in the background (Redlock's, on a slow master) must never end the
@@ -333,9 +339,13 @@ impl<'a> Acquisition<'a> {
             if let (None, Some(layer)) = (&waiting, self.layer) {
                 waiting = Some(Waiting::start(layer));
             }
-            let mut released = self.store.wakeups().watch(&contention.keys);
+            let mut released = match watched.take() {
+                Some(watches) if watches.covers(&contention.keys) => watches,
+                _ => self.store.wakeups().watch(&contention.keys),
+            };
             let wake_at = (now + backoff.pause()).min(deadline);
             let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+            watched = Some(released);
             attempted = Instant::now();
         }
     }
@@ -409,5 +419,89 @@ impl Reserved {
                 "withdrawing reservations timed out; they expire on their own"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Mutex,
+    };
+
+    use super::*;
+    use crate::store::{
+        contract::{Keys, Mode, Reply},
+        handle::Store,
+        memory::{
+            intercept::{Hooks, Intercepted},
+            MemoryStore,
+        },
+    };
+
+    /// Releases `holder`'s keys during the waiter's second attempt, after the store found
+    /// them held and before the attempt's answer comes back.
+    #[derive(Debug)]
+    struct ReleaseDuringSecondAttempt {
+        attempts: AtomicUsize,
+        holder: Mutex<Option<(Keys, Holder)>>,
+    }
+
+    impl Hooks for ReleaseDuringSecondAttempt {
+        fn acquire<'a>(
+            &'a self,
+            store: &'a MemoryStore,
+            request: &'a AcquireRequest,
+        ) -> Reply<'a, Acquire> {
+            Box::pin(async move {
+                let answer = store.acquire(request).await;
+                if self.attempts.fetch_add(1, Ordering::SeqCst) == 1 {
+                    let (keys, holder) = self.holder.lock().unwrap().take().unwrap();
+                    assert_eq!(store.release(&keys, holder).await.unwrap(), 1);
+                }
+                answer
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
+        let hooks = ReleaseDuringSecondAttempt {
+            attempts: AtomicUsize::new(0),
+            holder: Mutex::new(None),
+        };
+        let store = Arc::new(Intercepted::new(hooks));
+        let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+        let holder = Holder::new(OwnerToken::random());
+        let request = AcquireRequest {
+            namespace: "lock:".into(),
+            keys: keys.clone(),
+            modes: Modes::All(Mode::Exclusive),
+            holder,
+            ttl: Duration::from_secs(30),
+            report: 0,
+            line: Line::Outside,
+        };
+        let held = store.store.acquire(&request).await.unwrap();
+        assert!(matches!(held, Acquire::Granted(_)));
+        *store.hooks.holder.lock().unwrap() = Some((keys.clone(), holder));
+
+        let locks = Locks::new(Store {
+            locks: store.clone(),
+            #[cfg(feature = "idempotency")]
+            answers: Arc::new(MemoryStore::new()),
+        })
+        .wait(Wait::up_to(Duration::from_secs(1)));
+        let modes = Modes::All(Mode::Exclusive);
+        let acquisition = Acquisition::new(&locks, &keys, &modes, false, None);
+        let started = tokio::time::Instant::now();
+        let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
+        assert!(granted.is_ok(), "the waiter was not granted");
+        // Attempts: refused; after the first pause (2.5-5 ms), refused with the key released
+        // meanwhile; then granted at once. A waiter that missed the release would sleep
+        // through a second pause (5-10 ms) first. The timer adds up to 1 ms.
+        assert_eq!(store.hooks.attempts.load(Ordering::SeqCst), 3);
+        let waited = started.elapsed();
+        assert!(waited <= Duration::from_millis(6), "waited {waited:?}");
     }
 }

@@ -493,64 +493,35 @@ mod tests {
 
     use super::*;
     use crate::store::{
-        contract::{
-            Acquire, AcquireRequest, KeyView, Keys, Line, Mode, Modes, OwnerToken, Reply, Ticket,
+        contract::{Acquire, AcquireRequest, Keys, Line, Mode, Modes, OwnerToken, Reply},
+        memory::{
+            intercept::{Hooks, Intercepted},
+            MemoryStore,
         },
-        memory::MemoryStore,
-        wake::Wakeups,
     };
 
-    /// The memory store, except that its next release never answers: a store that went
-    /// silent just as a response was finishing.
+    /// The store's next release never answers: a store that went silent just as a response
+    /// was finishing.
     #[derive(Debug)]
-    struct StallingRelease {
-        store: MemoryStore,
-        stall_next: AtomicBool,
-    }
+    struct StallNextRelease(AtomicBool);
 
-    impl LockStore for StallingRelease {
-        fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
-            self.store.acquire(request)
-        }
-
-        fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
-            self.store.withdraw(keys, ticket)
-        }
-
-        fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
-            self.store.extend(keys, holder, ttl)
-        }
-
-        fn wakeups(&self) -> &Wakeups {
-            self.store.wakeups()
-        }
-
-        fn check(&self) -> Reply<'_, ()> {
-            self.store.check()
-        }
-
-        fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
-            self.store.inspect(keys)
-        }
-
-        fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
-            self.store.force_release(keys)
-        }
-
-        fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
-            if self.stall_next.swap(false, Ordering::SeqCst) {
+    impl Hooks for StallNextRelease {
+        fn release<'a>(
+            &'a self,
+            store: &'a MemoryStore,
+            keys: &'a Keys,
+            holder: Holder,
+        ) -> Reply<'a, usize> {
+            if self.0.swap(false, Ordering::SeqCst) {
                 return Box::pin(std::future::pending());
             }
-            self.store.release(keys, holder)
+            store.release(keys, holder)
         }
     }
 
     #[tokio::test]
     async fn a_release_dropped_midway_is_sent_again() {
-        let store = Arc::new(StallingRelease {
-            store: MemoryStore::new(),
-            stall_next: AtomicBool::new(true),
-        });
+        let store = Arc::new(Intercepted::new(StallNextRelease(AtomicBool::new(true))));
         let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
         let ttl = Duration::from_secs(30);
         let request = |holder| AcquireRequest {

@@ -25,6 +25,8 @@ pub(crate) struct Wakeups {
 /// A waiter's watch on some slots, from [`Wakeups::watch`] until dropped.
 #[derive(Debug)]
 pub(crate) struct Watches<'a> {
+    /// The slots watched, ascending, each with its receiver in `receivers`.
+    slots: Vec<usize>,
     receivers: Vec<watch::Receiver<()>>,
     wakeups: &'a Wakeups,
 }
@@ -45,16 +47,19 @@ impl Wakeups {
 
     /// Watches the slots of `keys`. A release after this call wakes the returned watch,
     /// even if it happens before the watch is awaited.
+    ///
+    /// A release between the attempt that found the keys held and this call is missed
+    /// (the waiter's pause bounds the loss): a waiter keeps its watch through its next
+    /// attempt, so that only its first attempt has that gap (see
+    /// [`Watches::covers`]).
     pub(crate) fn watch(&self, keys: &[String]) -> Watches<'_> {
-        // Counted before subscribing. A release that reads the count just as it rises
-        // came between the waiter's attempt and this watch, and is missed, as such a
-        // release always was: the waiter's pause bounds the loss.
+        // Counted before subscribing, so that a release that reads the count after a
+        // subscription sees it.
         self.watching.fetch_add(1, Ordering::AcqRel);
-        let receivers = slots_of(keys)
-            .into_iter()
-            .map(|s| self.slots[s].subscribe())
-            .collect();
+        let slots = slots_of(keys);
+        let receivers = slots.iter().map(|&s| self.slots[s].subscribe()).collect();
         Watches {
+            slots,
             receivers,
             wakeups: self,
         }
@@ -84,6 +89,16 @@ impl Wakeups {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn wake_all(&self) {
         self.wake_slots(0..SLOTS);
+    }
+}
+
+impl Watches<'_> {
+    /// Whether these watches cover the slots of every one of `keys`: then a waiter whose
+    /// attempt ran under them and found `keys` held keeps them, and a release that came
+    /// while that attempt was under way has already woken them.
+    pub(crate) fn covers(&self, keys: &[String]) -> bool {
+        keys.iter()
+            .all(|key| self.slots.binary_search(&slot(key)).is_ok())
     }
 }
 
@@ -151,6 +166,30 @@ mod tests {
         )
         .await
         .expect("the release was missed");
+    }
+
+    #[tokio::test]
+    async fn a_watch_kept_through_an_attempt_sees_a_release_during_it() {
+        let wakeups = Wakeups::new();
+        let keys = vec!["lock:a".to_owned()];
+        let mut watches = wakeups.watch(&keys);
+        wakeups.wake_keys(&keys);
+        any_released(&mut watches).await;
+        // The next attempt finds the key held, and it is released before the answer
+        // comes back: the watch that lived through the attempt has the release.
+        wakeups.wake_keys(&keys);
+        assert!(watches.covers(&keys));
+        tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            any_released(&mut watches),
+        )
+        .await
+        .expect("the release during the attempt was missed");
+        let other = (0..)
+            .map(|i| format!("lock:{i}"))
+            .find(|k| slot(k) != slot("lock:a"))
+            .unwrap();
+        assert!(!watches.covers(&[other]));
     }
 
     #[tokio::test]

@@ -518,4 +518,6 @@ impl MemoryStore {
 }
 
 #[cfg(test)]
+pub(crate) mod intercept;
+#[cfg(test)]
 mod tests;

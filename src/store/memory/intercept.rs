@@ -1,0 +1,80 @@
+//! The memory store with a hook around its acquisitions and releases, for unit tests of
+//! what the layer does when a store answers late, never, or after the world changed.
+
+use std::time::Duration;
+
+use super::MemoryStore;
+use crate::store::{
+    contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Reply, Ticket},
+    wake::Wakeups,
+};
+
+/// What a test changes of the memory store's answers; by default, nothing.
+pub(crate) trait Hooks: std::fmt::Debug + Send + Sync + 'static {
+    fn acquire<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        request: &'a AcquireRequest,
+    ) -> Reply<'a, Acquire> {
+        store.acquire(request)
+    }
+
+    fn release<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        keys: &'a Keys,
+        holder: Holder,
+    ) -> Reply<'a, usize> {
+        store.release(keys, holder)
+    }
+}
+
+/// The memory store, its acquisitions and releases going through `hooks`.
+#[derive(Debug)]
+pub(crate) struct Intercepted<H> {
+    pub(crate) store: MemoryStore,
+    pub(crate) hooks: H,
+}
+
+impl<H> Intercepted<H> {
+    pub(crate) fn new(hooks: H) -> Self {
+        Self {
+            store: MemoryStore::new(),
+            hooks,
+        }
+    }
+}
+
+impl<H: Hooks> LockStore for Intercepted<H> {
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+        self.hooks.acquire(&self.store, request)
+    }
+
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
+        self.hooks.release(&self.store, keys, holder)
+    }
+
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
+        self.store.withdraw(keys, ticket)
+    }
+
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
+        self.store.extend(keys, holder, ttl)
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        self.store.wakeups()
+    }
+
+    fn check(&self) -> Reply<'_, ()> {
+        self.store.check()
+    }
+
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
+        self.store.inspect(keys)
+    }
+
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
+        self.store.force_release(keys)
+    }
+}
