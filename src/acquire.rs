@@ -424,10 +424,7 @@ impl Reserved {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{
-        atomic::{AtomicUsize, Ordering},
-        Mutex,
-    };
+    use std::sync::Mutex;
 
     use super::*;
     use crate::store::{
@@ -440,11 +437,12 @@ mod tests {
     };
 
     /// Releases `holder`'s keys during the waiter's second attempt, after the store found
-    /// them held and before the attempt's answer comes back.
+    /// them held and before the attempt's answer comes back; notes on tokio's clock when
+    /// each attempt started and ended.
     #[derive(Debug)]
     struct ReleaseDuringSecondAttempt {
-        attempts: AtomicUsize,
         holder: Mutex<Option<(Keys, Holder)>>,
+        attempts: Mutex<Vec<(tokio::time::Instant, tokio::time::Instant)>>,
     }
 
     impl Hooks for ReleaseDuringSecondAttempt {
@@ -454,21 +452,26 @@ mod tests {
             request: &'a AcquireRequest,
         ) -> Reply<'a, Acquire> {
             Box::pin(async move {
+                let started = tokio::time::Instant::now();
                 let answer = store.acquire(request).await;
-                if self.attempts.fetch_add(1, Ordering::SeqCst) == 1 {
+                if self.attempts.lock().unwrap().len() == 1 {
                     let (keys, holder) = self.holder.lock().unwrap().take().unwrap();
                     assert_eq!(store.release(&keys, holder).await.unwrap(), 1);
                 }
+                let ended = tokio::time::Instant::now();
+                self.attempts.lock().unwrap().push((started, ended));
                 answer
             })
         }
     }
 
+    /// On tokio's paused clock, time moves only when every task waits for a timer: a
+    /// waiter that tries again at once leaves it where it was, one that pauses moves it.
     #[tokio::test(start_paused = true)]
     async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
         let hooks = ReleaseDuringSecondAttempt {
-            attempts: AtomicUsize::new(0),
             holder: Mutex::new(None),
+            attempts: Mutex::new(Vec::new()),
         };
         let store = Arc::new(Intercepted::new(hooks));
         let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
@@ -494,14 +497,21 @@ mod tests {
         .wait(Wait::up_to(Duration::from_secs(1)));
         let modes = Modes::All(Mode::Exclusive);
         let acquisition = Acquisition::new(&locks, &keys, &modes, false, None);
-        let started = tokio::time::Instant::now();
         let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
         assert!(granted.is_ok(), "the waiter was not granted");
-        // Attempts: refused; after the first pause (2.5-5 ms), refused with the key released
-        // meanwhile; then granted at once. A waiter that missed the release would sleep
-        // through a second pause (5-10 ms) first. The timer adds up to 1 ms.
-        assert_eq!(store.hooks.attempts.load(Ordering::SeqCst), 3);
-        let waited = started.elapsed();
-        assert!(waited <= Duration::from_millis(6), "waited {waited:?}");
+        // Refused; after a pause, refused with the key released meanwhile; then, at once,
+        // granted. A waiter that missed the release would pause again first.
+        let attempts = store.hooks.attempts.lock().unwrap().clone();
+        assert_eq!(attempts.len(), 3);
+        assert!(
+            attempts[1].0 > attempts[0].1,
+            "no pause after the first refusal"
+        );
+        let between = attempts[2].0 - attempts[1].1;
+        assert_eq!(
+            between,
+            Duration::ZERO,
+            "paused {between:?} after the release"
+        );
     }
 }
