@@ -20,6 +20,9 @@ pub(crate) struct Wakeups {
     /// contended, a release looks at this count alone, and not at its keys' slots, each
     /// a cache line of its own somewhere in the store's memory.
     watching: AtomicUsize,
+    /// This store's tag in the release messages it sends to other processes: its own
+    /// listener hears them too, and skips them, since the release woke its waiters already.
+    tag: u64,
 }
 
 /// A waiter's watch on some slots, from [`Wakeups::watch`] until dropped.
@@ -42,7 +45,14 @@ impl Wakeups {
         Self {
             slots: (0..SLOTS).map(|_| watch::Sender::new(())).collect(),
             watching: AtomicUsize::new(0),
+            tag: fastrand::u64(..),
         }
+    }
+
+    /// This store's tag in the release messages it sends to other processes.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn tag(&self) -> u64 {
+        self.tag
     }
 
     /// Watches the slots of `keys`. A release after this call wakes the returned watch,
@@ -131,6 +141,12 @@ pub(crate) async fn any_released(watches: &mut Watches<'_>) {
     if futures_util::future::select_all(changes).await.0.is_err() {
         std::future::pending::<()>().await;
     }
+    // A release bumps the slots of all its keys: every one of them is seen now, so that a
+    // watch kept for the next wait waits for a release after this one, not for this one
+    // again through another of its slots.
+    for receiver in &mut watches.receivers {
+        receiver.borrow_and_update();
+    }
 }
 
 #[cfg(test)]
@@ -190,6 +206,21 @@ mod tests {
             .find(|k| slot(k) != slot("lock:a"))
             .unwrap();
         assert!(!watches.covers(&[other]));
+    }
+
+    #[tokio::test]
+    async fn one_release_of_many_slots_wakes_a_kept_watch_once() {
+        let wakeups = Wakeups::new();
+        let keys: Vec<String> = (0..50).map(|i| format!("lock:{i}")).collect();
+        let mut watches = wakeups.watch(&keys);
+        wakeups.wake_keys(&keys);
+        any_released(&mut watches).await;
+        let again = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            any_released(&mut watches),
+        )
+        .await;
+        assert!(again.is_err(), "one release woke the watch twice");
     }
 
     #[tokio::test]

@@ -12,14 +12,14 @@ use std::sync::Weak;
 use redis::{cluster_async::ClusterConnection, PushInfo, PushKind, Value};
 
 use crate::store::{
-    redis::pubsub::{slot_list, wake_from_message, RELEASED_CHANNEL},
+    redis::pubsub::{release_message, wake_from_message, RELEASED_CHANNEL},
     wake::{slots_of, Wakeups},
 };
 
-/// Announces that `keys` were freed, in the background: a lost announcement costs other
-/// processes' waiters only their poll interval.
-pub(super) fn announce(control: ClusterConnection, keys: &[String]) {
-    let payload = slot_list(&slots_of(keys));
+/// Announces that `keys` were freed by the store tagged `tag`, in the background: a lost
+/// announcement costs other processes' waiters only their poll interval.
+pub(super) fn announce(control: ClusterConnection, keys: &[String], tag: u64) {
+    let payload = release_message(&slots_of(keys), tag);
     tokio::spawn(async move {
         let mut control = control;
         let sent: redis::RedisResult<i64> = redis::cmd("SPUBLISH")

@@ -262,7 +262,7 @@ impl Nodes {
     pub(super) async fn freed(&self, keys: &[String]) {
         self.wakeups.wake_keys(keys);
         if let Ok(control) = self.control().await {
-            announce::announce(control, keys);
+            announce::announce(control, keys, self.wakeups.tag());
         }
     }
 

@@ -24,7 +24,7 @@ use super::{
     wake::{slots_of, Wakeups},
 };
 use connection::{Command, SharedConnection};
-use pubsub::{listen_for_releases, slot_list, RELEASED_CHANNEL};
+use pubsub::{listen_for_releases, release_message, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
@@ -154,7 +154,9 @@ impl RedisStore {
             let mut invocation = self.scripts.prepare(script, None, step);
             args(&mut invocation);
             let slots = slots_of(step);
-            invocation.arg(RELEASED_CHANNEL).arg(slot_list(&slots));
+            invocation
+                .arg(RELEASED_CHANNEL)
+                .arg(release_message(&slots, self.wakeups.tag()));
             count += self.invoke::<usize>(&invocation).await?;
             self.wakeups.wake_slots(slots);
         }

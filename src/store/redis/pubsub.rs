@@ -1,7 +1,7 @@
 //! Wake-ups across processes: a release names the wake-up slots of its keys on a pub/sub
 //! channel, and every process subscribed to it wakes its waiters on those slots.
 
-use std::{sync::Weak, time::Duration};
+use std::{fmt::Write as _, sync::Weak, time::Duration};
 
 use futures_util::StreamExt;
 
@@ -13,16 +13,22 @@ pub(in crate::store) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 /// A release of more slots than this wakes every waiter instead of naming them.
 const MAX_NAMED_SLOTS: usize = 64;
 
-/// The slots as the release message carries them: `3,17,512`, or `*` for all.
-pub(in crate::store) fn slot_list(slots: &[usize]) -> String {
+/// The message of a release by the store tagged `tag` ([`Wakeups::tag`]): its slots and
+/// the tag, `3,17,512,@5f0c…`, or `*` for all. The store's own listener skips the messages
+/// with its tag, since the release woke its waiters already: woken a second time while
+/// they try again, they would try once more for nothing. Listeners of earlier versions
+/// take the slots and skip the tag, which is not a number; `*` goes without one, since
+/// they wake every waiter only for `*` alone.
+pub(in crate::store) fn release_message(slots: &[usize], tag: u64) -> String {
     if slots.len() > MAX_NAMED_SLOTS {
         return "*".to_owned();
     }
-    slots
-        .iter()
-        .map(usize::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
+    let mut message = String::with_capacity(slots.len() * 5 + 18);
+    for slot in slots {
+        let _ = write!(message, "{slot},");
+    }
+    let _ = write!(message, "@{tag:x}");
+    message
 }
 
 /// Wakes this process's waiters for every release announced on [`RELEASED_CHANNEL`], until
@@ -73,10 +79,59 @@ async fn subscribe(client: &redis::Client) -> redis::RedisResult<redis::aio::Pub
     Ok(pubsub)
 }
 
+/// Wakes the waiters of the slots a release message names, unless this store sent it.
 pub(in crate::store) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     if payload == b"*" {
         return wakeups.wake_all();
     }
-    let slots = std::str::from_utf8(payload).unwrap_or_default().split(',');
-    wakeups.wake_slots(slots.filter_map(|s| s.parse().ok()));
+    let text = std::str::from_utf8(payload).unwrap_or_default();
+    let own = |entry: &str| {
+        entry
+            .strip_prefix('@')
+            .and_then(|tag| u64::from_str_radix(tag, 16).ok())
+            == Some(wakeups.tag())
+    };
+    if text.split(',').any(own) {
+        return;
+    }
+    wakeups.wake_slots(text.split(',').filter_map(|s| s.parse().ok()));
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::wake::{any_released, slots_of};
+
+    /// Whether the waiter of `keys` wakes within 50 ms of `payload`.
+    async fn wakes(wakeups: &Wakeups, keys: &[String], payload: &str) -> bool {
+        let mut watches = wakeups.watch(keys);
+        wake_from_message(wakeups, payload.as_bytes());
+        tokio::time::timeout(Duration::from_millis(50), any_released(&mut watches))
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_store_skips_its_own_release_messages_and_wakes_for_others() {
+        let (ours, theirs) = (Wakeups::new(), Wakeups::new());
+        let keys = vec!["lock:a".to_owned()];
+        let slots = slots_of(&keys);
+        let message = release_message(&slots, ours.tag());
+        assert!(!wakes(&ours, &keys, &message).await, "{message}");
+        assert!(wakes(&theirs, &keys, &message).await, "{message}");
+        // An earlier version's message, without a tag.
+        assert!(wakes(&ours, &keys, &slots[0].to_string()).await);
+        // What an earlier version's listener reads of it: the slots.
+        let read: Vec<usize> = message.split(',').filter_map(|s| s.parse().ok()).collect();
+        assert_eq!(read, slots);
+    }
+
+    #[test]
+    fn many_slots_go_as_every_slot() {
+        let slots: Vec<usize> = (0..=MAX_NAMED_SLOTS).collect();
+        assert_eq!(release_message(&slots, 7), "*");
+        assert_eq!(release_message(&[3, 17], 255), "3,17,@ff");
+    }
 }
