@@ -22,11 +22,13 @@
 //!   Redis and run for all, so that only the algorithms differ. redislock's scripts `unpack`
 //!   the whole batch, which Lua refuses near 8,000 values: above about 4,000 keys they fail,
 //!   and the case records the error.
-//! - `SET NX PX a key, checked MGET + DEL in Lua`: the same two scripts reduced to one
-//!   `SET NX PX` a key, and a release that reads the values with one `MGET` and deletes the
-//!   keys holding the owner's value with one `DEL` (a thousand keys a command), with nothing
-//!   else: the least Redis time any batch scripted over string keys with TTLs can take
-//!   while a release checks its owner, the crate's and node-redlock's alike.
+//! - `pipelined SET NX PX, checked MGET + DEL in Lua`: the minimal safe batch, the crate's
+//!   algorithm with nothing but its locking: a pipeline of one plain `SET key token PX ttl
+//!   NX` a key (the cheapest way Redis 7 has to take a key with a TTL), and a release script
+//!   that reads the values with one `MGET` and deletes the keys holding the owner's value
+//!   with one `DEL` (a thousand keys a command). No re-entry, reservations, fencing token or
+//!   release message: what any batch whose keys expire on their own and whose release
+//!   checks its owner must at least do, node-redlock's and the crate's alike.
 //! - Redis's time: `CONFIG RESETSTAT` before each case's measured rounds, then the `usec`
 //!   of its commands in `INFO commandstats` (the crate's: `fcall` and `set`), divided by the
 //!   rounds; and Redis's CPU time (`INFO cpu`, its main thread, before and after), which
@@ -67,7 +69,7 @@ pub(crate) const PIPELINED: &str = "pipelined SETNX + EXPIRE";
 pub(crate) const NAIVE: &str = "naive SET NX PX loop";
 pub(crate) const NODE_REDLOCK: &str = "node-redlock's scripts";
 pub(crate) const REDISLOCK: &str = "redislock's ObtainMulti";
-pub(crate) const LUA_FLOOR: &str = "SET NX PX a key, checked MGET + DEL in Lua";
+pub(crate) const MINIMAL: &str = "pipelined SET NX PX, checked MGET + DEL in Lua";
 pub(crate) const FLOOR: &str = "floor: Redis's CPU time for our commands";
 
 const TTL: Duration = Duration::from_secs(30);
@@ -89,10 +91,9 @@ static NODE_REDLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScript
     release: Script::new(include_str!("../scripts/node-redlock-release.lua")),
 });
 
-static LUA_FLOOR_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
-    acquire: Script::new(include_str!("../scripts/lua-floor-acquire.lua")),
-    release: Script::new(include_str!("../scripts/lua-floor-release.lua")),
-});
+/// The minimal safe batch's release; it takes its keys with plain `SET`s.
+static MINIMAL_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/minimal-release.lua")));
 
 static REDISLOCK_SCRIPTS: LazyLock<PeerScripts> = LazyLock::new(|| PeerScripts {
     acquire: Script::new(include_str!("../scripts/redislock-obtain.lua")),
@@ -105,7 +106,7 @@ enum Algorithm {
     Pipelined,
     NodeRedlock,
     Redislock,
-    LuaFloor,
+    Minimal,
     Naive,
 }
 
@@ -116,7 +117,7 @@ impl Algorithm {
             Self::Pipelined => PIPELINED,
             Self::NodeRedlock => NODE_REDLOCK,
             Self::Redislock => REDISLOCK,
-            Self::LuaFloor => LUA_FLOOR,
+            Self::Minimal => MINIMAL,
             Self::Naive => NAIVE,
         }
     }
@@ -125,7 +126,6 @@ impl Algorithm {
         match self {
             Self::NodeRedlock => Some(&NODE_REDLOCK_SCRIPTS),
             Self::Redislock => Some(&REDISLOCK_SCRIPTS),
-            Self::LuaFloor => Some(&LUA_FLOOR_SCRIPTS),
             _ => None,
         }
     }
@@ -138,7 +138,8 @@ impl Algorithm {
     fn commands(self) -> &'static [&'static str] {
         match self {
             Self::Crate => &["fcall", "set"],
-            Self::NodeRedlock | Self::Redislock | Self::LuaFloor => &["evalsha", "eval"],
+            Self::NodeRedlock | Self::Redislock => &["evalsha", "eval"],
+            Self::Minimal => &["set", "evalsha", "eval"],
             Self::Pipelined => &["setnx", "expire", "del"],
             Self::Naive => &["set", "del"],
         }
@@ -151,8 +152,8 @@ impl Algorithm {
             Self::Crate => Some("fcall"),
             Self::NodeRedlock | Self::Redislock => Some("evalsha"),
             Self::Pipelined => Some("del"),
-            // A floor of Redis's time per key, not a library: its calls are not compared.
-            Self::LuaFloor | Self::Naive => None,
+            // A bound on the others, not a library: its calls are not compared.
+            Self::Minimal | Self::Naive => None,
         }
     }
 
@@ -223,7 +224,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         Algorithm::Pipelined,
         Algorithm::NodeRedlock,
         Algorithm::Redislock,
-        Algorithm::LuaFloor,
+        Algorithm::Minimal,
         Algorithm::Naive,
     ];
     let total = SIZES.len() * algorithms.len();
@@ -265,10 +266,13 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
     }
     let targets = targets(&cases);
     let (node_redlock, redislock) = (over(&cases, NODE_REDLOCK), over(&cases, REDISLOCK));
-    let lua_floor = over(&cases, LUA_FLOOR).1;
-    let floor_over_node_redlock = find(&cases, LUA_FLOOR, 3_000)
+    let minimal = over(&cases, MINIMAL);
+    let minimal_over_node_redlock = find(&cases, MINIMAL, 3_000)
         .zip(find(&cases, NODE_REDLOCK, 3_000))
-        .map(|((_, floor), (_, theirs))| floor / theirs);
+        .map(|((cycle, time), (their_cycle, their_time))| (cycle / their_cycle, time / their_time));
+    let minimal_cpu_over_node_redlock = cpu(&cases, MINIMAL)
+        .zip(cpu(&cases, NODE_REDLOCK))
+        .map(|(cpu, theirs)| cpu / theirs);
     Ok(json!({
         "method": {
             CRATE: "a tower service behind Locks::new(Redis::pool(pool).build().unwrap()).max_keys(100_000).store_timeout(30 s).layer(closure naming n keys), called with oneshot; a batch of fewer than 64 keys: one FCALL acquires; of 64 or more: a pipeline of SET key value PX ttl NX GET takes the free keys, then one FCALL counts the grant (and takes the keys that were not free, in steps of 1,000); one FCALL a 1,000 keys releases; the response waits for the release; the pool's response timeout is 30 s (redis-rs's default, 500 ms, is shorter than one 100,000-key script)",
@@ -276,7 +280,7 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             NAIVE: "n sequential SET key token NX PX 30000 round trips, then n sequential DEL round trips, on one multiplexed connection shared by the case's cycles",
             NODE_REDLOCK: "node-redlock 5's batch algorithm, retryCount 0: acquire, one EVALSHA over the n keys (EXISTS of every key, 0 if any exists, else SET key value PX 30000 for each); release, one EVALSHA (GET of each key, DEL where it holds the value); scripts in bench/scripts/, loaded with SCRIPT LOAD when the case starts, run on one multiplexed connection shared by the case's cycles",
             REDISLOCK: "bsm/redislock's ObtainMulti: acquire, one EVALSHA over the n keys (one MSETNX of every key to the token through unpack of 2n values, then PEXPIRE 30000 of each key); release, one EVALSHA (one MGET of the batch through unpack, then, every key holding the token, one DEL of the batch); loaded and run as node-redlock's; the scripts fail where Lua's unpack does (near 8,000 values: batches above about 4,000 keys), and those cases record the error instead of a time; redislock's re-entry path, taken when MSETNX refuses, is left out (an uncontended batch never takes it)",
-            LUA_FLOOR: "the least any batch in one Lua script does when each key is a string with its own TTL: acquire, one EVALSHA of SET key value PX 30000 NX for each key; release, one EVALSHA of MGET of the keys and DEL of those holding the owner's value, a thousand keys a command (bench/scripts/lua-floor-*.lua); loaded and run as node-redlock's; its Redis time is the floor of the crate's kind of algorithm, and of node-redlock's: a release must check the owner, and Redis 7 cannot set the TTLs of many keys in one command",
+            MINIMAL: "the minimal safe batch: acquire, one pipeline of SET key token PX 30000 NX for each key; release, one EVALSHA of MGET of the keys and DEL of those holding the owner's value, a thousand keys a command (bench/scripts/minimal-release.lua, loaded with SCRIPT LOAD when the case starts); on one multiplexed connection shared by the case's cycles; no re-entry, reservations, fencing or release message: what a batch whose keys expire on their own and whose release checks its owner must at least do, and so a bound on the cycle and the Redis time that the crate and the peers' scripts can reach",
             FLOOR: "server_cpu_ms of the crate's cycles (see there): the time Redis's main thread spends on our commands, which no client can beat; \"3,000 keys: crate / floor\" is the crate's median cycle over it",
             "server_ms": "CONFIG RESETSTAT, then INFO commandstats usec of fcall (the crate's functions) and set (the plain SETs that take a big batch's free keys; Redis also counts there the SETs the scripts call, counted twice, against the crate) over the crate's measured cycles, divided by the cycles; server_ms of the baselines: the same for their own commands (the peers': evalsha + eval)",
             "server_cpu_ms": "INFO cpu, used_cpu_user_main_thread + used_cpu_sys_main_thread, after the measured rounds minus before, divided by the rounds: Redis's CPU time per cycle on the thread that runs the commands, with reading, parsing and replies, which commandstats leaves out (and with the event loop's own upkeep meanwhile)",
@@ -292,10 +296,13 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
             "redis_time_crate_over_node_redlock": node_redlock.1.map(|r| stats::round(r, 3)),
             "cycle_crate_over_redislock": redislock.0.map(|r| stats::round(r, 3)),
             "redis_time_crate_over_redislock": redislock.1.map(|r| stats::round(r, 3)),
-            "redis_time_crate_over_lua_floor": lua_floor.map(|r| stats::round(r, 3)),
+            "redis_time_crate_over_minimal": minimal.1.map(|r| stats::round(r, 3)),
+            "cycle_crate_over_minimal": minimal.0.map(|r| stats::round(r, 3)),
             "redis_cpu_crate_over_node_redlock": cpu_over(&cases, NODE_REDLOCK).map(|r| stats::round(r, 3)),
-            "redis_cpu_crate_over_lua_floor": cpu_over(&cases, LUA_FLOOR).map(|r| stats::round(r, 3)),
-            "redis_time_lua_floor_over_node_redlock": floor_over_node_redlock.map(|r| stats::round(r, 3)),
+            "redis_cpu_crate_over_minimal": cpu_over(&cases, MINIMAL).map(|r| stats::round(r, 3)),
+            "cycle_minimal_over_node_redlock": minimal_over_node_redlock.map(|r| stats::round(r.0, 3)),
+            "redis_time_minimal_over_node_redlock": minimal_over_node_redlock.map(|r| stats::round(r.1, 3)),
+            "redis_cpu_minimal_over_node_redlock": minimal_cpu_over_node_redlock.map(|r| stats::round(r, 3)),
         },
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
     }))
@@ -526,6 +533,12 @@ impl Cycle {
                 script.load_async(&mut conn).await.map_err(redis_error)?;
             }
         }
+        if algorithm == Algorithm::Minimal {
+            MINIMAL_RELEASE
+                .load_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+        }
         Ok(Self {
             algorithm,
             conn,
@@ -539,9 +552,8 @@ impl Cycle {
         match self.algorithm {
             Algorithm::Crate => self.through_layer().await?,
             Algorithm::Pipelined => self.pipelined().await?,
-            Algorithm::NodeRedlock | Algorithm::Redislock | Algorithm::LuaFloor => {
-                self.scripted().await?
-            }
+            Algorithm::NodeRedlock | Algorithm::Redislock => self.scripted().await?,
+            Algorithm::Minimal => self.minimal().await?,
             Algorithm::Naive => self.naive().await?,
         }
         Ok(started.elapsed())
@@ -605,6 +617,36 @@ impl Cycle {
         }
         let released: usize = scripts
             .release
+            .key(&*self.stored)
+            .arg(&token)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        if released != n {
+            return Err(format!("the release freed {released} of {n} keys"));
+        }
+        Ok(())
+    }
+
+    /// The minimal safe batch: a pipeline of `SET NX PX`, then the checked release script.
+    async fn minimal(&self) -> Result<(), String> {
+        let mut conn = self.conn.clone();
+        let token = token();
+        let n = self.stored.len();
+        let mut set = redis::pipe();
+        for key in self.stored.iter() {
+            set.cmd("SET")
+                .arg(key)
+                .arg(&token)
+                .arg("PX")
+                .arg(TTL.as_millis() as u64)
+                .arg("NX");
+        }
+        let set: Vec<Option<String>> = set.query_async(&mut conn).await.map_err(redis_error)?;
+        if set.iter().any(Option::is_none) {
+            return Err("an uncontended SET NX found its key taken".to_owned());
+        }
+        let released: usize = MINIMAL_RELEASE
             .key(&*self.stored)
             .arg(&token)
             .invoke_async(&mut conn)

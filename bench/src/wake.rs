@@ -5,8 +5,8 @@
 //! waiting, and measures from then (A's handler returns, its release goes out) until B's
 //! handler runs. Compared:
 //!
-//! - `pub/sub`: `Locks::redis_url`: B wakes on A's release through Redis pub/sub;
-//! - `backoff`: `Locks::new(Redis::pool(pool).build().unwrap())`: B knows nothing of A's release and retries on its
+//! - `pub/sub`: `store::Redis::url`: B wakes on A's release through Redis pub/sub;
+//! - `backoff`: `store::Redis::pool`: B knows nothing of A's release and retries on its
 //!   jittered 5-100 ms backoff;
 //! - `client retries every 50 ms`: what peer libraries leave to their users: refuse at
 //!   once, and the client asks again 50 ms later.
@@ -127,13 +127,13 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
     };
     let configurations = [
         (
-            "pub/sub (Locks::redis_url)",
+            "pub/sub (store::Redis::url)",
             redis_url(&url)?,
             redis_url(&url)?.wait(wait),
             Retry::InLayer,
         ),
         (
-            "backoff (Locks::new(Redis::pool(pool).build().unwrap()))",
+            "backoff (store::Redis::pool)",
             Locks::new(Redis::pool(server.pool()).build().unwrap()),
             Locks::new(Redis::pool(server.pool()).build().unwrap()).wait(wait),
             Retry::InLayer,
@@ -145,7 +145,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             Retry::Client(Duration::from_millis(50)),
         ),
     ];
-    // Let the subscriptions of `Locks::redis_url` open.
+    // Let the subscriptions of `store::Redis::url` open.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let total = configurations.len();
     let mut cases = Vec::new();
