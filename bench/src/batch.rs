@@ -615,24 +615,13 @@ impl Cycle {
         if taken != n {
             return Err(format!("an uncontended acquire took {taken} of {n} keys"));
         }
-        let released: usize = scripts
-            .release
-            .key(&*self.stored)
-            .arg(&token)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(redis_error)?;
-        if released != n {
-            return Err(format!("the release freed {released} of {n} keys"));
-        }
-        Ok(())
+        self.release(&scripts.release, &mut conn, &token).await
     }
 
     /// The minimal safe batch: a pipeline of `SET NX PX`, then the checked release script.
     async fn minimal(&self) -> Result<(), String> {
         let mut conn = self.conn.clone();
         let token = token();
-        let n = self.stored.len();
         let mut set = redis::pipe();
         for key in self.stored.iter() {
             set.cmd("SET")
@@ -646,10 +635,21 @@ impl Cycle {
         if set.iter().any(Option::is_none) {
             return Err("an uncontended SET NX found its key taken".to_owned());
         }
-        let released: usize = MINIMAL_RELEASE
+        self.release(&MINIMAL_RELEASE, &mut conn, &token).await
+    }
+
+    /// A release script over the batch, which answers how many keys it freed: all of them.
+    async fn release(
+        &self,
+        script: &Script,
+        conn: &mut MultiplexedConnection,
+        token: &str,
+    ) -> Result<(), String> {
+        let n = self.stored.len();
+        let released: usize = script
             .key(&*self.stored)
-            .arg(&token)
-            .invoke_async(&mut conn)
+            .arg(token)
+            .invoke_async(conn)
             .await
             .map_err(redis_error)?;
         if released != n {
