@@ -35,11 +35,12 @@ use serde_json::{json, Value};
 use tower_batch_lock::{store::RedisCluster, Locks};
 
 use crate::{
-    batch::{self, command_stats, redis_error, reset_stats, sum, CommandStats},
+    batch,
     cluster_support::Cluster,
     http,
     load::{Load, Outcome, Requests},
     progress,
+    redis_info::{command_stats, connect, redis_error, reset_stats, sum, CommandStats},
     stats::{self, count, human, percentile, Summary},
     support::RedisServer,
     target::Target,
@@ -538,14 +539,6 @@ async fn measure(
 
 fn node_url(port: u16) -> String {
     format!("redis://127.0.0.1:{port}/")
-}
-
-async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
-    redis::Client::open(url)
-        .map_err(redis_error)?
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(redis_error)
 }
 
 fn targets(cycle: &Value) -> Vec<Target> {

@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
-//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared
+//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared contention
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
 //! ```
 //!
@@ -29,12 +29,14 @@ mod cluster_support;
 
 mod batch;
 mod cluster;
+mod contention;
 mod field;
 mod http;
 mod load;
 mod mixed;
 mod plot;
 mod progress;
+mod redis_info;
 mod report;
 mod shared;
 mod stats;
@@ -51,8 +53,15 @@ use serde_json::{json, Map, Value};
 
 /// The sections, in the order of the results. They run in this order, except http, which
 /// runs last (see [`run_sections`]).
-const SECTIONS: [&str; 7] = [
-    "batch", "field", "http", "wake", "mixed", "cluster", "shared",
+const SECTIONS: [&str; 8] = [
+    "batch",
+    "field",
+    "http",
+    "wake",
+    "mixed",
+    "cluster",
+    "shared",
+    "contention",
 ];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
@@ -196,6 +205,7 @@ async fn run_sections(
             "mixed" => mixed::run(server, options.quick).await,
             "cluster" => cluster::run(server, &pool, options.quick).await,
             "shared" => shared::run(server, options.quick).await,
+            "contention" => contention::run(server, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {

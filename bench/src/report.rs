@@ -38,6 +38,7 @@ pub(crate) fn markdown(document: &Value) -> String {
     mixed(&mut out, &document["mixed"]);
     cluster(&mut out, &document["cluster"]);
     shared(&mut out, &document["shared"]);
+    contention(&mut out, &document["contention"]);
     out
 }
 
@@ -835,6 +836,177 @@ fn redis_scripts(out: &mut String, quotes: &[Value]) {
             out,
             "\nRedis's time in scripts over those runs (`INFO commandstats`, `fcall` + `evalsha` + `eval`): {}.",
             held.join("; ")
+        );
+    }
+}
+
+/// Grants per second and Redis's work per grant as waiters pile up, on every store; then
+/// latencies, refusals and the work over its uncontended cost; then the uncontended runs.
+fn contention(out: &mut String, contention: &Value) {
+    let (Some(levels), Some(cases), Some(stores)) = (
+        contention["levels"].as_array(),
+        contention["cases"].as_array(),
+        contention["stores"].as_array(),
+    ) else {
+        return;
+    };
+    let find = |store: &Value, level: &Value| {
+        cases
+            .iter()
+            .find(|c| &c["store"] == store && c["level"] == level["level"])
+    };
+    let redis_stores: Vec<&Value> = stores.iter().filter(|s| *s != "memory").collect();
+    let all_stores: Vec<&Value> = stores.iter().collect();
+    // "Redlock, 3 masters" -> "Redlock": the intro says how many masters.
+    let short = |store: &Value| text(store).split(',').next().unwrap_or("?").to_owned();
+    let names = |stores: &[&Value]| {
+        stores
+            .iter()
+            .map(|s| short(s))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let per_second = |value: &Value| {
+        value
+            .as_f64()
+            .map_or("–".to_owned(), |r| thousands(r as u64))
+    };
+    let _ = writeln!(
+        out,
+        "\nContention through axum over loopback: retail orders of {} random skus of {}, purchase \
+         orders of {}, or every client on one hot sku, back to back; an exclusive lock a sku held \
+         {} ms, every request waiting up to {} ms (fair). Memory: one store and server; one Redis, \
+         Redlock over 3 masters and a Redis Cluster of 3 masters: two stores, each behind a server \
+         of its own, the clients split between them. {} s a level. A cell: retail grants/s · \
+         purchase grants/s (2xx answers), and on Redis (calls a grant of the lock's scripts and \
+         plain `SET`s, Redis main-thread CPU ms a grant), summed over every master:\n",
+        contention["retail_skus"],
+        thousands(contention["catalogue"].as_u64().unwrap_or(0)),
+        thousands(contention["purchase_skus"].as_u64().unwrap_or(0)),
+        contention["work_ms"],
+        thousands(contention["wait_ms"].as_u64().unwrap_or(0)),
+        contention["run_seconds"],
+    );
+    let heads: String = stores.iter().map(|s| format!(" {} |", short(s))).collect();
+    let _ = writeln!(out, "| level |{heads} 5xx ({}) |", names(&all_stores));
+    let _ = writeln!(out, "| --- |{} ---: |", " ---: |".repeat(stores.len()));
+    for level in levels {
+        let mut row = format!("| {} |", text(&level["level"]));
+        let mut unavailable = Vec::new();
+        for store in stores {
+            let Some(case) = find(store, level) else {
+                row.push_str(" – |");
+                unavailable.push("–".to_owned());
+                continue;
+            };
+            let _ = write!(
+                row,
+                " {} · {}",
+                per_second(&case["retail_per_second"]),
+                per_second(&case["purchase_per_second"])
+            );
+            let redis = &case["redis"];
+            if redis.is_object() {
+                let _ = write!(
+                    row,
+                    " ({}, {})",
+                    redis["calls_per_grant"]
+                        .as_f64()
+                        .map_or("–".to_owned(), |c| format!("{c:.2}")),
+                    redis["cpu_ms_per_grant"]
+                        .as_f64()
+                        .map_or("–".to_owned(), |c| format!("{c:.3}")),
+                );
+            }
+            row.push_str(" |");
+            unavailable.push(case["unavailable_5xx"].to_string());
+        }
+        let _ = writeln!(out, "{row} {} |", unavailable.join(" / "));
+    }
+
+    let _ = writeln!(
+        out,
+        "\nThe same levels: retail latency (every answer, hot orders on the hot levels), orders \
+         refused after their wait (409 or 423), and Redis's work over what the level's grants cost \
+         uncontended, each at its own size:\n"
+    );
+    let _ = writeln!(
+        out,
+        "| level |{} 409 ({}) | calls ÷ uncontended ({}) | CPU ÷ uncontended ({}) |",
+        stores
+            .iter()
+            .map(|s| format!(" {} p50 / p99 |", short(s)))
+            .collect::<String>(),
+        names(&all_stores),
+        names(&redis_stores),
+        names(&redis_stores),
+    );
+    let _ = writeln!(
+        out,
+        "| --- |{} ---: | ---: | ---: |",
+        " ---: |".repeat(stores.len())
+    );
+    for level in levels {
+        let ms = |value: &Value| value.as_f64().map_or("–".to_owned(), duration);
+        let latencies: String = stores
+            .iter()
+            .map(|store| {
+                find(store, level).map_or(" – |".to_owned(), |c| {
+                    format!(
+                        " {} / {} |",
+                        ms(&c["retail_p50_ms"]),
+                        ms(&c["retail_p99_ms"])
+                    )
+                })
+            })
+            .collect();
+        let each = |stores: &[&Value], cell: &dyn Fn(&Value) -> String| {
+            stores
+                .iter()
+                .map(|store| find(store, level).map_or("–".to_owned(), cell))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        let _ = writeln!(
+            out,
+            "| {} |{latencies} {} | {} | {} |",
+            text(&level["level"]),
+            each(&all_stores, &|c| thousands(
+                c["conflicts_409_423"].as_u64().unwrap_or(0)
+            )),
+            each(&redis_stores, &|c| ratio(
+                &c["redis"]["calls_over_uncontended"]
+            )),
+            each(&redis_stores, &|c| ratio(
+                &c["redis"]["cpu_over_uncontended"]
+            )),
+        );
+    }
+
+    let Some(singles) = contention["uncontended"].as_array() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nUncontended: the same orders one at a time, through one store and server:\n"
+    );
+    let _ = writeln!(
+        out,
+        "| store | skus an order | grants/s | calls/grant | Redis CPU per grant | per key |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    for single in singles {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {:.2} | {} | {:.2} µs |",
+            text(&single["store"]),
+            thousands(single["skus"].as_u64().unwrap_or(0)),
+            per_second(&single["grants_per_second"]),
+            single["calls_per_grant"].as_f64().unwrap_or(0.0),
+            single["cpu_ms_per_grant"]
+                .as_f64()
+                .map_or("–".to_owned(), duration),
+            single["cpu_us_per_key"].as_f64().unwrap_or(0.0),
         );
     }
 }

@@ -31,10 +31,10 @@ use serde_json::{json, Value};
 use tower_batch_lock::{keys, store::Redis, Locks, Wait};
 
 use crate::{
-    batch::{command_stats, redis_error, reset_stats, sum},
     http,
     load::{self, Load, Outcome, Requests},
     progress,
+    redis_info::{command_stats, connect, reset_stats, sum},
     stats::{self, human, percentile},
     support::RedisServer,
     target::Target,
@@ -123,11 +123,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             redis::cmd("FLUSHALL")
                 .query::<()>(&mut server.connection())
                 .map_err(|e| e.to_string())?;
-            let client = redis::Client::open(server.url()).map_err(redis_error)?;
-            let stats = client
-                .get_multiplexed_async_connection()
-                .await
-                .map_err(redis_error)?;
+            let stats = connect(&server.url()).await?;
             let locks = Redis::url(server.url())
                 .build()
                 .map_err(|e| e.to_string())?;
