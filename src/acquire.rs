@@ -29,8 +29,13 @@ use crate::{
 };
 
 /// How many conflicting keys a waiting request watches for releases, whatever the
-/// response names: a lost wake-up only costs a poll interval.
+/// response names, on a store that cannot probe them (see [`LockStore::probe`]): a lost
+/// wake-up only costs a poll interval.
 const WATCHED_CONFLICTS: usize = 20;
+
+/// How long a waiter's reservations outlast its deadline: its last attempt, sent just
+/// before, still finds them.
+const RESERVATION_MARGIN: Duration = Duration::from_millis(500);
 
 /// A granted batch: its guard, its fencing token, and when the grant was seen.
 pub(crate) struct Granted {
@@ -104,14 +109,19 @@ impl<'a> Acquisition<'a> {
         layer: Option<&'a Layer>,
     ) -> Self {
         let policy = locks.policy();
+        let store = &locks.store().locks;
+        // A waiter on a store that probes learns of every key that kept it out, to probe
+        // those alone until they are free.
         let report = if policy.wait.bound().is_zero() {
             policy.max_named_conflicts
+        } else if store.probes() {
+            keys.len()
         } else {
             policy.max_named_conflicts.max(WATCHED_CONFLICTS)
         };
         Self {
             locks,
-            store: &locks.store().locks,
+            store,
             namespace: &policy.keys.prefix,
             keys,
             modes,
@@ -210,7 +220,7 @@ impl<'a> Acquisition<'a> {
         };
         let answer = self
             .store
-            .acquire_now(&self.request(holder, line), started)?;
+            .acquire_now(&self.request(holder, line, Duration::ZERO), started)?;
         self.outage.answered();
         match answer {
             // Nothing was in flight, so the guard is made once there is something to hold.
@@ -231,8 +241,9 @@ impl<'a> Acquisition<'a> {
         now >= started + self.wait.bound() || contention.upgrade
     }
 
-    /// What an attempt under `holder`, standing in `line`, asks of the store.
-    fn request(&self, holder: Holder, line: Line) -> AcquireRequest {
+    /// What an attempt under `holder`, standing in `line`, asks of the store; a waiter in
+    /// line kept out keeps its reservations for `reserve`.
+    fn request(&self, holder: Holder, line: Line, reserve: Duration) -> AcquireRequest {
         AcquireRequest {
             namespace: self.namespace.clone(),
             keys: self.keys.clone(),
@@ -241,6 +252,43 @@ impl<'a> Acquisition<'a> {
             ttl: self.ttl,
             report: self.report,
             line,
+            reserve,
+        }
+    }
+
+    /// How long a waiter in line that is kept out at `now` keeps its reservations: to its
+    /// deadline, and [`RESERVATION_MARGIN`] more.
+    fn reserve_until(deadline: Instant, now: Instant) -> Duration {
+        deadline.saturating_duration_since(now) + RESERVATION_MARGIN
+    }
+
+    /// How many of `blockers` (positions in the batch, ascending), from the first, no
+    /// longer keep `owner`, standing in `line`, out: see [`LockStore::probe`].
+    async fn probe(
+        &self,
+        owner: OwnerToken,
+        line: Line,
+        blockers: &[usize],
+    ) -> Result<usize, Refusal> {
+        let request = AcquireRequest {
+            keys: blockers.iter().map(|&i| self.keys[i].clone()).collect(),
+            modes: self.modes.part(blockers),
+            ..self.request(Holder::new(owner), line, Duration::ZERO)
+        };
+        match within(self.timeout, self.store.probe(&request)).await {
+            Ok(Ok(free)) => {
+                self.outage.answered();
+                Ok(free)
+            }
+            Ok(Err(error)) => {
+                self.outage.failed(&error, self.keys.len());
+                Err(Refusal::Unavailable)
+            }
+            Err(_elapsed) => {
+                let why = StoreError::timed_out(self.timeout);
+                self.outage.failed(&why, self.keys.len());
+                Err(Refusal::Unavailable)
+            }
         }
     }
 
@@ -257,13 +305,20 @@ impl<'a> Acquisition<'a> {
     }
 
     /// Tries the whole batch until it is granted, the store fails, the wait bound passes,
-    /// or an upgrade is refused (see [`Mode`](crate::Mode)). Between attempts it sleeps until a release of a conflicting key, or a short
-    /// jittered pause in case that wake-up is lost.
+    /// or an upgrade is refused (see [`Mode`](crate::Mode)). Between attempts it sleeps
+    /// until a release wakes it, or a short jittered pause in case that wake-up is lost.
     ///
     /// A fair waiter takes its ticket before the first attempt, so that its place in line is
-    /// its arrival; every refused attempt renews its reservations. They are withdrawn when
-    /// it gives up or fails, and when this future is dropped; a grant ends them. An owner
-    /// that already holds keys stands in no line ([`Line::Holder`]).
+    /// its arrival; a refused attempt reserves the batch until the waiter's deadline. The
+    /// reservations are withdrawn when it gives up or fails, and when this future is
+    /// dropped; a grant ends them. While it waits, it is woken only when it is first in
+    /// line on a key just freed ([`Wakeups::watch_ticket`](crate::store::wake::Wakeups)).
+    /// An owner that already holds keys stands in no line ([`Line::Holder`]), and neither
+    /// does an unfair waiter: those watch the keys that kept them out.
+    ///
+    /// On a store that probes ([`LockStore::probe`]), a waiter that wakes first probes the
+    /// keys that kept its last attempt out, and tries the whole batch again only once none
+    /// of them does: its retries cost in proportion to what blocked it, not to its batch.
     async fn run(
         &self,
         owner: OwnerToken,
@@ -277,8 +332,16 @@ impl<'a> Acquisition<'a> {
             Some(place) => Line::At(place.ticket),
             None => Line::Outside,
         };
-        // The pauses between attempts, for when a wake-up is lost.
-        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(100));
+        // The pauses between attempts, for when a wake-up is lost. A waiter in line is
+        // woken when its turn comes, and otherwise it could only notice a hold or a place
+        // before it that expired (its process died): it polls seldom, so that a long line
+        // does not cost the store a probe per waiter every few milliseconds.
+        let mut backoff = match line {
+            Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(1)),
+            Line::Outside | Line::Holder => {
+                Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
+            }
+        };
         // Counted from the first refusal that makes the request wait, until it ends.
         let mut waiting = None;
         let mut attempted = started;
@@ -287,14 +350,18 @@ impl<'a> Acquisition<'a> {
         // back) has woken it, and the waiter tries again at once rather than after a
         // pause. Measured across two processes on one Redis, a release that lands in that
         // gap took 1-2% of the waits to 20-40 ms.
-        let mut watched: Option<Watches<'_>> = None;
+        // A waiter in line watches for its turn from before its first attempt.
+        let mut watched: Option<Watches<'_>> = match line {
+            Line::At(ticket) => Some(self.store.wakeups().watch_ticket(ticket.get())),
+            Line::Outside | Line::Holder => None,
+        };
         loop {
             // A hold of its own for each attempt: a release of a failed attempt that is still
             // retried in the background (Redlock's, on a slow master) must never end the
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
             let guard = self.guard(holder, attempted);
-            let request = self.request(holder, line);
+            let request = self.request(holder, line, Self::reserve_until(deadline, attempted));
             let outcome = within(self.timeout, self.store.acquire(&request)).await;
             if matches!(outcome, Ok(Ok(_))) {
                 self.outage.answered();
@@ -327,26 +394,54 @@ impl<'a> Acquisition<'a> {
                     return Err(Refusal::Unavailable);
                 }
             };
-            let now = Instant::now();
-            if self.gives_up(&contention, started, now) {
-                // Withdrawn before the answer, so that the client's retry does not find
-                // them in its way.
-                if let Some(place) = place {
-                    place.withdraw().await;
-                }
-                return Err(Refusal::Contended(contention));
-            }
             if let (None, Some(layer)) = (&waiting, self.layer) {
                 waiting = Some(Waiting::start(layer));
             }
-            let mut released = match watched.take() {
-                Some(watches) if watches.covers(&contention.keys) => watches,
-                _ => self.store.wakeups().watch(&contention.keys),
+            // Where the store probes: the positions of the keys that kept this attempt out
+            // (the batch is sorted), less those that a probe finds free as the wait goes.
+            let mut blockers: Vec<usize> = if self.store.probes() {
+                let position = |key: &String| self.keys.binary_search(key).ok();
+                contention.keys.iter().filter_map(position).collect()
+            } else {
+                Vec::new()
             };
-            let wake_at = (now + backoff.pause()).min(deadline);
-            let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
-            watched = Some(released);
-            attempted = Instant::now();
+            loop {
+                let now = Instant::now();
+                if self.gives_up(&contention, started, now) {
+                    // Withdrawn before the answer, so that the client's retry does not find
+                    // them in its way.
+                    if let Some(place) = place {
+                        place.withdraw().await;
+                    }
+                    return Err(Refusal::Contended(contention));
+                }
+                let mut released = match watched.take() {
+                    Some(watches) if watches.covers(&contention.keys) => watches,
+                    _ => self.watch(line, &contention.keys),
+                };
+                let wake_at = (now + backoff.pause()).min(deadline);
+                let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+                watched = Some(released);
+                attempted = Instant::now();
+                if blockers.is_empty() {
+                    break;
+                }
+                let free = self.probe(owner, line, &blockers).await?;
+                blockers.drain(..free.min(blockers.len()));
+                if blockers.is_empty() {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// What a waiter kept out by `keys` waits for: its turn, when it stands in line (its
+    /// reservations cover its whole batch); otherwise a release of one of those keys.
+    fn watch(&self, line: Line, keys: &[String]) -> Watches<'a> {
+        let wakeups = self.store.wakeups();
+        match line {
+            Line::At(ticket) => wakeups.watch_ticket(ticket.get()),
+            Line::Outside | Line::Holder => wakeups.watch(keys),
         }
     }
 }
@@ -484,6 +579,7 @@ mod tests {
             ttl: Duration::from_secs(30),
             report: 0,
             line: Line::Outside,
+            reserve: Duration::ZERO,
         };
         let held = store.store.acquire(&request).await.unwrap();
         assert!(matches!(held, Acquire::Granted(_)));

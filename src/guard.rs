@@ -532,6 +532,7 @@ mod tests {
             ttl,
             report: 0,
             line: Line::Outside,
+            reserve: Duration::ZERO,
         };
         let (owner, other) = (
             Holder::new(OwnerToken::random()),

@@ -7,8 +7,8 @@ use std::time::Duration;
 ///
 /// A waiting request never holds part of its batch: it tries the whole batch again,
 /// atomically, when a release wakes it (see [`Locks::wait`](crate::Locks::wait)), or after
-/// a short jittered pause in case a wake-up was lost. A client that disconnects stops
-/// waiting at once. When the bound passes, the request gets the contention response.
+/// a jittered pause in case a wake-up was lost. A client that disconnects stops waiting at
+/// once. When the bound passes, the request gets the contention response.
 ///
 /// # Fair waiting
 ///
@@ -22,9 +22,25 @@ use std::time::Duration;
 /// however many small requests keep coming.
 ///
 /// A reservation is not a lock: it keeps nobody out who came earlier, and it never makes a
-/// deadlock. It ends when its waiter is granted, gives up or is dropped, and on its own
-/// within a second of the waiter's last attempt when its process dies (a live waiter
-/// tries at least every 100 ms, and so renews its reservations long before).
+/// deadlock. It ends when its waiter is granted, gives up or is dropped, and on its own at
+/// the waiter's deadline (its bound after it arrived, and half a second more for its last
+/// attempt) when its process dies: a place in line outlives whatever happens to the holds
+/// before it, a holder's process that dies included.
+///
+/// # What waiting costs the store
+///
+/// A release wakes, for each key it frees, only the waiter first in line on it (the one
+/// waiter that key can let in; a reader granted wakes the next in line, who may be a
+/// reader too), in this process and, through the store's pub/sub, in the others. However
+/// long the line, a grant costs about the same: on one Redis, a hot key with 32 waiters
+/// took 4.5 script calls a grant (18.4 when every release woke every waiter). A woken
+/// waiter on Redis first probes the keys that kept it out, reading them without writing,
+/// and stopping at the first still held; it sends its whole batch again only once none
+/// is: a purchase order of 2,000 keys held up by small orders pays for a few reads a
+/// release, not for 2,000 writes. A waiter in line also polls, seldom (after 100-200 ms,
+/// then at most every second), for what no release announces: a hold or a place before it
+/// that expired with its process. Waiters in no line (unfair waiting) watch the keys that
+/// kept them out and poll every 5-100 ms.
 ///
 /// ```
 /// use std::time::Duration;

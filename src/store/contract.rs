@@ -27,11 +27,6 @@ pub(crate) type Keys = Arc<[String]>;
 /// What a store's call gives back, in time: its answer, or why the store failed.
 pub(crate) type Reply<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
 
-/// How long a waiter's reservation lasts unless its next attempt renews it: long enough
-/// to outlast the pauses between attempts, short enough that the reservations of a waiter
-/// whose process died stop keeping others out soon.
-pub(crate) const RESERVATION_TTL: Duration = Duration::from_secs(1);
-
 /// Who holds a lock: 128 random bits, one per request (nested layers on a request share
 /// it, and so may a trusted downstream service). They come from uuid's v4 with rand's
 /// thread-local ChaCha generator, seeded and reseeded from the OS: unguessable, without a
@@ -121,7 +116,6 @@ impl Ticket {
     }
 
     /// The ticket as the lock store compares it.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn get(self) -> u64 {
         self.0
     }
@@ -334,7 +328,6 @@ impl Modes {
     }
 
     /// The modes of the keys at `indices`, in that order: a part of the batch.
-    #[cfg(feature = "redis")]
     pub(crate) fn part(&self, indices: &[usize]) -> Self {
         match self {
             Self::All(mode) => Self::All(*mode),
@@ -410,6 +403,11 @@ pub(crate) struct AcquireRequest {
     pub(crate) report: usize,
     /// Where the acquisition stands with respect to waiters' reservations.
     pub(crate) line: Line,
+    /// How long, from this attempt, a waiter in line ([`Line::At`]) that is kept out keeps
+    /// its reservations: to the end of its wait, so that its place in line outlives every
+    /// hold before it, whatever happens to those holds, and goes when the waiter would
+    /// have given up (or sooner, withdrawn). Unused by a request in no line.
+    pub(crate) reserve: Duration,
 }
 
 impl AcquireRequest {
@@ -514,7 +512,7 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// request's line says ([`Line::kept_out_by`]), whatever the modes, so that a waiting
     /// writer keeps new readers out; a key that the holder's owner holds never does. When the
     /// batch conflicts and the caller waits in line ([`Line::At`]), its reservation is put
-    /// on (or renewed on) every key of the batch, for [`RESERVATION_TTL`]; when it is
+    /// on (or renewed on) every key of the batch, for [`AcquireRequest::reserve`]; when it is
     /// granted, its reservations on the batch are gone.
     ///
     /// A grant carries a fencing token larger than that of every earlier grant in the
@@ -523,6 +521,24 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// [`FencingToken`]. (Redlock promises less: larger than every earlier grant that
     /// shares a key; see `Redlock`.)
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
+
+    /// Whether [`probe`](Self::probe) costs a waiter less than an attempt of its whole
+    /// batch: then a refusal names every key that kept the batch out (up to
+    /// [`AcquireRequest::report`]), for the waiter to probe those alone.
+    fn probes(&self) -> bool {
+        false
+    }
+
+    /// How many keys of `request`, from the first, would not keep it out now (every one of
+    /// them: try the batch); changes nothing. The keys are those that kept an earlier
+    /// attempt out: a waiter probes them when it wakes, and tries its whole batch again
+    /// only once none of them keeps it out, so that its retries cost in proportion to what
+    /// blocked it, not to its batch. A store that [`probes`](Self::probes) stops at the
+    /// first key that still keeps it out; the default (which costs nothing, for a store
+    /// whose attempts are cheap) says that all are free.
+    fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
+        Box::pin(std::future::ready(Ok(request.keys.len())))
+    }
 
     /// [`acquire`](Self::acquire)'s answer without a future, from a store that has it at
     /// once (the memory store); `None` from one that must be asked over the network. The

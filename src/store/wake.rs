@@ -1,13 +1,27 @@
 //! Wake-ups for waiters when keys are released, so that waiting is not polling.
 //!
-//! Keys hash into a fixed number of slots; a release bumps the slots of its keys, and a
-//! waiter watches the slots of the keys that stopped it. Two keys may share a slot: a
+//! A waiter in line (fair waiting) has reserved every key of its batch, and a key it
+//! reserved can let in only the first waiter in its line: a release (or a withdrawal)
+//! names, for each key it frees, the ticket of that first waiter, and wakes that waiter
+//! alone ([`Wakeups::watch_ticket`]). However many wait behind it, a release wakes one
+//! waiter a key, not every waiter that watches the key.
+//!
+//! Waiters in no line (unfair waiting, an owner that already holds keys) watch slots:
+//! keys hash into a fixed number of slots; a release bumps the slots of its keys, and such
+//! a waiter watches the slots of the keys that stopped it. Two keys may share a slot: a
 //! waiter then wakes for nothing and simply tries again. The hash is the same in every
-//! process (FNV-1a), so slot numbers can travel between processes over Redis pub/sub.
+//! process (FNV-1a), so slot numbers (and tickets) can travel between processes over
+//! Redis pub/sub.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 /// Enough slots that unrelated releases rarely wake a waiter, few enough that a release
 /// of thousands of keys bumps them all cheaply.
@@ -23,20 +37,40 @@ pub(crate) struct Wakeups {
     /// This store's tag in the release messages it sends to other processes: its own
     /// listener hears them too, and skips them, since the release woke its waiters already.
     tag: u64,
+    /// This process's waiters in line, by ticket. Read by a release only for a key that
+    /// has a reservation, and so never on the uncontended path.
+    in_line: Mutex<HashMap<u64, Arc<Notify>>>,
 }
 
-/// A waiter's watch on some slots, from [`Wakeups::watch`] until dropped.
+/// A waiter's watch, from [`Wakeups::watch`] or [`Wakeups::watch_ticket`] until dropped.
 #[derive(Debug)]
 pub(crate) struct Watches<'a> {
-    /// The slots watched, ascending, each with its receiver in `receivers`.
-    slots: Vec<usize>,
-    receivers: Vec<watch::Receiver<()>>,
+    watched: Watched,
     wakeups: &'a Wakeups,
+}
+
+#[derive(Debug)]
+enum Watched {
+    /// The slots watched, ascending, each with its receiver in `receivers`.
+    Slots {
+        slots: Vec<usize>,
+        receivers: Vec<watch::Receiver<()>>,
+    },
+    /// A waiter in line, woken when it is first in line on a key that was freed. A
+    /// wake-up before the waiter awaits it is kept (one, however many came).
+    Ticket(u64, Arc<Notify>),
 }
 
 impl Drop for Watches<'_> {
     fn drop(&mut self) {
-        self.wakeups.watching.fetch_sub(1, Ordering::Release);
+        match &self.watched {
+            Watched::Slots { .. } => {
+                self.wakeups.watching.fetch_sub(1, Ordering::Release);
+            }
+            Watched::Ticket(ticket, _) => {
+                self.wakeups.lines().remove(ticket);
+            }
+        }
     }
 }
 
@@ -46,6 +80,40 @@ impl Wakeups {
             slots: (0..SLOTS).map(|_| watch::Sender::new(())).collect(),
             watching: AtomicUsize::new(0),
             tag: fastrand::u64(..),
+            in_line: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lines(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Notify>>> {
+        // Nothing panics while holding it; a poisoned map is still a map.
+        self.in_line.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Watches for the turn of the waiter in line with `ticket`: a release or withdrawal
+    /// that leaves it first in line on a key wakes it, here or in another process. Its
+    /// watch covers every key of its batch, which its reservations cover, for as long as
+    /// it waits.
+    /// (Tickets as numbers, as they travel in release messages.)
+    pub(crate) fn watch_ticket(&self, ticket: u64) -> Watches<'_> {
+        let notify = Arc::new(Notify::new());
+        self.lines().insert(ticket, notify.clone());
+        Watches {
+            watched: Watched::Ticket(ticket, notify),
+            wakeups: self,
+        }
+    }
+
+    /// Wakes the waiters in line of this process that have these tickets: each one first
+    /// in line on a key just freed.
+    pub(crate) fn wake_tickets(&self, tickets: impl IntoIterator<Item = u64>) {
+        let lines = self.lines();
+        if lines.is_empty() {
+            return;
+        }
+        for ticket in tickets {
+            if let Some(notify) = lines.get(&ticket) {
+                notify.notify_one();
+            }
         }
     }
 
@@ -69,8 +137,7 @@ impl Wakeups {
         let slots = slots_of(keys);
         let receivers = slots.iter().map(|&s| self.slots[s].subscribe()).collect();
         Watches {
-            slots,
-            receivers,
+            watched: Watched::Slots { slots, receivers },
             wakeups: self,
         }
     }
@@ -99,6 +166,9 @@ impl Wakeups {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn wake_all(&self) {
         self.wake_slots(0..SLOTS);
+        for notify in self.lines().values() {
+            notify.notify_one();
+        }
     }
 }
 
@@ -107,8 +177,12 @@ impl Watches<'_> {
     /// attempt ran under them and found `keys` held keeps them, and a release that came
     /// while that attempt was under way has already woken them.
     pub(crate) fn covers(&self, keys: &[String]) -> bool {
-        keys.iter()
-            .all(|key| self.slots.binary_search(&slot(key)).is_ok())
+        match &self.watched {
+            Watched::Slots { slots, .. } => keys
+                .iter()
+                .all(|key| slots.binary_search(&slot(key)).is_ok()),
+            Watched::Ticket(..) => true,
+        }
     }
 }
 
@@ -132,10 +206,14 @@ pub(crate) fn slots_of(keys: &[String]) -> Vec<usize> {
 
 /// Waits until any of `watches` sees a release.
 pub(crate) async fn any_released(watches: &mut Watches<'_>) {
-    if watches.receivers.is_empty() {
+    let receivers = match &mut watches.watched {
+        Watched::Ticket(_, notify) => return notify.notified().await,
+        Watched::Slots { receivers, .. } => receivers,
+    };
+    if receivers.is_empty() {
         return std::future::pending().await;
     }
-    let changes = watches.receivers.iter_mut().map(|w| Box::pin(w.changed()));
+    let changes = receivers.iter_mut().map(|w| Box::pin(w.changed()));
     // An error means the store was dropped: nothing will be released any more, and the
     // waiter's own deadline ends the wait.
     if futures_util::future::select_all(changes).await.0.is_err() {
@@ -144,7 +222,7 @@ pub(crate) async fn any_released(watches: &mut Watches<'_>) {
     // A release bumps the slots of all its keys: every one of them is seen now, so that a
     // watch kept for the next wait waits for a release after this one, not for this one
     // again through another of its slots.
-    for receiver in &mut watches.receivers {
+    for receiver in receivers {
         receiver.borrow_and_update();
     }
 }
@@ -239,6 +317,37 @@ mod tests {
         )
         .await;
         assert!(woke.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_waiter_in_line_wakes_for_its_ticket_alone_and_keeps_an_early_wake() {
+        let wakeups = Wakeups::new();
+        let (first, second) = (61_420_580_338_024, 61_420_580_338_025);
+        let mut first_watch = wakeups.watch_ticket(first);
+        let mut second_watch = wakeups.watch_ticket(second);
+        // Before either awaits: the wake-up is kept for the first, and only for it.
+        wakeups.wake_tickets([first]);
+        let soon = std::time::Duration::from_millis(50);
+        assert!(
+            tokio::time::timeout(soon, any_released(&mut first_watch))
+                .await
+                .is_ok(),
+            "the first in line missed its turn"
+        );
+        assert!(
+            tokio::time::timeout(soon, any_released(&mut second_watch))
+                .await
+                .is_err(),
+            "a release woke a waiter behind the first"
+        );
+        // Gone with its watch: a late wake-up finds nobody.
+        drop(first_watch);
+        assert!(wakeups.lines().get(&first).is_none());
+        // A lost gap wakes everyone.
+        wakeups.wake_all();
+        assert!(tokio::time::timeout(soon, any_released(&mut second_watch))
+            .await
+            .is_ok());
     }
 
     #[test]

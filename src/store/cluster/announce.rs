@@ -7,7 +7,7 @@
 //! process subscribes to it with `SSUBSCRIBE` through a cluster connection of its own,
 //! which redis-rs moves to the channel's new shard when the slot map changes.
 
-use std::sync::Weak;
+use std::{fmt::Write as _, sync::Weak};
 
 use redis::{cluster_async::ClusterConnection, PushInfo, PushKind, Value};
 
@@ -16,10 +16,20 @@ use crate::store::{
     wake::{slots_of, Wakeups},
 };
 
-/// Announces that `keys` were freed by the store tagged `tag`, in the background: a lost
-/// announcement costs other processes' waiters only their poll interval.
-pub(super) fn announce(control: ClusterConnection, keys: &[String], tag: u64) {
-    let payload = release_message(&slots_of(keys), tag);
+/// Announces that `keys` were freed by the store tagged `tag`, leaving the waiters with
+/// tickets `heads` first in line, in the background: a lost announcement costs other
+/// processes' waiters only their poll interval.
+pub(super) fn announce(
+    control: ClusterConnection,
+    keys: &[String],
+    heads: impl Iterator<Item = u64>,
+    tag: u64,
+) {
+    let mut payload = release_message(&slots_of(keys), tag);
+    // As the scripts on one Redis add them (`wake_message` in value.lua).
+    for head in heads {
+        let _ = write!(payload, ",#{head}");
+    }
     tokio::spawn(async move {
         let mut control = control;
         let sent: redis::RedisResult<i64> = redis::cmd("SPUBLISH")

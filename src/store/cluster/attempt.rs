@@ -47,9 +47,10 @@ impl Nodes {
             holder,
             report,
             line,
+            reserve,
             ..
         } = request;
-        let holder = *holder;
+        let (holder, reserve) = (*holder, *reserve);
         let groups = match topology.group(keys, 0..keys.len()) {
             Ok(groups) => groups,
             Err(error) => return Attempt::Moved(error.to_string()),
@@ -127,7 +128,7 @@ impl Nodes {
                     &subset,
                     deadline,
                     None,
-                    |node, keys| async move { node.reserve(&keys, ticket).await },
+                    |node, keys| async move { node.reserve(&keys, ticket, reserve).await },
                 )
                 .await;
             if let Err(error) = reserved {

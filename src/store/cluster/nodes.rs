@@ -24,10 +24,10 @@ use super::{announce, topology::Topology};
 use crate::{
     backoff::Backoff,
     store::{
-        contract::{Holder, LockStore},
+        contract::Holder,
         error::StoreError,
         fanout::{bounded, node_pool, Fanout},
-        redis::{replicas::ReplicaAck, RedisStore},
+        redis::{replicas::ReplicaAck, Freed, Freeing, RedisStore},
         wake::Wakeups,
     },
 };
@@ -148,7 +148,7 @@ impl Nodes {
         let info = self.seed.clone().set_addr(addr);
         let pool = node_pool(info, self.fanout.node_timeout())?;
         let node = Arc::new(
-            RedisStore::cluster_node(pool)
+            RedisStore::cluster_node(pool, self.wakeups.clone())
                 .with_replicas(self.replicas)
                 .with_step(self.step),
         );
@@ -250,20 +250,30 @@ impl Nodes {
                     &keys,
                     until,
                     unsure.as_deref(),
-                    |node, keys| async move { node.release(&keys, holder).await },
+                    |node, keys| async move { node.free(Freeing::Release(holder), &keys).await },
                 )
                 .await?;
-            inner.freed(&keys).await;
-            Ok(released.iter().map(|(_, count)| count).sum())
+            Ok(inner.freed(&keys, &released).await)
         })
     }
 
-    /// Wakes this process's waiters for `keys`, and announces their release to the others.
-    pub(super) async fn freed(&self, keys: &[String]) {
+    /// After the groups of `keys` freed them (`answers`), wakes this process's waiters in
+    /// no line for `keys` (the nodes woke those first in line), and announces the release
+    /// to the other processes, naming those first in line. Returns how many keys the groups
+    /// changed: nothing changed wakes nobody, here or elsewhere.
+    pub(super) async fn freed(&self, keys: &[String], answers: &[(Vec<usize>, Freed)]) -> usize {
+        let count = answers.iter().map(|(_, freed)| freed.count).sum();
+        if count == 0 {
+            return 0;
+        }
         self.wakeups.wake_keys(keys);
         if let Ok(control) = self.control().await {
-            announce::announce(control, keys, self.wakeups.tag());
+            let heads = answers
+                .iter()
+                .flat_map(|(_, freed)| freed.heads.iter().copied());
+            announce::announce(control, keys, heads, self.wakeups.tag());
         }
+        count
     }
 
     /// Runs the script of `source` (whose hash `script` has) on its one key `key`, on the

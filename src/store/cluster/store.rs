@@ -24,6 +24,7 @@ use crate::store::{
     redis::{
         pubsub::{reconnect_backoff, RELEASED_CHANNEL},
         replicas::ReplicaAck,
+        Freeing,
     },
     wake::Wakeups,
 };
@@ -210,15 +211,10 @@ impl LockStore for ClusterStore {
                     keys,
                     self.deadline(),
                     None,
-                    |node, keys| async move { node.withdraw(&keys, ticket).await },
+                    |node, keys| async move { node.free(Freeing::Withdraw(ticket), &keys).await },
                 )
                 .await?;
-            let withdrawn = answers.iter().map(|(_, count)| count).sum();
-            // Nothing freed wakes nobody, here or elsewhere.
-            if withdrawn > 0 {
-                self.inner.freed(keys).await;
-            }
-            Ok(withdrawn)
+            Ok(self.inner.freed(keys, &answers).await)
         })
     }
 
@@ -253,14 +249,10 @@ impl LockStore for ClusterStore {
                     keys,
                     self.deadline(),
                     None,
-                    |node, keys| async move { node.force_release(&keys).await },
+                    |node, keys| async move { node.free(Freeing::Force, &keys).await },
                 )
                 .await?;
-            let released = answers.iter().map(|(_, count)| count).sum();
-            if released > 0 {
-                self.inner.freed(keys).await;
-            }
-            Ok(released)
+            Ok(self.inner.freed(keys, &answers).await)
         })
     }
 

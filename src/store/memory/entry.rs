@@ -183,6 +183,16 @@ impl Entry {
         had
     }
 
+    /// The waiter first in line, if it may come in now that the key changed: the key is
+    /// not held exclusively. (Held shared, it lets in a shared waiter; an exclusive one
+    /// woken for nothing tries again, at the cost of one attempt.)
+    pub(super) fn next_in(&self, now: Instant) -> Option<Ticket> {
+        if matches!(self.live(now), Some(Holds::Exclusive { .. })) {
+            return None;
+        }
+        self.queue.iter().find(|r| r.until > now).map(|r| r.ticket)
+    }
+
     /// Whether the entry still means anything: a live hold or a live reservation.
     pub(super) fn in_use(&self, now: Instant) -> bool {
         self.live(now).is_some() || self.queue.iter().any(|r| r.until > now)

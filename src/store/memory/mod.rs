@@ -19,7 +19,7 @@ use super::contract::{AnswerStore, StoredAnswer};
 use super::{
     contract::{
         Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
-        LockStore, Mode, Reply, Ticket, RESERVATION_TTL,
+        LockStore, Mode, Reply, Ticket,
     },
     wake::Wakeups,
 };
@@ -141,6 +141,7 @@ impl MemoryStore {
             ttl,
             report,
             line,
+            reserve,
             ..
         } = request;
         let (holder, line) = (*holder, *line);
@@ -174,7 +175,7 @@ impl MemoryStore {
         if contention.total > 0 {
             // A waiter in line reserves the whole batch against later arrivals.
             if let Line::At(ticket) = line {
-                let until = now + RESERVATION_TTL;
+                let until = now + *reserve;
                 for (key, &hash) in keys.iter().zip(&hashes) {
                     shards
                         .get(hash)
@@ -186,19 +187,29 @@ impl MemoryStore {
         }
 
         let expires_at = now + *ttl;
+        // The waiters next in line on the keys granted shared: the next one may be a
+        // reader too, and come in beside this one.
+        let mut readers_next: SmallVec<[u64; 2]> = SmallVec::new();
         for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             let entry = shards.get(hash).entry(key, hash);
             if let Line::At(ticket) = line {
                 entry.withdraw(ticket, now);
             }
-            entry.grant(holder, modes.at(index), expires_at, now);
+            let mode = modes.at(index);
+            entry.grant(holder, mode, expires_at, now);
+            if mode == Mode::Shared {
+                readers_next.extend(entry.next_in(now).map(Ticket::get));
+            }
         }
         shards.sweep_if_grown(now);
         // Taken while the shards are still locked, so a later grant of any of these keys,
         // which must wait for the shards, gets a larger token.
-        Acquire::Granted(FencingToken::new(
-            self.fence.fetch_add(1, Ordering::SeqCst) + 1,
-        ))
+        let fence = self.fence.fetch_add(1, Ordering::SeqCst) + 1;
+        drop(shards);
+        if !readers_next.is_empty() {
+            self.wakeups.wake_tickets(readers_next);
+        }
+        Acquire::Granted(FencingToken::new(fence))
     }
 
     fn try_extend(&self, keys: &[String], holder: Holder, ttl: Duration) -> bool {
@@ -271,16 +282,13 @@ impl MemoryStore {
             }
             had
         });
-        self.wakeups.wake_keys(keys);
         released
     }
 
     fn withdraw_reservations(&self, keys: &[String], ticket: Ticket) -> usize {
         let now = Instant::now();
-        let withdrawn = self.each_entry(keys, now, |entry| entry.withdraw(ticket, now));
         // Requests that only this waiter kept out may go now.
-        self.wakeups.wake_keys(keys);
-        withdrawn
+        self.each_entry(keys, now, |entry| entry.withdraw(ticket, now))
     }
 
     /// What each key looks like now, seen all at once (every shard of the batch locked).
@@ -326,13 +334,14 @@ impl MemoryStore {
             entry.holds = None;
             held
         });
-        self.wakeups.wake_keys(keys);
         released
     }
 
     /// Changes the entry of each key that has one, shard by shard, dropping entries left
     /// with neither a live hold nor a live reservation; counts the changes that `change`
-    /// reports.
+    /// reports, and wakes the waiters they may let in: on each key changed, the first in
+    /// line, unless the key is still held exclusively (see [`Wakeups`]), and the waiters
+    /// in no line that watch the keys.
     fn each_entry(
         &self,
         keys: &[String],
@@ -340,6 +349,8 @@ impl MemoryStore {
         mut change: impl FnMut(&mut Entry) -> bool,
     ) -> usize {
         let mut changed = 0;
+        // Without an allocation unless several keys have waiters in line.
+        let mut heads: SmallVec<[u64; 2]> = SmallVec::new();
         for key in keys {
             let hash = self.hash(key);
             let mut shard = self.shards[shard_of(hash)]
@@ -351,10 +362,17 @@ impl MemoryStore {
             let entry = &mut found.get_mut().entry;
             if change(entry) {
                 changed += 1;
+                if let Some(head) = entry.next_in(now) {
+                    heads.push(head.get());
+                }
             }
             if !entry.in_use(now) {
                 found.remove();
             }
+        }
+        self.wakeups.wake_keys(keys);
+        if !heads.is_empty() {
+            self.wakeups.wake_tickets(heads);
         }
         changed
     }

@@ -10,6 +10,8 @@ fn keys(names: &[&str]) -> Vec<String> {
 }
 
 const TTL: Duration = Duration::from_secs(30);
+/// How long a refused waiter's reservations last in these tests.
+const RESERVATION: Duration = Duration::from_secs(1);
 
 /// A new owner's first hold.
 fn holder() -> Holder {
@@ -33,6 +35,7 @@ fn request(
         ttl,
         report,
         line,
+        reserve: RESERVATION,
     }
 }
 

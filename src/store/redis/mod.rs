@@ -18,7 +18,7 @@ use super::contract::{AnswerStore, StoredAnswer};
 use super::{
     contract::{
         Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
-        LockStore, Reply, Ticket, RESERVATION_TTL,
+        LockStore, Reply, Ticket,
     },
     error::StoreError,
     wake::{slots_of, Wakeups},
@@ -28,7 +28,7 @@ use pubsub::{listen_for_releases, release_message, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
-use scripts::{Function, Invocation, Scripts, SINGLE};
+use scripts::{Invocation, Scripts, SINGLE};
 
 pub(super) mod builder;
 mod connection;
@@ -76,25 +76,36 @@ impl RedisStore {
     /// `subscriber`: the Redis to listen on for other processes' releases; without it,
     /// waiters wake on this process's releases and otherwise poll.
     pub(crate) fn new(pool: Pool, subscriber: Option<redis::Client>) -> Self {
-        Self::with_scripts(pool, subscriber, &SINGLE)
+        Self::with_scripts(pool, subscriber, &SINGLE, Arc::new(Wakeups::new()))
+    }
+
+    /// A Redlock master, whose releases wake the waiters of `wakeups`: the Redlock store's,
+    /// shared by all its masters.
+    pub(crate) fn master(
+        pool: Pool,
+        subscriber: Option<redis::Client>,
+        wakeups: Arc<Wakeups>,
+    ) -> Self {
+        Self::with_scripts(pool, subscriber, &SINGLE, wakeups)
     }
 
     /// A master of a Redis Cluster, which gets the keys of a batch that it serves, of many
     /// slots ([`CLUSTER`]). Its acquisitions count no grant (the cluster store takes the
     /// token from one counter) and its releases announce nothing (the cluster store does).
     #[cfg(feature = "cluster")]
-    pub(crate) fn cluster_node(pool: Pool) -> Self {
-        Self::with_scripts(pool, None, &CLUSTER)
+    pub(crate) fn cluster_node(pool: Pool, wakeups: Arc<Wakeups>) -> Self {
+        Self::with_scripts(pool, None, &CLUSTER, wakeups)
     }
 
     fn with_scripts(
         pool: Pool,
         subscriber: Option<redis::Client>,
         scripts: &'static Scripts,
+        wakeups: Arc<Wakeups>,
     ) -> Self {
         let store = Self {
             connection: SharedConnection::new(pool),
-            wakeups: Arc::new(Wakeups::new()),
+            wakeups,
             scripts,
             subscriber,
             subscribed: OnceLock::new(),
@@ -138,39 +149,60 @@ impl RedisStore {
         self.connection.send(Command::Script(script)).await
     }
 
-    /// Runs `script`, which frees keys for others (a release, a withdrawal), over `keys` a
-    /// step at a time, with the arguments `args` adds, and announces each step: the
-    /// channel and the step's wake-up slots go last among its arguments, for it to
-    /// publish; this process's waiters are woken at once, without waiting for the message
-    /// to come back. Returns the sum of the steps' counts.
-    async fn free_in_steps(
-        &self,
-        script: &Function,
-        keys: &[String],
-        args: impl Fn(&mut Invocation),
-    ) -> Result<usize, StoreError> {
-        let mut count = 0;
+    /// Frees `keys` for others as `how` says, a step at a time, and announces each step:
+    /// the channel and the step's wake-up slots go last among the script's arguments, for
+    /// it to publish, with the waiters it finds first in line on a key it frees; this
+    /// process's waiters are woken at once, without waiting for the message to come back.
+    pub(crate) async fn free(&self, how: Freeing, keys: &[String]) -> Result<Freed, StoreError> {
+        let mut freed = Freed {
+            count: 0,
+            heads: Vec::new(),
+        };
         for step in keys.chunks(self.step) {
-            let mut invocation = self.scripts.prepare(script, None, step);
-            args(&mut invocation);
+            let mut invocation = match how {
+                Freeing::Release(holder) => {
+                    let mut call = self.scripts.prepare(&self.scripts.release, None, step);
+                    call.arg(holder.owner.as_hex()).arg(holder.hold_hex());
+                    call
+                }
+                Freeing::Withdraw(ticket) => {
+                    let mut call = self.scripts.prepare(&self.scripts.withdraw, None, step);
+                    call.arg(ticket.get());
+                    call
+                }
+                Freeing::Force => self
+                    .scripts
+                    .prepare(&self.scripts.force_release, None, step),
+            };
             let slots = slots_of(step);
             invocation
                 .arg(RELEASED_CHANNEL)
                 .arg(release_message(&slots, self.wakeups.tag()));
-            count += self.invoke::<usize>(&invocation).await?;
+            // How many keys the step changed, then the tickets of the waiters first in
+            // line on the keys it freed.
+            let reply = self.invoke::<Vec<u64>>(&invocation).await?;
+            let heads = reply.get(1..).unwrap_or_default();
+            freed.count += reply.first().map_or(0, |&n| n as usize);
+            freed.heads.extend_from_slice(heads);
             self.wakeups.wake_slots(slots);
+            self.wakeups.wake_tickets(heads.iter().copied());
         }
-        Ok(count)
+        Ok(freed)
     }
 
-    /// Puts the reservation of the waiter with `ticket` on `keys`, for
-    /// [`RESERVATION_TTL`], a step at a time: the part of a batch that the cluster store
+    /// Puts the reservation of the waiter with `ticket` on `keys`, for `reserve`
+    /// ([`AcquireRequest::reserve`]), a step at a time: the part of a batch that the cluster store
     /// or an earlier step granted, before it is rolled back, when another part kept the
     /// waiter out.
-    pub(crate) async fn reserve(&self, keys: &[String], ticket: Ticket) -> Result<(), StoreError> {
+    pub(crate) async fn reserve(
+        &self,
+        keys: &[String],
+        ticket: Ticket,
+        reserve: Duration,
+    ) -> Result<(), StoreError> {
         for step in keys.chunks(self.step) {
             let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
-            script.arg(ticket.get()).arg(millis(RESERVATION_TTL));
+            script.arg(ticket.get()).arg(millis(reserve));
             self.invoke::<i64>(&script).await?;
         }
         Ok(())
@@ -185,6 +217,26 @@ impl RedisStore {
         self.invoke::<i64>(&script).await?;
         Ok(())
     }
+}
+
+/// A call that frees keys for others ([`RedisStore::free`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Freeing {
+    /// Ends a hold on the keys that still have it.
+    Release(Holder),
+    /// Takes a waiter's reservations off the keys.
+    Withdraw(Ticket),
+    /// Ends every hold on the keys, whoever has it.
+    Force,
+}
+
+/// What a call that freed keys did: how many keys it changed, and the tickets of the
+/// waiters first in line on the keys it freed (woken in this process already), for a
+/// store that announces releases itself (the cluster's) to name in its announcement.
+#[derive(Debug)]
+pub(crate) struct Freed {
+    pub(crate) count: usize,
+    pub(crate) heads: Vec<u64>,
 }
 
 /// The acquire script's reply: a grant's fencing token (0 where the grant is not counted),
@@ -264,18 +316,14 @@ impl RedisStore {
             .arg(request.holder.hold_hex())
             .arg(millis(request.ttl))
             .arg(request.report)
+            .arg(line_arg(line))
             .arg(match line {
-                Line::Outside => String::new(),
-                Line::At(ticket) => ticket.get().to_string(),
-                // Earlier than every ticket: no reservation keeps it out.
-                Line::Holder => "0".to_owned(),
-            })
-            .arg(match line {
-                Line::At(_) => millis(RESERVATION_TTL),
+                Line::At(_) => millis(request.reserve),
                 Line::Outside | Line::Holder => 0,
             })
             .arg(request.modes.script_arg())
-            .arg(if count { "1" } else { "0" });
+            .arg(if count { "1" } else { "0" })
+            .arg(RELEASED_CHANNEL);
         let reply = match self.replicas {
             None => self.invoke(&script).await?,
             Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
@@ -301,9 +349,48 @@ impl RedisStore {
     }
 }
 
+/// Where a caller stands in line, as the scripts read it: its ticket; `''` in no line
+/// (kept out by every reservation); `'0'` for an owner that already holds keys (earlier
+/// than every ticket: no reservation keeps it out).
+fn line_arg(line: Line) -> String {
+    match line {
+        Line::Outside => String::new(),
+        Line::At(ticket) => ticket.get().to_string(),
+        Line::Holder => "0".to_owned(),
+    }
+}
+
 impl LockStore for RedisStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(self.acquire_batch(request))
+    }
+
+    /// A probe reads the keys that blocked a waiter, a step at a time, and stops at the
+    /// first that still does: a woken waiter of 2,000 keys blocked by one retail order
+    /// reads one key, where an attempt writes 2,000.
+    fn probes(&self) -> bool {
+        true
+    }
+
+    fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let (owner, line) = (request.holder.owner.as_hex(), line_arg(request.line));
+            let mut free = 0;
+            for step in request.keys.chunks(self.step) {
+                let indices: Vec<usize> = (free..free + step.len()).collect();
+                let mut script = self.scripts.prepare(&self.scripts.probe, None, step);
+                script
+                    .arg(&owner)
+                    .arg(&line)
+                    .arg(request.modes.part(&indices).script_arg());
+                let found: usize = self.invoke(&script).await?;
+                free += found;
+                if found < step.len() {
+                    break;
+                }
+            }
+            Ok(free)
+        })
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
@@ -323,22 +410,11 @@ impl LockStore for RedisStore {
     }
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
-        Box::pin(async move {
-            let (owner, hold) = (holder.owner.as_hex(), holder.hold_hex());
-            self.free_in_steps(&self.scripts.release, keys, |script| {
-                script.arg(&owner).arg(&hold);
-            })
-            .await
-        })
+        Box::pin(async move { Ok(self.free(Freeing::Release(holder), keys).await?.count) })
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
-        Box::pin(async move {
-            self.free_in_steps(&self.scripts.withdraw, keys, |script| {
-                script.arg(ticket.get());
-            })
-            .await
-        })
+        Box::pin(async move { Ok(self.free(Freeing::Withdraw(ticket), keys).await?.count) })
     }
 
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
@@ -361,10 +437,7 @@ impl LockStore for RedisStore {
     }
 
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
-        Box::pin(async move {
-            self.free_in_steps(&self.scripts.force_release, keys, |_| {})
-                .await
-        })
+        Box::pin(async move { Ok(self.free(Freeing::Force, keys).await?.count) })
     }
 
     /// Redis 7.0 or later (the scripts need it), and the library of scripts loads.

@@ -5,7 +5,10 @@ use std::{fmt::Write as _, sync::Weak, time::Duration};
 
 use futures_util::StreamExt;
 
-use crate::{backoff::Backoff, store::wake::Wakeups};
+use crate::{
+    backoff::Backoff,
+    store::wake::{Wakeups, SLOTS},
+};
 
 /// The pub/sub channel on which releases name the wake-up slots of their keys.
 pub(in crate::store) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
@@ -79,11 +82,11 @@ async fn subscribe(client: &redis::Client) -> redis::RedisResult<redis::aio::Pub
     Ok(pubsub)
 }
 
-/// Wakes the waiters of the slots a release message names, unless this store sent it.
+/// Wakes the waiters that a release message names, unless this store sent it: those of
+/// its slots (`*`: of every slot), and the waiters in line whose tickets follow a `#`
+/// (the release script adds those: the first in line on each key it freed; see
+/// [`Wakeups`]).
 pub(in crate::store) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
-    if payload == b"*" {
-        return wakeups.wake_all();
-    }
     let text = std::str::from_utf8(payload).unwrap_or_default();
     let own = |entry: &str| {
         entry
@@ -94,7 +97,15 @@ pub(in crate::store) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     if text.split(',').any(own) {
         return;
     }
-    wakeups.wake_slots(text.split(',').filter_map(|s| s.parse().ok()));
+    if text.split(',').any(|entry| entry == "*") {
+        wakeups.wake_slots(0..SLOTS);
+    } else {
+        wakeups.wake_slots(text.split(',').filter_map(|s| s.parse().ok()));
+    }
+    wakeups.wake_tickets(
+        text.split(',')
+            .filter_map(|entry| entry.strip_prefix('#')?.parse().ok()),
+    );
 }
 
 #[cfg(test)]
@@ -126,6 +137,29 @@ mod tests {
         // What an earlier version's listener reads of it: the slots.
         let read: Vec<usize> = message.split(',').filter_map(|s| s.parse().ok()).collect();
         assert_eq!(read, slots);
+    }
+
+    #[tokio::test]
+    async fn a_message_wakes_the_waiters_first_in_line_it_names_and_no_other() {
+        let wakeups = Wakeups::new();
+        let (named, behind) = (61_420_580_338_024, 61_420_580_338_025);
+        let (mut named_watch, mut behind_watch) =
+            (wakeups.watch_ticket(named), wakeups.watch_ticket(behind));
+        // As the release script sends it: the slots as given (every one, for a big
+        // batch), then the first in line; from another store, so not skipped.
+        let message = format!("*,#{named}");
+        wake_from_message(&wakeups, message.as_bytes());
+        let soon = Duration::from_millis(50);
+        let woke = |watch| async move {
+            tokio::time::timeout(soon, any_released(watch))
+                .await
+                .is_ok()
+        };
+        assert!(woke(&mut named_watch).await, "{message}");
+        assert!(!woke(&mut behind_watch).await, "{message}");
+        // The slots still wake the waiters in no line.
+        let keys = vec!["lock:a".to_owned()];
+        assert!(wakes(&wakeups, &keys, &message).await);
     }
 
     #[test]

@@ -26,6 +26,8 @@ pub(crate) struct Scripts {
     library: String,
     /// Locks a batch, all or nothing, or reserves it for a waiter in line.
     pub(super) acquire: Function,
+    /// Finds how many of the keys that kept a waiter out no longer do, writing nothing.
+    pub(super) probe: Function,
     /// Extends a batch if every key still has the hold.
     pub(super) extend: Function,
     /// Ends a hold on the keys that still have it, and announces the release.
@@ -62,6 +64,7 @@ impl Scripts {
         // are refused then, as their SET would have been.
         let bodies = [
             ("acquire", include_str!("scripts/acquire.lua"), ""),
+            ("probe", include_str!("scripts/probe.lua"), "no-writes"),
             ("extend", include_str!("scripts/extend.lua"), "allow-oom"),
             ("release", include_str!("scripts/release.lua"), "allow-oom"),
             (
@@ -115,6 +118,7 @@ impl Scripts {
         Self {
             library: format!("#!lua name={prefix}\nlocal PREFIX = '{prefix}_'\n{code}"),
             acquire: function("acquire"),
+            probe: function("probe"),
             extend: function("extend"),
             release: function("release"),
             withdraw: function("withdraw"),

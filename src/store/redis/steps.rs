@@ -228,8 +228,9 @@ impl RedisStore {
             .cloned()
             .collect();
         if let Line::At(ticket) = request.line {
-            self.reserve(&held, ticket).await?;
-            self.reserve(&request.keys[refused.end..], ticket).await?;
+            self.reserve(&held, ticket, request.reserve).await?;
+            self.reserve(&request.keys[refused.end..], ticket, request.reserve)
+                .await?;
         }
         if !held.is_empty() {
             self.release(&held, request.holder).await?;

@@ -11,6 +11,7 @@ use super::{
     fanout::{node_pool, NodeUrls},
     handle::Store,
     redis::RedisStore,
+    wake::Wakeups,
 };
 use store::{Master, RedlockStore};
 
@@ -200,6 +201,10 @@ impl Redlock {
         }
         let mut servers = HashSet::new();
         let mut masters = Vec::with_capacity(count);
+        // One set of waiters for all the masters: each master's release names the waiters
+        // first in line there, and wakes them here, and in other processes through the
+        // subscription to that master (a waiter woken by several wakes once).
+        let wakeups = Arc::new(Wakeups::new());
         for url in &urls {
             let info = url.as_str().into_connection_info()?;
             let server = info.addr().to_string();
@@ -209,10 +214,12 @@ impl Redlock {
                      independent servers"
                 )));
             }
+            let subscriber = redis::Client::open(info.clone())?;
             let pool = node_pool(info, node_timeout)
                 .map_err(|e| config_error(format!("could not create a Redis pool: {e}")))?;
+            let node = RedisStore::master(pool, Some(subscriber), wakeups.clone());
             masters.push(Master {
-                node: Arc::new(RedisStore::new(pool, None).with_step(step)),
+                node: Arc::new(node.with_step(step)),
                 address: server.into(),
             });
         }
@@ -223,7 +230,7 @@ impl Redlock {
                  one fewer"
             );
         }
-        let store = RedlockStore::new(masters, node_timeout);
+        let store = RedlockStore::new(masters, node_timeout, wakeups);
         Ok(Store::of(Arc::new(store)))
     }
 }

@@ -42,17 +42,18 @@ pub(crate) struct RedlockStore {
     masters: Box<[Master]>,
     quorum: usize,
     fanout: Arc<Fanout>,
-    wakeups: Wakeups,
+    /// Shared with the masters, whose releases wake the waiters first in line.
+    wakeups: Arc<Wakeups>,
 }
 
 impl RedlockStore {
     /// A store over `masters`, whose calls each may take `node_timeout`.
-    pub(super) fn new(masters: Vec<Master>, node_timeout: Duration) -> Self {
+    pub(super) fn new(masters: Vec<Master>, node_timeout: Duration, wakeups: Arc<Wakeups>) -> Self {
         Self {
             quorum: masters.len() / 2 + 1,
             masters: masters.into(),
             fanout: Arc::new(Fanout::new("redlock", node_timeout)),
-            wakeups: Wakeups::new(),
+            wakeups,
         }
     }
 }

@@ -4,7 +4,9 @@
 -- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
 -- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing), the
 -- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
--- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`).
+-- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`), the
+-- release channel (where a shared grant wakes the waiter next in line, who may be a
+-- reader too).
 -- Returns the fencing token when granted (0 when the grant is not counted), a number: a
 -- reply Redis converts at little cost, where a table of five values cost a tenth of a
 -- one-key acquire and release. Otherwise {number of conflicting keys, earliest pttl among
@@ -28,7 +30,6 @@ local ticket_n = ticket and tonumber(ticket)
 local reserve_ms = tonumber(ARGV[6])
 local modes = ARGV[7]
 local mine = owner .. ':' .. hold
-local ours = owner .. ':'
 
 -- Whether KEYS[i] is wanted shared.
 local function shared_at(i)
@@ -58,32 +59,8 @@ for i = 2, #KEYS do
   else
     local holds, queue = split(old)
     -- The owner's live shared hold ids, when a shared key is asked for exclusively.
-    local blocked, ids
-    if holds == nil then
-      blocked = true
-    elseif holds == '' then
-      blocked = reserved_before(queue, ticket_n)
-    elseif not is_shared(holds) then
-      blocked = string.sub(holds, 1, 32) ~= owner
-    elseif shared then
-      -- Beside other readers, unless a waiter keeps it out: only the owner's own entries
-      -- need reading, to let it past the waiters when it holds the key already.
-      local at = string.find(holds, '*' .. ours, 1, true)
-      while at and reader_until(holds, at) <= now() do
-        at = string.find(holds, '*' .. ours, at + READER_LEN, true)
-      end
-      blocked = not at and reserved_before(queue, ticket_n)
-    else
-      local others
-      ids, others = sharers(holds, owner)
-      if others then
-        blocked = true
-        if #ids > 0 then upgrade = 1 end
-      else
-        -- The owner's alone, or ended: as a free key, unless the owner holds it.
-        blocked = #ids == 0 and reserved_before(queue, ticket_n)
-      end
-    end
+    local blocked, ids, upgrading = keeps_out(holds, queue, owner, ticket_n, shared)
+    if upgrading then upgrade = 1 end
     if blocked then
       conflicts = conflicts + 1
       if #named < report then named[#named + 1] = KEYS[i] end
@@ -128,9 +105,13 @@ if conflicts > 0 then
   return {conflicts, earliest, named, upgrade}
 end
 
+-- The waiters first in line on the keys granted shared: a reader among them may come in
+-- beside this one, and nothing else would wake it.
+local readers_next = {}
 for i, parts in pairs(found) do
   local holds, queue, ids = parts[1], parts[2], parts[3]
   if queue ~= '' then queue = requeue(queue, ticket) end
+  if shared_at(i) then note_head(readers_next, queue) end
   -- A shared key taken exclusively: the owner's shared holds that have not ended go with
   -- it; with none, it is taken as a free key.
   if ids and #ids == 0 then holds = '' end
@@ -159,4 +140,5 @@ for i, parts in pairs(found) do
     redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
   end
 end
+if next(readers_next) then announce(ARGV[9], wake_message('', readers_next)) end
 return counts_grants and ARGV[8] == '1' and count_grant(KEYS[1]) or 0

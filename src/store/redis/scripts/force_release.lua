@@ -3,8 +3,9 @@
 -- waiters' reservations stay (a key that has some lives on until the latest of them), so
 -- that the waiters in line still go first, in their order. Foreign values are left alone:
 -- this crate cannot tell what they are. Announces the release to waiters in other
--- processes. Returns how many keys were held.
-local released = 0
+-- processes, with the waiters now first in line. Returns how many keys were held, then the
+-- tickets of those waiters.
+local released, heads = 0, {}
 each_value(1, function(i, value)
   if value == false then return end
   local holds, queue = split(value)
@@ -17,7 +18,8 @@ each_value(1, function(i, value)
   else
     local left, latest = requeue(queue)
     store(KEYS[i], '', left, latest)
+    note_head(heads, left)
   end
 end)
-if released > 0 then announce(ARGV[1], ARGV[2]) end
-return released
+if released > 0 then announce(ARGV[1], wake_message(ARGV[2], heads)) end
+return freed(released, heads)

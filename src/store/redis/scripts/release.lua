@@ -1,12 +1,14 @@
--- KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
+-- KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots (the message).
 -- Ends the hold on the keys that still have it (a key goes with its last hold, and stays
 -- for the waiters that reserved it), so that a late release never frees a key that expired
 -- and went to someone else, nor another hold of the same owner, nor another reader's; and
--- announces the release to waiters in other processes. Returns how many keys had the hold.
+-- announces the release to waiters in other processes: the slots, and the tickets of the
+-- waiters first in line on the keys it freed, the only waiters it can let in. Returns how
+-- many keys had the hold, then those tickets.
 local owner, hold = ARGV[1], ARGV[2]
 local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
-local released, gone = 0, {}
+local released, gone, heads = 0, {}, {}
 each_value(1, function(i, value)
   -- The common cases, a key with this hold and nothing else, need no parsing: it goes.
   if value == exact or (type(value) == 'string' and #value == READER_LEN
@@ -40,6 +42,7 @@ each_value(1, function(i, value)
     end
   end
   released = released + 1
+  if holds == '' or is_shared(holds) then note_head(heads, queue) end
   if holds ~= '' then
     redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
   elseif queue == '' then
@@ -50,5 +53,5 @@ each_value(1, function(i, value)
   end
 end)
 delete(gone)
-if released > 0 then announce(ARGV[3], ARGV[4]) end
-return released
+if released > 0 then announce(ARGV[3], wake_message(ARGV[4], heads)) end
+return freed(released, heads)

@@ -163,6 +163,64 @@ local function reserved_before(queue, ticket)
   return false
 end
 
+-- Whether a key whose value split into `holds` and `queue` (`holds` nil: foreign) keeps
+-- out `owner` asking for it shared (`shared`) or exclusively, with the ticket `ticket` (a
+-- number; nil: in no line, kept out by every reservation). A key keeps it out when another
+-- owner holds it in a mode that excludes it, when it is foreign, or when a waiter with an
+-- earlier ticket reserved it, unless the owner holds it: an owner is never kept out of
+-- its own keys. Also gives, for a shared key asked for exclusively, the owner's live
+-- shared hold ids, and whether the conflict is an upgrade that other readers keep out.
+local function keeps_out(holds, queue, owner, ticket, shared)
+  if holds == nil then return true end
+  if holds == '' then return reserved_before(queue, ticket) end
+  if not is_shared(holds) then return string.sub(holds, 1, 32) ~= owner end
+  if shared then
+    -- Beside other readers, unless a waiter keeps it out: only the owner's own entries
+    -- need reading, to let it past the waiters when it holds the key already.
+    local ours = '*' .. owner .. ':'
+    local at = string.find(holds, ours, 1, true)
+    while at and reader_until(holds, at) <= now() do
+      at = string.find(holds, ours, at + READER_LEN, true)
+    end
+    return not at and reserved_before(queue, ticket)
+  end
+  local ids, others = sharers(holds, owner)
+  if others then return true, ids, #ids > 0 end
+  -- The owner's alone, or ended: as a free key, unless the owner holds it.
+  return #ids == 0 and reserved_before(queue, ticket), ids, false
+end
+
+-- The ticket (a decimal string) of the first live reservation in `queue`, which is in
+-- ticket order; nil if none.
+local function first_in_line(queue)
+  for t, u in string.gmatch(queue, '|(%d+)/(%d+)') do
+    if tonumber(u) > now() then return t end
+  end
+  return nil
+end
+
+-- Adds to `heads` (a set of decimal tickets) the first live reservation of `queue`: the
+-- one waiter that a key freed can let in, and the only one its release wakes.
+local function note_head(heads, queue)
+  local head = first_in_line(queue)
+  if head then heads[head] = true end
+end
+
+-- The release message that names the wake-up slots `slots` (as the caller gave them) and
+-- the waiters first in line, `heads`: `<slots>,#<ticket>...`; see `pubsub.rs`.
+local function wake_message(slots, heads)
+  local parts = {slots}
+  for head in pairs(heads) do parts[#parts + 1] = '#' .. head end
+  return table.concat(parts, ',')
+end
+
+-- The reply of a script that frees keys: how many it changed, then the tickets in `heads`.
+local function freed(count, heads)
+  local reply = {count}
+  for head in pairs(heads) do reply[#reply + 1] = tonumber(head) end
+  return reply
+end
+
 -- The values of KEYS[first..], a thousand at a time (`unpack` fails near 8,000 values), or
 -- one at a time where one command may only name keys of one slot (`per_key`, set by the
 -- prelude): calls `each(index, value)` for every key.
