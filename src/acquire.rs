@@ -95,6 +95,8 @@ enum Refusal {
     Contended(Contention),
     /// The store did not answer in time, or failed.
     Unavailable,
+    /// It would have waited while as many requests as the policy allows already do.
+    Crowded,
 }
 
 impl<'a> Acquisition<'a> {
@@ -190,6 +192,11 @@ impl<'a> Acquisition<'a> {
             Err(Refusal::Unavailable) => {
                 span.record("outcome", "unavailable");
                 (Err(Rejection::unavailable()), Outcome::Unavailable)
+            }
+            Err(Refusal::Crowded) => {
+                span.record("outcome", "crowded");
+                tracing::debug!("too many requests wait for locks");
+                (Err(Rejection::crowded()), Outcome::Unavailable)
             }
         };
         if let Some(layer) = self.layer {
@@ -344,6 +351,8 @@ impl<'a> Acquisition<'a> {
         };
         // Counted from the first refusal that makes the request wait, until it ends.
         let mut waiting = None;
+        // Its place among the requests that wait (`Locks::max_waiters`), from then on.
+        let mut slot = None;
         let mut attempted = started;
         // The last wait's watch, kept through the next attempt: a release while that
         // attempt is under way (after the store found a key held, before its answer came
@@ -414,6 +423,16 @@ impl<'a> Acquisition<'a> {
                         place.withdraw().await;
                     }
                     return Err(Refusal::Contended(contention));
+                }
+                if slot.is_none() {
+                    // It waits: only while fewer than the bound already do.
+                    slot = self.locks.start_waiting();
+                    if slot.is_none() {
+                        if let Some(place) = place {
+                            place.withdraw().await;
+                        }
+                        return Err(Refusal::Crowded);
+                    }
                 }
                 let mut released = match watched.take() {
                     Some(watches) if watches.covers(&contention.keys) => watches,

@@ -2,7 +2,10 @@
 
 use std::{
     fmt,
-    sync::{Arc, LazyLock},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, LazyLock,
+    },
     time::Duration,
 };
 
@@ -60,6 +63,8 @@ struct Shared {
     batches: Arc<Batches>,
     /// The store's outage, logged once rather than once per request.
     outage: Arc<OutageLog>,
+    /// How many requests wait for their keys now (see [`Locks::max_waiters`]).
+    waiting: Arc<AtomicUsize>,
 }
 
 /// The rules, as the request path reads them: each is set by the builder method of its
@@ -75,6 +80,7 @@ pub(crate) struct Policy {
     /// Every key of the layer held shared ([`LockLayer::shared`](crate::LockLayer::shared)).
     pub(crate) all_shared: bool,
     pub(crate) wait: Wait,
+    pub(crate) max_waiters: usize,
     pub(crate) renew: bool,
     pub(crate) max_hold: Option<Duration>,
     pub(crate) on_lost_lease: OnLostLease,
@@ -129,6 +135,9 @@ pub enum OnLostLease {
 /// hold its keys for good.
 const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(300);
 
+/// See [`Locks::max_waiters`].
+const DEFAULT_MAX_WAITERS: usize = 1_024;
+
 impl Default for Policy {
     fn default() -> Self {
         Self {
@@ -144,6 +153,7 @@ impl Default for Policy {
             require_keys: true,
             all_shared: false,
             wait: Wait::none(),
+            max_waiters: DEFAULT_MAX_WAITERS,
             renew: true,
             max_hold: Some(DEFAULT_MAX_HOLD),
             on_lost_lease: OnLostLease::Continue,
@@ -186,6 +196,7 @@ impl Locks {
             holds: Arc::default(),
             batches: Arc::default(),
             outage: Arc::default(),
+            waiting: Arc::default(),
         };
         Self {
             shared: Arc::new(shared),
@@ -318,6 +329,43 @@ impl Locks {
     /// layer can set its own with [`LockLayer::wait`].
     pub fn wait(self, wait: Wait) -> Self {
         self.tune(|p| p.wait = wait)
+    }
+
+    /// How many requests may wait for their keys at once, across every layer of these
+    /// locks (and of the handles made from them with the builder methods). Default 1,024.
+    ///
+    /// A request that would have to wait while that many already do is refused at once
+    /// with `503 Service Unavailable`, `Retry-After: 1` and a problem+json body whose
+    /// `limit` member is `"max_waiters"`: this process is overloaded, and a client does
+    /// better to come back than to queue behind a line that cannot drain within its wait.
+    /// It holds and reserves nothing, and counts as `unavailable` in the metrics' outcomes
+    /// (with the reason in the logs, at `DEBUG`). Waiters cost the process a task each and the store a
+    /// little (a waiter in line is woken only at its turn, and polls at most once a
+    /// second), so the bound is there against a flood, not for the common case: set it
+    /// near the number of requests your bound lets through in one [`Wait`] bound.
+    ///
+    /// # Panics
+    ///
+    /// If `max` is zero: use [`Wait::none`] for requests that never wait.
+    pub fn max_waiters(self, max: usize) -> Self {
+        assert!(
+            max > 0,
+            "max_waiters must be at least 1; use Wait::none() instead"
+        );
+        self.tune(|p| p.max_waiters = max)
+    }
+
+    /// A place among the requests that wait (see [`max_waiters`](Self::max_waiters)),
+    /// given back when dropped; `None` when they are all taken.
+    pub(crate) fn start_waiting(&self) -> Option<WaiterSlot> {
+        let waiting = &self.shared.waiting;
+        let max = self.shared.policy.max_waiters;
+        waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| WaiterSlot(waiting.clone()))
     }
 
     /// Whether the lease is extended while the inner service runs (and, with
@@ -517,5 +565,15 @@ impl fmt::Debug for Locks {
             .field("store", self.store())
             .field("policy", self.policy())
             .finish_non_exhaustive()
+    }
+}
+
+/// One request's place among those that wait ([`Locks::start_waiting`]).
+#[derive(Debug)]
+pub(crate) struct WaiterSlot(Arc<AtomicUsize>);
+
+impl Drop for WaiterSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }

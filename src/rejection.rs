@@ -94,6 +94,19 @@ impl Rejection {
         .retry_after(Duration::from_secs(1))
     }
 
+    /// Too many requests already wait for their keys ([`Locks::max_waiters`]): refused at
+    /// once, holding nothing.
+    ///
+    /// [`Locks::max_waiters`]: crate::Locks::max_waiters
+    pub(crate) fn crowded() -> Self {
+        Self::limit(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "max_waiters",
+            "too many requests are waiting for locks; try again later".to_owned(),
+        )
+        .retry_after(Duration::from_secs(1))
+    }
+
     /// The handler takes a [`Lease`](crate::lease::Lease) that the request does not have. The
     /// server's mistake, not the client's: the log says what to change.
     pub(crate) fn missing_lease() -> Self {

@@ -307,6 +307,59 @@ async fn script_calls_per_grant_do_not_grow_with_the_waiters() {
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
+/// Beyond `max_waiters`, a request that would wait is refused at once with 503, a
+/// `Retry-After` and the limit it met, holding and reserving nothing; a place among the
+/// waiters is given back when its waiter ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn beyond_max_waiters_a_request_is_refused_at_once_with_503() {
+    let locks = Locks::new(Store::isolated_memory())
+        .wait(Wait::up_to(Duration::from_secs(5)))
+        .max_waiters(1);
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
+    gate.wait_entered().await;
+    let waiter = probe_router(&locks);
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { send(&waiter, work(&["k"])).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // One waits already: the next would wait too, and is refused at once.
+    let (crowded, took) = {
+        let started = Instant::now();
+        (
+            send(&waiter, work(&["k", "other"])).await,
+            started.elapsed(),
+        )
+    };
+    assert_eq!(crowded.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(crowded.headers["retry-after"], "1");
+    let problem: serde_json::Value = serde_json::from_slice(&crowded.body).unwrap();
+    assert_eq!(problem["limit"], "max_waiters", "{problem}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    // It reserved nothing: `other` is free for a request that does not wait.
+    let now = probe_router(&locks.clone().wait(Wait::none()));
+    assert_eq!(send(&now, work(&["other"])).await.status, StatusCode::OK);
+    // A request granted at once never counts among the waiters.
+    assert_eq!(send(&waiter, work(&["free"])).await.status, StatusCode::OK);
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+    // The place is free again: the next waiter waits, and is granted.
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
+    gate.wait_entered().await;
+    let waiting = tokio::spawn(async move { send(&waiter, work(&["k"])).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+}
+
 /// A waiter whose bound passes gets the contention response at the bound, and leaves no
 /// key of its batch behind.
 async fn bound_passes(locks: &Locks, store: Option<&Observer>) -> Duration {
