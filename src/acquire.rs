@@ -81,8 +81,8 @@ pub(crate) struct Acquisition<'a> {
     timeout: Duration,
     /// How many conflicting keys to learn of, to name them and to watch for their release.
     report: usize,
-    /// Whether the owner already holds keys (see [`Line::Holder`]).
-    holds_keys: bool,
+    /// When the owner arrived, if it already holds keys (see [`Line::Holder`]).
+    holder_since: Option<Ticket>,
     /// The metrics label of a request's acquisition (not of a handler's `Lease::lock`).
     layer: Option<&'a Layer>,
     /// Where a failed store is logged.
@@ -101,13 +101,14 @@ enum Refusal {
 
 impl<'a> Acquisition<'a> {
     /// The acquisition of `keys` in `modes` under the policy of `locks`, for an owner that
-    /// may already hold others (`holds_keys`, see [`Line::Holder`]). A request's has the
+    /// may already hold others, having arrived at `holder_since` (see [`Line::Holder`]).
+    /// A request's has the
     /// `layer` its metrics and waiting count under; a handler's `Lease::lock` has none.
     pub(crate) fn new(
         locks: &'a Locks,
         keys: &'a Arc<[String]>,
         modes: &'a Modes,
-        holds_keys: bool,
+        holder_since: Option<Ticket>,
         layer: Option<&'a Layer>,
     ) -> Self {
         let policy = locks.policy();
@@ -131,7 +132,7 @@ impl<'a> Acquisition<'a> {
             wait: policy.wait,
             timeout: policy.store_timeout,
             report,
-            holds_keys,
+            holder_since,
             layer,
             outage: locks.outage(),
         }
@@ -220,11 +221,7 @@ impl<'a> Acquisition<'a> {
         started: Instant,
     ) -> Option<Result<(LockGuard, FencingToken), Refusal>> {
         let holder = Holder::new(owner);
-        let line = if self.holds_keys {
-            Line::Holder
-        } else {
-            Line::Outside
-        };
+        let line = self.holder_since.map_or(Line::Outside, Line::Holder);
         let answer = self
             .store
             .acquire_now(&self.request(holder, line, Duration::ZERO), started)?;
@@ -332,12 +329,12 @@ impl<'a> Acquisition<'a> {
         started: Instant,
     ) -> Result<(LockGuard, FencingToken), Refusal> {
         let deadline = started + self.wait.bound();
-        let place = (self.wait.queues() && !self.holds_keys)
+        let place = (self.wait.queues() && self.holder_since.is_none())
             .then(|| Place::take(self.store.clone(), self.keys.clone(), self.timeout));
-        let line = match &place {
-            _ if self.holds_keys => Line::Holder,
-            Some(place) => Line::At(place.ticket),
-            None => Line::Outside,
+        let line = match (&place, self.holder_since) {
+            (_, Some(arrived)) => Line::Holder(arrived),
+            (Some(place), None) => Line::At(place.ticket),
+            (None, None) => Line::Outside,
         };
         // The pauses between attempts, for when a wake-up is lost. A waiter in line is
         // woken when its turn comes, and otherwise it could only notice a hold or a place
@@ -345,7 +342,7 @@ impl<'a> Acquisition<'a> {
         // does not cost the store a probe per waiter every few milliseconds.
         let mut backoff = match line {
             Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(1)),
-            Line::Outside | Line::Holder => {
+            Line::Outside | Line::Holder(_) => {
                 Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
             }
         };
@@ -362,7 +359,7 @@ impl<'a> Acquisition<'a> {
         // A waiter in line watches for its turn from before its first attempt.
         let mut watched: Option<Watches<'_>> = match line {
             Line::At(ticket) => Some(self.store.wakeups().watch_ticket(ticket.get())),
-            Line::Outside | Line::Holder => None,
+            Line::Outside | Line::Holder(_) => None,
         };
         loop {
             // A hold of its own for each attempt: a release of a failed attempt that is still
@@ -460,7 +457,7 @@ impl<'a> Acquisition<'a> {
         let wakeups = self.store.wakeups();
         match line {
             Line::At(ticket) => wakeups.watch_ticket(ticket.get()),
-            Line::Outside | Line::Holder => wakeups.watch(keys),
+            Line::Outside | Line::Holder(_) => wakeups.watch(keys),
         }
     }
 }
@@ -611,7 +608,7 @@ mod tests {
         })
         .wait(Wait::up_to(Duration::from_secs(1)));
         let modes = Modes::All(Mode::Exclusive);
-        let acquisition = Acquisition::new(&locks, &keys, &modes, false, None);
+        let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
         let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
         assert!(granted.is_ok(), "the waiter was not granted");
         // Refused; after a pause, refused with the key released meanwhile; then, at once,

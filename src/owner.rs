@@ -6,7 +6,10 @@ use futures_util::future::{join_all, BoxFuture};
 
 #[cfg(doc)]
 use crate::lease::Lease;
-use crate::{guard::LockGuard, store::contract::OwnerToken};
+use crate::{
+    guard::LockGuard,
+    store::contract::{OwnerToken, Ticket},
+};
 
 /// The owner of a request's locks, named by the [`Lease`] in the request's extensions: every
 /// layer on the request locks under it, so a key an outer layer holds is re-entered by an
@@ -14,6 +17,9 @@ use crate::{guard::LockGuard, store::contract::OwnerToken};
 #[derive(Debug)]
 pub(crate) struct RequestOwner {
     pub(crate) token: OwnerToken,
+    /// When the owner arrived: its place in line on keys it does not hold yet, when it
+    /// locks more (see [`Line::Holder`](crate::store::contract::Line)).
+    pub(crate) arrived: Ticket,
     /// The holds the handler took through [`Lease::lock`], released with the request.
     extra: Mutex<Vec<(u64, LockGuard)>>,
 }
@@ -22,6 +28,7 @@ impl RequestOwner {
     pub(crate) fn new(token: OwnerToken) -> Arc<Self> {
         Arc::new(Self {
             token,
+            arrived: Ticket::take(),
             extra: Mutex::default(),
         })
     }

@@ -186,7 +186,8 @@ impl Claim {
 
     fn acquisition<'a>(&'a self, locks: &'a Locks) -> Acquisition<'a> {
         let layer = Some(&self.layer);
-        Acquisition::new(locks, &self.keys, &self.modes, self.holds_keys, layer)
+        let holder_since = self.holds_keys.then_some(self.owner.arrived);
+        Acquisition::new(locks, &self.keys, &self.modes, holder_since, layer)
     }
 }
 

@@ -143,10 +143,12 @@ pub(crate) enum Line {
     /// out, reserves its whole batch.
     At(Ticket),
     /// An owner that already holds keys (a nested layer, a handler's `Lease::lock`, a
-    /// trusted caller's owner): kept out by no reservation, and reserves nothing. It came
-    /// before every waiter that its holds keep waiting, and making it wait for them would
-    /// deadlock.
-    Holder,
+    /// trusted caller's owner), which arrived with this ticket: the keys it holds keep it
+    /// out of nothing; on the others it is kept out by the reservations of the waiters
+    /// that arrived before it, and it reserves nothing. Every waiter that its holds keep
+    /// waiting came after it (or it could not have taken them), so it never waits for one
+    /// of those: no deadlock; and a waiter that came before it keeps its place.
+    Holder(Ticket),
 }
 
 impl Line {
@@ -154,8 +156,7 @@ impl Line {
     pub(crate) fn kept_out_by(self, ticket: Ticket) -> bool {
         match self {
             Self::Outside => true,
-            Self::At(mine) => ticket < mine,
-            Self::Holder => false,
+            Self::At(mine) | Self::Holder(mine) => ticket < mine,
         }
     }
 }

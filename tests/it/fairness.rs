@@ -390,6 +390,76 @@ async fn waiter_process() {
     send(&recording_router(&locks, &order), named("a,b", "killed", 0)).await;
 }
 
+/// Not a test: the process that [`a_holders_process_killed_leaves_its_waiters_place_in_line`]
+/// starts and kills. It holds `a` on the Redis at `$WAITER_URL` with a TTL of a second,
+/// renewed, until it is killed (a minute at most).
+#[tokio::test]
+#[ignore = "a child process of another test"]
+async fn holder_process() {
+    let Ok(url) = std::env::var(WAITER_URL) else {
+        return;
+    };
+    let locks = Locks::new(Redis::url(&url).build().unwrap()).ttl(Duration::from_secs(1));
+    let (_gate, held) = hold(&locks, "a").await;
+    let _ = tokio::time::timeout(Duration::from_secs(60), held).await;
+}
+
+/// A holder's process dies while a waiter is in line: its hold ends with its TTL, and the
+/// waiter's place does not end with it. A newcomer that keeps asking for the key as it
+/// expires is refused until the waiter has had it. (On Redis the waiter's reservation was
+/// kept in the holder's value, and went with it: the newcomer won, 3 times in 3.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holders_process_killed_leaves_its_waiters_place_in_line() {
+    let store = Store::redis();
+    let [locks, _] = &store.locks;
+    let mut holder = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "fairness::holder_process",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(WAITER_URL, store.servers[0].url())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the holder process");
+    let held = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
+        store.line("lock:a").is_some()
+            && store.observers()[0]
+                .lock("lock:a")
+                .is_some_and(|v| v.owner.is_some())
+    })
+    .await;
+    assert!(held.is_some(), "the holder process never took `a`");
+
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiter_app = recording_router(&waiting(locks, Duration::from_secs(5)), &order);
+    let waiter = tokio::spawn(async move { send(&waiter_app, named("a", "waiter", 0)).await });
+    let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+        store.line("lock:a").is_some_and(|line| line.len() == 1)
+    })
+    .await;
+    assert!(in_line.is_some(), "the waiter never reserved `a`");
+
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    // A newcomer that does not wait asks every 5 ms until the waiter has been granted.
+    let newcomer = recording_router(locks, &order);
+    let started = Instant::now();
+    while order.lock().unwrap().is_empty() && started.elapsed() < Duration::from_secs(5) {
+        send(&newcomer, named("a", "newcomer", 0)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order.first().map(String::as_str),
+        Some("waiter"),
+        "{order:?}"
+    );
+    store.settle().await;
+}
+
 /// How long the killed waiter of [`a_killed_waiters_reservations_last_to_its_deadline`]
 /// would have waited.
 const KILLED_WAITERS_BOUND: Duration = Duration::from_secs(3);
@@ -452,8 +522,50 @@ async fn a_killed_waiters_reservations_last_to_its_deadline() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 4. An owner is never kept out by reservations
+// 4. An owner is never kept out of its own keys, nor by waiters that came after it
 // ---------------------------------------------------------------------------------------
+
+/// An owner that holds a key and locks another is kept out of that one by the reservation
+/// of a waiter that arrived before it: holding `a` lets it past the line on `a`, not on
+/// `b`. (It used to pass every reservation on every key of its batch.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_owner_with_a_held_key_is_kept_out_of_another_by_an_earlier_waiter() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        // `c` is held: a waiter for `b` and `c` reserves both, `b` free.
+        let (gate_c, held_c) = hold(first, "c").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let waiter_app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
+        let waiter = tokio::spawn(async move { send(&waiter_app, named("b,c", "w", 0)).await });
+        let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+            store.line("lock:b").is_none_or(|line| line.len() == 1)
+        })
+        .await;
+        assert!(reserved.is_some(), "{}", store.name);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+
+        // A request that arrives now holds `a`, and its handler locks `b` without waiting.
+        let inner = |Extension(lease): Extension<Lease>| async move {
+            match lease.lock(["b"]).await {
+                Ok(held) => {
+                    held.release().await;
+                    "locked b"
+                }
+                Err(_) => "kept out of b",
+            }
+        };
+        let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
+        let app = Router::new().route("/", get(inner).layer(first.layer(only_a)));
+        let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+        assert_eq!(reply.text(), "kept out of b", "{}", store.name);
+
+        gate_c.open();
+        assert_eq!(held_c.await.unwrap().status, StatusCode::OK);
+        let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+        store.settle().await;
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {

@@ -390,7 +390,7 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         &batch,
         SHARED,
         read,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     // Alone: the owner takes its key exclusively, and keeps both holds.
     assert!(granted(attempt(
@@ -399,7 +399,7 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         write,
         TTL,
         20,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     assert_eq!(store.view(&batch)[0].status, KeyStatus::Held);
     assert!(!granted(attempt_in(
@@ -431,7 +431,7 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         &batch,
         SHARED,
         read,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     assert!(granted(attempt_in(
         &store,
@@ -440,7 +440,9 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         other,
         Line::Outside
     )));
-    let Acquire::Held(refused) = attempt(&store, &batch, write, TTL, 20, Line::Holder) else {
+    let Acquire::Held(refused) =
+        attempt(&store, &batch, write, TTL, 20, Line::Holder(Ticket::take()))
+    else {
         panic!("an upgrade over another reader was granted");
     };
     assert!(refused.upgrade);
@@ -456,14 +458,14 @@ fn an_upgrade_is_granted_to_a_sole_reader_only_and_refused_at_once_otherwise() {
         write,
         TTL,
         20,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     assert!(granted(attempt_in(
         &store,
         &batch,
         SHARED,
         read,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     assert_eq!(store.view(&batch)[0].holds, 2);
 }
@@ -513,7 +515,7 @@ fn a_waiting_writers_reservation_keeps_new_readers_out() {
         &batch,
         SHARED,
         again,
-        Line::Holder
+        Line::Holder(Ticket::take())
     )));
     store.release_owned(&batch, again, Instant::now());
     store.release_owned(&batch, reader, Instant::now());

@@ -319,7 +319,7 @@ impl RedisStore {
             .arg(line_arg(line))
             .arg(match line {
                 Line::At(_) => millis(request.reserve),
-                Line::Outside | Line::Holder => 0,
+                Line::Outside | Line::Holder(_) => 0,
             })
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" })
@@ -349,14 +349,13 @@ impl RedisStore {
     }
 }
 
-/// Where a caller stands in line, as the scripts read it: its ticket; `''` in no line
-/// (kept out by every reservation); `'0'` for an owner that already holds keys (earlier
-/// than every ticket: no reservation keeps it out).
+/// Where a caller stands in line, as the scripts read it: its ticket (a waiter's, or the
+/// arrival of an owner that holds keys, whose own keys keep it out of nothing anyway); `''`
+/// in no line (kept out by every reservation).
 fn line_arg(line: Line) -> String {
     match line {
         Line::Outside => String::new(),
-        Line::At(ticket) => ticket.get().to_string(),
-        Line::Holder => "0".to_owned(),
+        Line::At(ticket) | Line::Holder(ticket) => ticket.get().to_string(),
     }
 }
 

@@ -293,6 +293,11 @@ impl LockValue {
                 .split('|')
                 .map(|r| r.split_once('/').and_then(|(t, _)| t.parse().ok()))
                 .collect::<Option<Vec<u64>>>()?
+                .into_iter()
+                // Ticket 0 is no waiter's: it marks where exclusive holds that
+                // reservations outlive end.
+                .filter(|&ticket| ticket != 0)
+                .collect()
         } else {
             Vec::new()
         };

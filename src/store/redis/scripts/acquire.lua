@@ -57,7 +57,7 @@ for i = 2, #KEYS do
   if not old then
     taken[#taken + 1] = i
   else
-    local holds, queue = split(old)
+    local holds, queue, hold_end = split(old)
     -- The owner's live shared hold ids, when a shared key is asked for exclusively.
     local blocked, ids, upgrading = keeps_out(holds, queue, owner, ticket_n, shared)
     if upgrading then upgrade = 1 end
@@ -70,13 +70,15 @@ for i = 2, #KEYS do
         local left
         if holds ~= nil and is_shared(holds) then
           left = select(2, live_readers(holds)) - now()
+        elseif hold_end then
+          left = hold_end - now()
         else
           left = redis.call('PTTL', KEYS[i])
         end
         if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
       end
     end
-    if holds ~= nil then found[i] = {holds, queue, ids} end
+    if holds ~= nil then found[i] = {holds, queue, ids, hold_end} end
   end
 end
 
@@ -94,7 +96,7 @@ if conflicts > 0 then
       local mine = string.match(parts[2], '|' .. ticket .. '/(%d+)')
       if not (mine and tonumber(mine) > fresh_after) then
         local queue, latest = requeue(parts[2], ticket, till)
-        store(KEYS[i], parts[1], queue, latest)
+        write(KEYS[i], parts[1], queue, latest, parts[4])
       end
     end
   else
@@ -109,14 +111,15 @@ end
 -- beside this one, and nothing else would wake it.
 local readers_next = {}
 for i, parts in pairs(found) do
-  local holds, queue, ids = parts[1], parts[2], parts[3]
-  if queue ~= '' then queue = requeue(queue, ticket) end
+  local holds, queue, ids, hold_end = parts[1], parts[2], parts[3], parts[4]
+  local latest = 0
+  if queue ~= '' then queue, latest = requeue(queue, ticket) end
   if shared_at(i) then note_head(readers_next, queue) end
   -- A shared key taken exclusively: the owner's shared holds that have not ended go with
   -- it; with none, it is taken as a free key.
   if ids and #ids == 0 then holds = '' end
   if holds == '' then
-    redis.call('SET', KEYS[i], (shared_at(i) and reader() or mine) .. queue, 'PX', ttl)
+    write(KEYS[i], shared_at(i) and reader() or mine, queue, latest, now() + ttl)
   else
     -- A hold that is already there is this very acquisition, run again after a broken
     -- connection: once is enough.
@@ -135,9 +138,10 @@ for i, parts in pairs(found) do
         if id ~= hold then holds = holds .. ';' .. id end
       end
     end
-    -- Never shortened: the key lives as long as its longest hold.
-    redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
-    redis.call('PEXPIRE', KEYS[i], ttl, 'GT')
+    -- Never shortened: exclusive holds end with the later of theirs and this one's (an
+    -- upgrade's, with the readers' it carries, whose end the key's ttl was).
+    local ends = hold_end or now() + math.max(redis.call('PTTL', KEYS[i]), 0)
+    write(KEYS[i], holds, queue, latest, math.max(ends, now() + ttl))
   end
 end
 if next(readers_next) then announce(ARGV[9], wake_message('', readers_next)) end

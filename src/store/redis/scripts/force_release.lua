@@ -17,7 +17,7 @@ each_value(1, function(i, value)
     redis.call('DEL', KEYS[i])
   else
     local left, latest = requeue(queue)
-    store(KEYS[i], '', left, latest)
+    write(KEYS[i], '', left, latest)
     note_head(heads, left)
   end
 end)

@@ -12,7 +12,7 @@ each_value(1, function(i, value)
     -- there, and foreign.
     if redis.call('EXISTS', KEYS[i]) == 1 then state = 2 end
   else
-    local held, queue = split(value)
+    local held, queue, hold_end = split(value)
     if held == nil then
       state = 2
     else
@@ -26,13 +26,15 @@ each_value(1, function(i, value)
       elseif held ~= '' then
         state = 1
         holds = (#held - 32) / 17
+        -- Reservations outlive the holds: the value keeps their end.
+        if hold_end then left = hold_end - now() end
       end
       for _, u in string.gmatch(queue, '|(%d+)/(%d+)') do
         if tonumber(u) > now() then waiters = waiters + 1 end
       end
     end
   end
-  if state == 1 or state == 2 then left = redis.call('PTTL', KEYS[i]) end
+  if (state == 1 and left < 0) or state == 2 then left = redis.call('PTTL', KEYS[i]) end
   out[#out + 1] = state
   out[#out + 1] = left
   out[#out + 1] = holds

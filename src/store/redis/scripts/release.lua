@@ -17,7 +17,7 @@ each_value(1, function(i, value)
     gone[#gone + 1] = KEYS[i]
     return
   end
-  local holds, queue = split(value)
+  local holds, queue, hold_end = split(value)
   if holds == nil or holds == '' then return end
   if is_shared(holds) then
     local at = string.find(holds, reader, 1, true)
@@ -34,7 +34,7 @@ each_value(1, function(i, value)
     elseif not string.find(holds, ':', 33, true) then
       -- Its last exclusive hold ended: the owner's shared holds under it are shared ones
       -- again, each until the key's end, and other readers may come in.
-      local till, readers = now() + math.max(redis.call('PTTL', KEYS[i]), 0), {}
+      local till, readers = hold_end or now() + math.max(redis.call('PTTL', KEYS[i]), 0), {}
       for id in string.gmatch(holds, ';(%x+)') do
         readers[#readers + 1] = reader_entry(owner, id, till)
       end
@@ -43,13 +43,11 @@ each_value(1, function(i, value)
   end
   released = released + 1
   if holds == '' or is_shared(holds) then note_head(heads, queue) end
-  if holds ~= '' then
-    redis.call('SET', KEYS[i], holds .. queue, 'KEEPTTL')
-  elseif queue == '' then
+  if holds == '' and queue == '' then
     gone[#gone + 1] = KEYS[i]
   else
     local left, latest = requeue(queue)
-    store(KEYS[i], '', left, latest)
+    write(KEYS[i], holds, left, latest, hold_end)
   end
 end)
 delete(gone)

@@ -13,9 +13,9 @@ each_value(1, function(i, value)
     redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms, 'NX')
     return
   end
-  local holds, queue = split(value)
+  local holds, queue, hold_end = split(value)
   if holds == nil then return end
   local left, latest = requeue(queue, ticket, till)
-  store(KEYS[i], holds, left, latest)
+  write(KEYS[i], holds, left, latest, hold_end)
 end)
 return 1

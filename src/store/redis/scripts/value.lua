@@ -15,8 +15,12 @@
 -- at least its longest hold's, and holds past their <until> keep nobody out, and go with
 -- the next release of the key. A reservation is a waiter's ticket (smaller is earlier)
 -- and the Redis time in milliseconds until which it counts; they are kept in ticket order, and
--- keep later arrivals out whatever the modes. The key's PX ttl is its holds' when held,
--- and its latest reservation's otherwise.
+-- keep later arrivals out whatever the modes. The key lives as long as the longest of its
+-- holds and reservations (`write`). Exclusive holds end together, with the key's PX ttl,
+-- unless reservations outlive them: then their end goes first in the queue, as the marker
+-- `|0/<until>` (ticket 0 is no waiter's), and the key lives until its latest reservation,
+-- so that a holder whose process died takes its holds with it, and not the line of
+-- waiters behind it. Past the marker, the holds have ended (`split`).
 --
 -- Anything else under a lock key (a value another version or program wrote, or a key of
 -- another type) is foreign: it conflicts and is never changed. Shared holds start with
@@ -102,9 +106,11 @@ local function sharers(holds, owner)
   return mine, others
 end
 
--- The holds and the reservations of a value, or nil when the value is foreign. Shared
--- holds come as they are stored, ended ones included: the scripts look at ends only where
--- they matter, and a release drops the ended ones.
+-- The holds and the reservations of a value, or nil when the value is foreign; and the end
+-- of its exclusive holds where the value keeps it (nil: the key's ttl). Shared holds come
+-- as they are stored, ended ones included: the scripts look at ends only where they
+-- matter, and a release drops the ended ones. Exclusive holds past their end come as none,
+-- and the marker of their end is never part of the reservations: `write` puts it back.
 local function split(value)
   if type(value) ~= 'string' or value == '' then return nil end
   local bar = string.find(value, '|', 1, true)
@@ -116,7 +122,13 @@ local function split(value)
     if not in_form then return nil end
   end
   if queue ~= '' and string.gsub(queue, '|%d+/%d+', '') ~= '' then return nil end
-  return holds, queue
+  local marker = string.match(queue, '^|0/(%d+)')
+  local hold_end = marker and tonumber(marker)
+  if marker then
+    queue = string.sub(queue, #marker + 4)
+    if holds ~= '' and not is_shared(holds) and hold_end <= now() then holds = '' end
+  end
+  return holds, queue, hold_end
 end
 
 -- The live reservations of `queue` other than the one of `ticket` (a decimal string, or
@@ -143,16 +155,32 @@ local function requeue(queue, ticket, till)
   return table.concat(out), latest
 end
 
--- Writes `holds` and `queue` back under `key`: deleted when both are empty; with the holds'
--- ttl kept when held; living until its latest reservation otherwise.
-local function store(key, holds, queue, latest)
-  if holds ~= '' then
-    redis.call('SET', key, holds .. queue, 'KEEPTTL')
-  elseif queue == '' then
-    redis.call('DEL', key)
-  else
-    redis.call('SET', key, queue, 'PX', math.max(latest - now(), 1))
+-- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`) under
+-- `key`, living as long as the longest of them: deleted when both are empty. Exclusive
+-- holds end at `hold_end` (Redis ms; nil: where the key's ttl ends now), each shared one
+-- at its own end. Where reservations outlive exclusive holds, the holds' end goes in the
+-- value as its marker (see the top of this file).
+local function write(key, holds, queue, latest, hold_end)
+  if holds == '' then
+    if queue == '' then
+      redis.call('DEL', key)
+    else
+      redis.call('SET', key, queue, 'PX', math.max(latest - now(), 1))
+    end
+    return
   end
+  local ends
+  if is_shared(holds) then
+    ends = select(2, live_readers(holds))
+  else
+    ends = hold_end or now() + math.max(redis.call('PTTL', key), 0)
+    if latest > ends then
+      local marked = holds .. '|0/' .. string.format('%d', ends) .. queue
+      redis.call('SET', key, marked, 'PX', math.max(latest - now(), 1))
+      return
+    end
+  end
+  redis.call('SET', key, holds .. queue, 'PX', math.max(math.max(ends, latest) - now(), 1))
 end
 
 -- Whether a live reservation in `queue` is earlier than `ticket` (any, when it is nil).
