@@ -211,6 +211,16 @@ impl Fanout {
         self.node_timeout
     }
 
+    /// How long a node may take for a call on `keys` keys: the node timeout for each script
+    /// the call takes (a batch goes in steps of `step` keys). A node whose queue holds big
+    /// batches of other requests is busy, not down: bounding a 2,000-key batch by the time
+    /// one script may take counted such a node as failed, turned load into 503s, and the
+    /// clients' retries into more load.
+    pub(super) fn timeout_for(&self, keys: usize, step: usize) -> Duration {
+        let steps = keys.div_ceil(step.max(1)).max(1);
+        self.node_timeout * u32::try_from(steps).unwrap_or(u32::MAX)
+    }
+
     /// Remembers `ttl`, for how long releases are worth retrying.
     pub(super) fn note_ttl(&self, ttl: Duration) {
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
@@ -279,7 +289,8 @@ impl Fanout {
     ) -> impl Future<Output = NodeReply<Acquire>> + Send + 'static {
         let fanout = self.clone();
         async move {
-            let reply = bounded(fanout.node_timeout, node.acquire(&request)).await;
+            let timeout = fanout.timeout_for(request.keys.len(), node.step());
+            let reply = bounded(timeout, node.acquire(&request)).await;
             if matches!(reply, Ok(Acquire::Granted(_))) && released.load(Ordering::SeqCst) {
                 let _ = fanout.release_on(node, request.keys, request.holder).await;
             }
@@ -297,7 +308,7 @@ impl Fanout {
         keys: Arc<[String]>,
         holder: Holder,
     ) -> NodeReply<usize> {
-        let timeout = self.node_timeout;
+        let timeout = self.timeout_for(keys.len(), node.step());
         let reply = bounded(timeout, node.release(&keys, holder)).await;
         if matches!(&reply, Err(failure) if failure.may_have_applied()) {
             let give_up_at = Instant::now() + self.longest_ttl();

@@ -868,3 +868,54 @@ async fn a_big_batch_goes_to_every_master_in_steps() {
         assert!(left.is_some(), "{:?}", observer.locks());
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Fairness: a waiter keeps its place on every master
+// ---------------------------------------------------------------------------------------
+
+/// A waiter in line whose batch a minority of masters granted and a majority refused keeps
+/// its place on every master: the granting master reserves the key for it before the
+/// rollback releases it (it used to release it without, leaving the key free there for
+/// anyone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_refused_by_a_majority_keeps_its_place_on_the_master_that_granted() {
+    let masters = Masters::start(3);
+    let locks = masters
+        .locks(NODE_TIMEOUT)
+        .wait(Wait::up_to(Duration::from_secs(3)));
+    // Another owner's hold, on two masters of three.
+    let other = "0123456789abcdef0123456789abcdef:00000000000000aa";
+    for master in [0, 1] {
+        masters.cmd::<()>(
+            master,
+            redis::cmd("SET")
+                .arg("lock:k")
+                .arg(other)
+                .arg("PX")
+                .arg(2_000),
+        );
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    let waiter = tokio::spawn(async move { send(&app, batch(&["k"])).await });
+    let reserved = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        (0..3).all(|master| {
+            Observer::of(&masters.servers[master])
+                .lock("lock:k")
+                .is_some_and(|value| value.reservations.len() == 1)
+        })
+    })
+    .await;
+    assert!(
+        reserved.is_some(),
+        "the waiter is not in line on every master: {:?}",
+        (0..3)
+            .map(|m| Observer::of(&masters.servers[m]).get("lock:k"))
+            .collect::<Vec<_>>()
+    );
+    // The other owner's hold expires: the waiter is granted.
+    let reply = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    masters.assert_released().await;
+}

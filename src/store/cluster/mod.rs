@@ -162,7 +162,8 @@ impl RedisCluster {
     /// How long one master may take to answer one call (getting a connection included)
     /// before the call counts as failed. Default 500 ms: a 3,000-key batch keeps a master
     /// busy for a few milliseconds; a frozen master costs this much before its requests get
-    /// 503.
+    /// 503. A group bigger than a step goes in several scripts, and gets this much for
+    /// each.
     ///
     /// # Panics
     ///

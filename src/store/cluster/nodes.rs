@@ -191,7 +191,8 @@ impl Nodes {
                         .map(|group| {
                             let node = topology.masters[group.master].node.clone();
                             let group_keys = group.keys_of(keys);
-                            let call = bounded(self.fanout.node_timeout(), call(node, group_keys));
+                            let timeout = self.fanout.timeout_for(group_keys.len(), node.step());
+                            let call = bounded(timeout, call(node, group_keys));
                             self.fanout.spawn(group, call)
                         })
                         .collect();

@@ -128,6 +128,11 @@ impl RedisStore {
         self
     }
 
+    /// How many keys one script takes at most.
+    pub(crate) fn step(&self) -> usize {
+        self.step
+    }
+
     /// The same store, whose scripts take at most `step` keys each.
     pub(crate) fn with_step(mut self, step: usize) -> Self {
         self.step = step;

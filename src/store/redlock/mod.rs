@@ -152,11 +152,10 @@ impl Redlock {
     /// How long one master may take to answer one call (getting a connection included)
     /// before it counts as failed for that call. Default 100 ms: many times a round trip
     /// and a script over a thousand keys in one data center, and a small part of any
-    /// sensible TTL. Raise it for batches of many thousands of keys: a 3,000-key
-    /// acquisition keeps a master busy for 5 to 25 ms on the machines the benchmarks ran
-    /// on, and longer while a waiter reserves them or the master shares its core. Keep it
-    /// far below the TTL: an acquisition whose majority answers later than `ttl - drift`
-    /// fails anyway.
+    /// sensible TTL. A batch bigger than a [step](Self::step_keys) goes in several scripts,
+    /// and gets this much for each: a master busy with others' big batches is slow, not
+    /// down. Keep it far below the TTL: an acquisition whose majority answers later than
+    /// `ttl - drift` fails anyway.
     ///
     /// # Panics
     ///

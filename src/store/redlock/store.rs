@@ -201,10 +201,26 @@ impl RedlockStore {
     /// Releases whatever a failed acquisition may have left: on every master, unless every
     /// one of them refused (and so wrote nothing). It waits for the masters that answered
     /// the acquisition; those that did not answer in time get their release in the
-    /// background rather than hold the request up again.
-    async fn roll_back(&self, keys: &Arc<[String]>, holder: Holder, tally: &Tally) {
+    /// background rather than hold the request up again. A waiter in line first puts its
+    /// reservations on the masters that granted (the others reserved when they refused),
+    /// as on one Redis: a release keeps a key's reservations, so the keys are never free of
+    /// both in between, and the waiter keeps its place everywhere.
+    async fn roll_back(&self, request: &AcquireRequest, tally: &Tally) {
+        let (keys, holder) = (&request.keys, request.holder);
         if tally.granted.is_empty() && tally.failed == 0 {
             return;
+        }
+        if let (Line::At(ticket), false) = (request.line, tally.granted.is_empty()) {
+            let reserve = request.reserve;
+            let mut reserved =
+                self.start_on(tally.granted.iter().map(|&(node, _)| node), |_, node| {
+                    let (keys, timeout) = (
+                        keys.clone(),
+                        self.fanout.timeout_for(keys.len(), node.step()),
+                    );
+                    async move { bounded(timeout, node.reserve(&keys, ticket, reserve)).await }
+                });
+            while reserved.next().await.is_some() {}
         }
         finish_in_background(self.start_releases(tally.timed_out.iter().copied(), keys, holder));
         let answered = (0..self.masters.len()).filter(|node| !tally.timed_out.contains(node));
@@ -269,7 +285,7 @@ impl LockStore for RedlockStore {
                 }
                 tally.record(node, reply);
             }
-            self.roll_back(keys, holder, &tally).await;
+            self.roll_back(request, &tally).await;
             self.fanout.forget(holder);
             let masters = self.masters.len();
             if tally.failed >= self.quorum {
