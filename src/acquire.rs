@@ -257,6 +257,7 @@ impl<'a> Acquisition<'a> {
             report: self.report,
             line,
             reserve,
+            retry: false,
         }
     }
 
@@ -367,7 +368,10 @@ impl<'a> Acquisition<'a> {
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
             let guard = self.guard(holder, attempted);
-            let request = self.request(holder, line, Self::reserve_until(deadline, attempted));
+            let request = AcquireRequest {
+                retry: waiting.is_some() && matches!(line, Line::At(_)),
+                ..self.request(holder, line, Self::reserve_until(deadline, attempted))
+            };
             let outcome = within(self.timeout, self.store.acquire(&request)).await;
             if matches!(outcome, Ok(Ok(_))) {
                 self.outage.answered();
@@ -596,6 +600,7 @@ mod tests {
             report: 0,
             line: Line::Outside,
             reserve: Duration::ZERO,
+            retry: false,
         };
         let held = store.store.acquire(&request).await.unwrap();
         assert!(matches!(held, Acquire::Granted(_)));

@@ -533,6 +533,7 @@ mod tests {
             report: 0,
             line: Line::Outside,
             reserve: Duration::ZERO,
+            retry: false,
         };
         let (owner, other) = (
             Holder::new(OwnerToken::random()),

@@ -409,6 +409,9 @@ pub(crate) struct AcquireRequest {
     /// hold before it, whatever happens to those holds, and goes when the waiter would
     /// have given up (or sooner, withdrawn). Unused by a request in no line.
     pub(crate) reserve: Duration,
+    /// Whether an earlier attempt of this waiter in line was refused: its reservations are
+    /// on every key of the batch, so that a store's shortcut for free keys finds none.
+    pub(crate) retry: bool,
 }
 
 impl AcquireRequest {

@@ -307,6 +307,57 @@ async fn script_calls_per_grant_do_not_grow_with_the_waiters() {
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
+/// A woken waiter retries what blocked it, not its batch: a purchase order of 2,000 keys
+/// held up by one key reads that key when it polls, and writes its 2,000 keys again only
+/// once it is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_woken_waiter_probes_what_blocked_it_not_its_whole_batch() {
+    let server = RedisServer::start();
+    let store = Observer::of(&server);
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap())
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["sku:0"])).await });
+    gate.wait_entered().await;
+
+    let skus: Vec<String> = (0..2_000).map(|i| format!("sku:{i}")).collect();
+    let started = store.calls(&["set"]);
+    let waiter = tokio::spawn({
+        let app = probe_router(&locks);
+        async move {
+            let keys: Vec<&str> = skus.iter().map(String::as_str).collect();
+            send(&app, work(&keys)).await
+        }
+    });
+    let reserved = poll_every(Duration::from_millis(10), Duration::from_secs(5), || {
+        store
+            .lock("lock:sku:1999")
+            .is_some_and(|v| !v.reservations.is_empty())
+    })
+    .await;
+    assert!(reserved.is_some(), "the waiter never reserved its batch");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let first = store.calls(&["set"]) - started;
+    // Long enough for the waiter to poll several times (every 100 ms to 1 s).
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let while_waiting = store.calls(&["set"]) - started - first;
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    let in_all = store.calls(&["set"]) - started;
+    eprintln!(
+        "2,000-key waiter: {first} SETs in its first attempt, {while_waiting} while it \
+         waited, {in_all} in all"
+    );
+    assert_eq!(while_waiting, 0, "it sent its batch again while it waited");
+    // The first attempt: a plain pass, then the refusal reserves every key and gives back
+    // what the pass took; the grant: the script reads and writes each key.
+    assert!(in_all <= 5 * 2_000 + 10, "{in_all} SETs in all");
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
+}
+
 /// Beyond `max_waiters`, a request that would wait is refused at once with 503, a
 /// `Retry-After` and the limit it met, holding and reserving nothing; a place among the
 /// waiters is given back when its waiter ends.

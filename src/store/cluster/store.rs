@@ -18,7 +18,7 @@ use super::{
     nodes::{moving_backoff, Nodes},
 };
 use crate::store::{
-    contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Reply, Ticket},
+    contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Modes, Reply, Ticket},
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout},
     redis::{
@@ -215,6 +215,43 @@ impl LockStore for ClusterStore {
                 )
                 .await?;
             Ok(self.inner.freed(keys, &answers).await)
+        })
+    }
+
+    fn probes(&self) -> bool {
+        true
+    }
+
+    /// Probes each group on its master at once: the keys free, from the first, are those
+    /// before the first key that a group's probe found still in the way.
+    fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let answers = self
+                .inner
+                .on_groups(
+                    "probe",
+                    &request.keys,
+                    self.deadline(),
+                    None,
+                    |node, keys| {
+                        // The group's keys are some of the request's, which are sorted.
+                        let position = |key: &String| request.keys.binary_search(key).unwrap_or(0);
+                        let modes =
+                            Modes::of_each(keys.iter().map(|k| request.modes.at(position(k))));
+                        let request = AcquireRequest {
+                            keys,
+                            modes,
+                            ..request.clone()
+                        };
+                        async move { node.probe(&request).await }
+                    },
+                )
+                .await?;
+            Ok(answers
+                .iter()
+                .filter_map(|(indices, free)| indices.get(*free).copied())
+                .min()
+                .unwrap_or(request.keys.len()))
         })
     }
 

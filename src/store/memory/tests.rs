@@ -36,6 +36,7 @@ fn request(
         report,
         line,
         reserve: RESERVATION,
+        retry: false,
     }
 }
 

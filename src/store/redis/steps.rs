@@ -86,9 +86,12 @@ impl RedisStore {
     }
 
     /// [`acquire_batch`](Self::acquire_batch)'s work: the plain pass, unless the batch is
-    /// small, shared, waits for replicas, or the store refused a batch a moment ago.
+    /// small, shared, waits for replicas, is a waiter's retry (its own reservations are on
+    /// every key: a plain `SET NX` would take none, and cost Redis a command a key), or the
+    /// store refused a batch a moment ago.
     async fn acquire_free_first(&self, request: &AcquireRequest) -> Result<Acquire, StoreError> {
         let plain = request.keys.len() >= PLAIN_FROM
+            && !request.retry
             && request.modes.shared(request.keys.len()) == 0
             // With replicas to wait for, every write of the grant goes through its `WAIT`.
             && self.replicas.is_none()

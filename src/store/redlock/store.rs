@@ -402,6 +402,34 @@ impl LockStore for RedlockStore {
         })
     }
 
+    fn probes(&self) -> bool {
+        true
+    }
+
+    /// Probes every master at once (each bounded by the node timeout): the keys free on a
+    /// majority, from the first, are free. With fewer than a majority answering, it says
+    /// all are: the attempt that follows gets the masters' own answer.
+    fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let mut replies = self.start_everywhere(|node| {
+                let request = request.clone();
+                async move { node.probe(&request).await }
+            });
+            let mut free = Vec::with_capacity(self.masters.len());
+            while let Some((node, reply)) = replies.next().await {
+                match reply {
+                    Ok(count) => free.push(count),
+                    Err(failure) => self.report(node, "probe", &failure),
+                }
+            }
+            if free.len() < self.quorum {
+                return Ok(request.keys.len());
+            }
+            free.sort_unstable_by(|a, b| b.cmp(a));
+            Ok(free[self.quorum - 1])
+        })
+    }
+
     /// Asks every master (each bounded by the node timeout) and reports, per key, what a
     /// majority of them see ([`majority_view`]); fails when fewer than a majority answer.
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {

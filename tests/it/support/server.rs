@@ -253,12 +253,17 @@ impl Observer {
     /// How many script calls (`FCALL` of the crate's functions, `EVALSHA` and `EVAL`) the
     /// server has received.
     pub(crate) fn script_calls(&self) -> u64 {
+        self.calls(&["fcall", "evalsha", "eval"])
+    }
+
+    /// How many calls of `commands` the server has run, those the scripts made included.
+    pub(crate) fn calls(&self, commands: &[&str]) -> u64 {
         let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
         info.lines()
             .filter(|line| {
-                ["cmdstat_fcall:", "cmdstat_evalsha:", "cmdstat_eval:"]
+                commands
                     .iter()
-                    .any(|command| line.starts_with(command))
+                    .any(|command| line.starts_with(&format!("cmdstat_{command}:")))
             })
             .map(|line| {
                 let calls = line.split("calls=").nth(1).expect("calls=");
