@@ -4,9 +4,11 @@
 //! A catalogue of 3,000 skus. *Retail* clients post orders of 3 random distinct skus back to
 //! back; *purchase* clients post orders of 2,000 random distinct skus back to back; each
 //! order holds an exclusive lock on every sku it names (`keys::json`) for 2 ms of work, and
-//! waits up to 2 s for busy keys (`Wait::up_to`, fair, the default). The levels go from 16
-//! retail clients alone, through 1, 2 and 4 purchase clients beside them, to 64 + 4, and
-//! then to a *hot sku*: 1, 8 and 64 clients ordering the same single sku.
+//! waits up to 2 s for busy keys (`Wait::up_to`, fair, the default). The levels go from 4
+//! purchase clients alone (the most purchase orders a store grants: they overlap, and so
+//! run one after another) and 16 retail clients alone, through 1, 2 and 4 purchase clients
+//! beside them, to 64 + 4, and then to a *hot sku*: 1, 8 and 64 clients ordering the same
+//! single sku.
 //!
 //! The stores: memory (one store, one server), and on one Redis, on Redlock over three
 //! masters and on a Redis Cluster of three masters, *two* stores, each behind an axum
@@ -121,7 +123,15 @@ const MIXED_TARGET: &str = "16 retail + 4 purchase";
 const HOT_ONE: &str = "hot sku, 1 client";
 const HOT_MANY: &str = "hot sku, 64 clients";
 
-const LEVELS: [Level; 8] = [
+const LEVELS: [Level; 9] = [
+    // The purchase orders alone: every two share about 1,333 skus, so they run one after
+    // another, and this is the most the mixed levels could grant of them.
+    Level {
+        name: "4 purchase alone",
+        small: Small::Retail,
+        clients: 0,
+        purchase: 4,
+    },
     Level {
         name: RETAIL_ALONE,
         small: Small::Retail,
