@@ -1,6 +1,34 @@
 //! How a request gets its batch: one attempt after another until it is granted, refused or
 //! out of time, with a place in line while it waits ([`Locks`] holds the policy; this is
 //! the mechanism).
+//!
+//! # The waiting protocol, on every store
+//!
+//! 1. **A place in line.** A fair waiter takes a [`Ticket`] when it starts: its arrival
+//!    (milliseconds, then bits that increase within a process, then 64 random bits, so that
+//!    two processes' waiters never share one). Its first refused attempt reserves every key
+//!    of its batch until its deadline, and half a second more ([`RESERVATION_MARGIN`]): a
+//!    reservation keeps out every later arrival, waiting or not, and lives on whatever
+//!    happens to the holds before it (on Redis, holds that reservations outlive keep their
+//!    end in the value, so that a holder that dies takes only its holds). A grant ends the
+//!    waiter's reservations; giving up, failing or being dropped withdraws them.
+//! 2. **Wake only who can win.** A release (a withdrawal, a forced release) names, for each
+//!    key it frees, the waiter first in line on it, and wakes that waiter alone, here and,
+//!    through the store's pub/sub, in other processes ([`Wakeups`](crate::store::wake));
+//!    a reader granted wakes the next in line, who may be a reader too. Waiters in no line
+//!    (unfair waiting, an owner that holds keys) watch the keys that kept them out.
+//! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
+//!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
+//!    the first still in the way, and sends its whole batch again only once none is. A big
+//!    batch so makes about two passes to be granted (the refused one that reserves, and the
+//!    grant) and one to be released, however long it waits.
+//! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then at
+//!    most every second: for a hold or a place before it that expired with its process.
+//! 5. **Owners.** An owner that holds keys (a nested layer, `Lease::lock`) stands in line
+//!    at its own arrival ([`Line::Holder`]): its keys keep it out of nothing, and only the
+//!    waiters that came before it keep it out of others.
+//! 6. **A bound.** At most [`Locks::max_waiters`] requests wait at once; the next that would
+//!    is refused at once with 503 and `Retry-After`, holding nothing.
 
 use std::{
     sync::Arc,
@@ -359,7 +387,7 @@ impl<'a> Acquisition<'a> {
         // gap took 1-2% of the waits to 20-40 ms.
         // A waiter in line watches for its turn from before its first attempt.
         let mut watched: Option<Watches<'_>> = match line {
-            Line::At(ticket) => Some(self.store.wakeups().watch_ticket(ticket.get())),
+            Line::At(ticket) => Some(self.store.wakeups().watch_ticket(ticket.key())),
             Line::Outside | Line::Holder(_) => None,
         };
         loop {
@@ -460,7 +488,7 @@ impl<'a> Acquisition<'a> {
     fn watch(&self, line: Line, keys: &[String]) -> Watches<'a> {
         let wakeups = self.store.wakeups();
         match line {
-            Line::At(ticket) => wakeups.watch_ticket(ticket.get()),
+            Line::At(ticket) => wakeups.watch_ticket(ticket.key()),
             Line::Outside | Line::Holder(_) => wakeups.watch(keys),
         }
     }

@@ -94,13 +94,19 @@ impl Holder {
 /// A waiter's place in line: smaller is earlier. Reservations of a waiter keep out every
 /// request with a larger ticket, and every request that waits in no line at all.
 ///
-/// Tickets are milliseconds of the wall clock (since 2025, so that they stay exact in the
-/// doubles of Redis's Lua) with 10 random bits below them, and strictly increase within a
-/// process. Across processes they order waiters by arrival as far as the machines' clocks
-/// agree; a skew only reorders waiters that arrived that close together, and since a
-/// waiter keeps its ticket, every waiter is eventually the earliest: none starves.
+/// A ticket is the milliseconds of the wall clock (since 2025) with 10 random bits below
+/// them, which strictly increase within a process, then 64 random bits: those tell apart
+/// two waiters of two processes that drew the same first part, which happened about once in
+/// 1,024 arrivals in the same millisecond, and made them share one place in line (the
+/// withdrawal of one took the other's). Across processes, tickets order waiters by arrival
+/// as far as the machines' clocks agree; a skew only reorders waiters that arrived that
+/// close together, and since a waiter keeps its ticket, every waiter is eventually the
+/// earliest: none starves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct Ticket(u64);
+pub(crate) struct Ticket {
+    at: u64,
+    id: u64,
+}
 
 impl Ticket {
     /// The ticket of a waiter that arrives now.
@@ -112,12 +118,23 @@ impl Ticket {
                 Some(drawn.max(last + 1))
             })
             .unwrap_or_default();
-        Self(drawn.max(previous + 1))
+        Self {
+            at: drawn.max(previous + 1),
+            id: fastrand::u64(..),
+        }
     }
 
-    /// The ticket as the lock store compares it.
-    pub(crate) fn get(self) -> u64 {
-        self.0
+    /// The ticket as a number of 36 decimal digits, in order: how wake-up messages name it.
+    pub(crate) fn key(self) -> u128 {
+        u128::from(self.at) * 10u128.pow(20) + u128::from(self.id)
+    }
+
+    /// The ticket as the scripts compare it: [`key`](Self::key) as 36 digits, leading
+    /// zeros included, so that comparing two as strings compares them as numbers (which
+    /// Lua's doubles could not hold).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn as_arg(self) -> String {
+        format!("{:036}", self.key())
     }
 }
 
@@ -411,6 +428,7 @@ pub(crate) struct AcquireRequest {
     pub(crate) reserve: Duration,
     /// Whether an earlier attempt of this waiter in line was refused: its reservations are
     /// on every key of the batch, so that a store's shortcut for free keys finds none.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) retry: bool,
 }
 
@@ -627,11 +645,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tickets_strictly_increase_and_stay_exact_in_luas_doubles() {
+    fn tickets_strictly_increase_and_compare_as_their_script_strings() {
         let tickets: Vec<Ticket> = (0..10_000).map(|_| Ticket::take()).collect();
         assert!(tickets.windows(2).all(|w| w[0] < w[1]));
-        // Redis's Lua compares them as doubles: exact below 2^53.
-        assert!(tickets.iter().all(|t| t.get() > 0 && t.get() < 1 << 53));
+        // The scripts compare them as strings of one length: in the same order.
+        assert!(tickets
+            .windows(2)
+            .all(|w| w[0].as_arg() < w[1].as_arg() && w[0].as_arg().len() == 36));
+        assert!(tickets.windows(2).all(|w| w[0].key() < w[1].key()));
+        // Two processes that draw the same first part still differ.
+        let (mut a, mut b) = (tickets[0], tickets[0]);
+        (a.id, b.id) = (1, 2);
+        assert!(a != b && a < b);
     }
 
     #[cfg(feature = "redis")]

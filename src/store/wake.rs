@@ -39,7 +39,7 @@ pub(crate) struct Wakeups {
     tag: u64,
     /// This process's waiters in line, by ticket. Read by a release only for a key that
     /// has a reservation, and so never on the uncontended path.
-    in_line: Mutex<HashMap<u64, Arc<Notify>>>,
+    in_line: Mutex<HashMap<u128, Arc<Notify>>>,
 }
 
 /// A waiter's watch, from [`Wakeups::watch`] or [`Wakeups::watch_ticket`] until dropped.
@@ -58,7 +58,7 @@ enum Watched {
     },
     /// A waiter in line, woken when it is first in line on a key that was freed. A
     /// wake-up before the waiter awaits it is kept (one, however many came).
-    Ticket(u64, Arc<Notify>),
+    Ticket(u128, Arc<Notify>),
 }
 
 impl Drop for Watches<'_> {
@@ -84,7 +84,7 @@ impl Wakeups {
         }
     }
 
-    fn lines(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Notify>>> {
+    fn lines(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<Notify>>> {
         // Nothing panics while holding it; a poisoned map is still a map.
         self.in_line.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -94,7 +94,7 @@ impl Wakeups {
     /// watch covers every key of its batch, which its reservations cover, for as long as
     /// it waits.
     /// (Tickets as numbers, as they travel in release messages.)
-    pub(crate) fn watch_ticket(&self, ticket: u64) -> Watches<'_> {
+    pub(crate) fn watch_ticket(&self, ticket: u128) -> Watches<'_> {
         let notify = Arc::new(Notify::new());
         self.lines().insert(ticket, notify.clone());
         Watches {
@@ -105,7 +105,7 @@ impl Wakeups {
 
     /// Wakes the waiters in line of this process that have these tickets: each one first
     /// in line on a key just freed.
-    pub(crate) fn wake_tickets(&self, tickets: impl IntoIterator<Item = u64>) {
+    pub(crate) fn wake_tickets(&self, tickets: impl IntoIterator<Item = u128>) {
         let lines = self.lines();
         if lines.is_empty() {
             return;

@@ -34,7 +34,7 @@ use crate::support::{
 impl Store {
     /// The tickets of the waiters that reserved `key`, in line order, on the first master
     /// (`None` for the memory store, which cannot be looked into).
-    fn line(&self, key: &str) -> Option<Vec<u64>> {
+    fn line(&self, key: &str) -> Option<Vec<u128>> {
         let observer = self.observers().into_iter().next()?;
         Some(
             observer
@@ -642,7 +642,7 @@ async fn without_fairness_a_waiter_reserves_nothing() {
             "{}: `b` was reserved",
             store.name
         );
-        assert_eq!(store.line("lock:b").unwrap_or_default(), Vec::<u64>::new());
+        assert_eq!(store.line("lock:b").unwrap_or_default(), Vec::<u128>::new());
         gate.open();
         assert_eq!(held.await.unwrap().status, StatusCode::OK);
         let waited = within(Duration::from_secs(5), "the waiter", waiter).await;

@@ -66,14 +66,22 @@
 //!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`;
 //!     a writer behind a stream of readers, and upgrades that never wait: `shared::*`,
 //!     `orders::*_quotes_and_orders_*_take_turns*` (quotes sent while an order waits for
-//!     earlier quotes go after it).
-//! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_expire_within_the_bound`
+//!     earlier quotes go after it); a place in line that outlives its holder:
+//!     `fairness::a_holders_process_killed_leaves_its_waiters_place_in_line`; an owner
+//!     passes only what it holds: `fairness::an_owner_with_a_held_key_is_kept_out_of_another_by_an_earlier_waiter`;
+//!     Redlock's rollback keeps the place:
+//!     `redlock::a_waiter_refused_by_a_majority_keeps_its_place_on_the_master_that_granted`.
+//! 11. **Nothing stuck**: `fairness::a_killed_waiters_reservations_last_to_its_deadline`
 //!     (reservations), `idempotency::a_killed_processs_key_is_free_again_after_its_ttl`
 //!     (in-flight markers), `redis::a_killed_process_blocks_others_only_until_the_ttl`.
 //! 12. **Bounded stall**: `redis::a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line`
 //!     (one Redis, steps of 100 keys: no call carries more, a refusal at a later step leaves
 //!     nothing, a waiter reserves its whole batch), and the step count of
 //!     `cluster::a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all`.
+//! 13. **Contention**: `waiting::script_calls_per_grant_do_not_grow_with_the_waiters` (a
+//!     release wakes the first in line), `waiting::a_woken_waiter_probes_what_blocked_it_not_its_whole_batch`,
+//!     `waiting::beyond_max_waiters_a_request_is_refused_at_once_with_503`; the figures per
+//!     store and load: the bench's `contention` section.
 
 mod support;
 

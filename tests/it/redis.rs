@@ -555,6 +555,40 @@ async fn an_acquisition_run_twice_is_one_hold() {
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
 
+/// Two waiters of two processes that drew the same milliseconds and the same bits below
+/// them still have two places in line: the withdrawal of one leaves the other's. (Tickets
+/// were numbers with 10 random bits: two such waiters shared one place, once in 1,024
+/// arrivals in the same millisecond.)
+#[test]
+fn two_waiters_whose_tickets_share_their_time_keep_two_places() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
+    let withdraw = crate_script(include_str!("../../src/store/redis/scripts/withdraw.lua"));
+    // As `Ticket::as_arg` writes them: the time part, then 20 random digits.
+    let time = "0061420580338024";
+    let (first, second) = (format!("{time}{:020}", 7), format!("{time}{:020}", 9));
+    for ticket in [&first, &second] {
+        let _: i64 = reserve
+            .key("lock:k")
+            .arg(ticket)
+            .arg(10_000)
+            .invoke(&mut observer.connection())
+            .unwrap();
+    }
+    let line = |observer: &Observer| observer.lock("lock:k").unwrap().reservations;
+    assert_eq!(line(&observer).len(), 2, "{:?}", observer.get("lock:k"));
+    let withdrawn: Vec<redis::Value> = withdraw
+        .key("lock:k")
+        .arg(&first)
+        .arg("tower-batch-lock:released")
+        .arg("")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    assert_eq!(withdrawn[0], redis::Value::Int(1));
+    assert_eq!(line(&observer), [second.parse::<u128>().unwrap()]);
+}
+
 // ---------------------------------------------------------------------------------------
 // 12. Bounded stall: big batches in steps
 // ---------------------------------------------------------------------------------------

@@ -22,13 +22,13 @@ use crate::store::{
 pub(super) fn announce(
     control: ClusterConnection,
     keys: &[String],
-    heads: impl Iterator<Item = u64>,
+    heads: impl Iterator<Item = u128>,
     tag: u64,
 ) {
     let mut payload = release_message(&slots_of(keys), tag);
     // As the scripts on one Redis add them (`wake_message` in value.lua).
     for head in heads {
-        let _ = write!(payload, ",#{head}");
+        let _ = write!(payload, ",#{head:036}");
     }
     tokio::spawn(async move {
         let mut control = control;

@@ -189,7 +189,7 @@ impl MemoryStore {
         let expires_at = now + *ttl;
         // The waiters next in line on the keys granted shared: the next one may be a
         // reader too, and come in beside this one.
-        let mut readers_next: SmallVec<[u64; 2]> = SmallVec::new();
+        let mut readers_next: SmallVec<[u128; 2]> = SmallVec::new();
         for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             let entry = shards.get(hash).entry(key, hash);
             if let Line::At(ticket) = line {
@@ -198,7 +198,7 @@ impl MemoryStore {
             let mode = modes.at(index);
             entry.grant(holder, mode, expires_at, now);
             if mode == Mode::Shared {
-                readers_next.extend(entry.next_in(now).map(Ticket::get));
+                readers_next.extend(entry.next_in(now).map(Ticket::key));
             }
         }
         shards.sweep_if_grown(now);
@@ -350,7 +350,7 @@ impl MemoryStore {
     ) -> usize {
         let mut changed = 0;
         // Without an allocation unless several keys have waiters in line.
-        let mut heads: SmallVec<[u64; 2]> = SmallVec::new();
+        let mut heads: SmallVec<[u128; 2]> = SmallVec::new();
         for key in keys {
             let hash = self.hash(key);
             let mut shard = self.shards[shard_of(hash)]
@@ -363,7 +363,7 @@ impl MemoryStore {
             if change(entry) {
                 changed += 1;
                 if let Some(head) = entry.next_in(now) {
-                    heads.push(head.get());
+                    heads.push(head.key());
                 }
             }
             if !entry.in_use(now) {

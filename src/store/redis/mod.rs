@@ -172,7 +172,7 @@ impl RedisStore {
                 }
                 Freeing::Withdraw(ticket) => {
                     let mut call = self.scripts.prepare(&self.scripts.withdraw, None, step);
-                    call.arg(ticket.get());
+                    call.arg(ticket.as_arg());
                     call
                 }
                 Freeing::Force => self
@@ -185,12 +185,23 @@ impl RedisStore {
                 .arg(release_message(&slots, self.wakeups.tag()));
             // How many keys the step changed, then the tickets of the waiters first in
             // line on the keys it freed.
-            let reply = self.invoke::<Vec<u64>>(&invocation).await?;
-            let heads = reply.get(1..).unwrap_or_default();
-            freed.count += reply.first().map_or(0, |&n| n as usize);
-            freed.heads.extend_from_slice(heads);
+            let reply = self.invoke::<Vec<redis::Value>>(&invocation).await?;
+            let count = match reply.first() {
+                Some(redis::Value::Int(count)) => usize::try_from(*count).unwrap_or(0),
+                _ => 0,
+            };
+            let heads = reply.iter().skip(1).filter_map(|head| match head {
+                redis::Value::BulkString(digits) => {
+                    std::str::from_utf8(digits).ok()?.parse::<u128>().ok()
+                }
+                _ => None,
+            });
+            let first = freed.heads.len();
+            freed.count += count;
+            freed.heads.extend(heads);
             self.wakeups.wake_slots(slots);
-            self.wakeups.wake_tickets(heads.iter().copied());
+            self.wakeups
+                .wake_tickets(freed.heads[first..].iter().copied());
         }
         Ok(freed)
     }
@@ -207,7 +218,7 @@ impl RedisStore {
     ) -> Result<(), StoreError> {
         for step in keys.chunks(self.step) {
             let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
-            script.arg(ticket.get()).arg(millis(reserve));
+            script.arg(ticket.as_arg()).arg(millis(reserve));
             self.invoke::<i64>(&script).await?;
         }
         Ok(())
@@ -241,7 +252,7 @@ pub(crate) enum Freeing {
 #[derive(Debug)]
 pub(crate) struct Freed {
     pub(crate) count: usize,
-    pub(crate) heads: Vec<u64>,
+    pub(crate) heads: Vec<u128>,
 }
 
 /// The acquire script's reply: a grant's fencing token (0 where the grant is not counted),
@@ -360,7 +371,7 @@ impl RedisStore {
 fn line_arg(line: Line) -> String {
     match line {
         Line::Outside => String::new(),
-        Line::At(ticket) | Line::Holder(ticket) => ticket.get().to_string(),
+        Line::At(ticket) | Line::Holder(ticket) => ticket.as_arg(),
     }
 }
 

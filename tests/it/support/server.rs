@@ -282,7 +282,7 @@ pub(crate) struct LockValue {
     /// The hold ids.
     pub(crate) holds: Vec<String>,
     /// The waiters' tickets, in line order.
-    pub(crate) reservations: Vec<u64>,
+    pub(crate) reservations: Vec<u128>,
 }
 
 impl LockValue {
@@ -297,7 +297,7 @@ impl LockValue {
             queue
                 .split('|')
                 .map(|r| r.split_once('/').and_then(|(t, _)| t.parse().ok()))
-                .collect::<Option<Vec<u64>>>()?
+                .collect::<Option<Vec<u128>>>()?
                 .into_iter()
                 // Ticket 0 is no waiter's: it marks where exclusive holds that
                 // reservations outlive end.

@@ -1,8 +1,9 @@
 -- KEYS[1]: the namespace's fencing counter (on a cluster, a placeholder: see cluster.lua);
 -- KEYS[2..]: the batch.
 -- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
--- ('' when it is in no line, and kept out by every reservation; '0' for an owner that
--- already holds keys, kept out by none), reservation ttl (ms; 0: reserve nothing), the
+-- (36 digits, see `earlier`; '' when it is in no line, and kept out by every
+-- reservation; an owner that already holds keys gives its arrival's, and its own keys keep
+-- it out of nothing), reservation ttl (ms; 0: reserve nothing), the
 -- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
 -- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`), the
 -- release channel (where a shared grant wakes the waiter next in line, who may be a
@@ -26,7 +27,6 @@
 -- `unpack` of the whole batch: it fails near 8,000 values.
 local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local ticket = ARGV[5] ~= '' and ARGV[5] or nil
-local ticket_n = ticket and tonumber(ticket)
 local reserve_ms = tonumber(ARGV[6])
 local modes = ARGV[7]
 local mine = owner .. ':' .. hold
@@ -59,7 +59,7 @@ for i = 2, #KEYS do
   else
     local holds, queue, hold_end = split(old)
     -- The owner's live shared hold ids, when a shared key is asked for exclusively.
-    local blocked, ids, upgrading = keeps_out(holds, queue, owner, ticket_n, shared)
+    local blocked, ids, upgrading = keeps_out(holds, queue, owner, ticket, shared)
     if upgrading then upgrade = 1 end
     if blocked then
       conflicts = conflicts + 1

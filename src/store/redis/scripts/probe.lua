@@ -4,7 +4,7 @@
 -- the first that would, so that a waiter that probes what blocked it pays for what was
 -- freed since, not for its batch. Writes nothing.
 local owner, modes = ARGV[1], ARGV[3]
-local ticket = ARGV[2] ~= '' and tonumber(ARGV[2]) or nil
+local ticket = ARGV[2] ~= '' and ARGV[2] or nil
 local free = 0
 for i = 1, #KEYS do
   local shared

@@ -131,16 +131,22 @@ local function split(value)
   return holds, queue, hold_end
 end
 
+-- Whether the ticket `a` comes before `b` in line. Tickets are strings of digits, too long
+-- for Lua's doubles: this version's are all 36 long, leading zeros included, and compare
+-- as strings; an earlier version's are shorter, and go first.
+local function earlier(a, b)
+  return #a < #b or (#a == #b and a < b)
+end
+
 -- The live reservations of `queue` other than the one of `ticket` (a decimal string, or
 -- nil), with `ticket`'s put in line until `till` (ms) when `till` is given; and the latest
 -- expiry among them (0 if none).
 local function requeue(queue, ticket, till)
-  local mine = ticket and tonumber(ticket)
   local out, latest, placed = {}, 0, till == nil
   for t, u in string.gmatch(queue, '|(%d+)/(%d+)') do
-    local tn, un = tonumber(t), tonumber(u)
-    if un > now() and tn ~= mine then
-      if not placed and tn > mine then
+    local un = tonumber(u)
+    if un > now() and t ~= ticket then
+      if not placed and earlier(ticket, t) then
         out[#out + 1] = '|' .. ticket .. '/' .. string.format('%d', till)
         placed = true
       end
@@ -186,14 +192,14 @@ end
 -- Whether a live reservation in `queue` is earlier than `ticket` (any, when it is nil).
 local function reserved_before(queue, ticket)
   for t, u in string.gmatch(queue, '|(%d+)/(%d+)') do
-    if tonumber(u) > now() and (ticket == nil or tonumber(t) < ticket) then return true end
+    if tonumber(u) > now() and (ticket == nil or earlier(t, ticket)) then return true end
   end
   return false
 end
 
 -- Whether a key whose value split into `holds` and `queue` (`holds` nil: foreign) keeps
 -- out `owner` asking for it shared (`shared`) or exclusively, with the ticket `ticket` (a
--- number; nil: in no line, kept out by every reservation). A key keeps it out when another
+-- string of digits; nil: in no line, kept out by every reservation). A key keeps it out when another
 -- owner holds it in a mode that excludes it, when it is foreign, or when a waiter with an
 -- earlier ticket reserved it, unless the owner holds it: an owner is never kept out of
 -- its own keys. Also gives, for a shared key asked for exclusively, the owner's live
@@ -245,7 +251,7 @@ end
 -- The reply of a script that frees keys: how many it changed, then the tickets in `heads`.
 local function freed(count, heads)
   local reply = {count}
-  for head in pairs(heads) do reply[#reply + 1] = tonumber(head) end
+  for head in pairs(heads) do reply[#reply + 1] = head end
   return reply
 end
 
