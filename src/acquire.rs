@@ -496,7 +496,7 @@ impl<'a> Acquisition<'a> {
 
 /// A fair waiter's place in line: its ticket, and the batch its attempts reserve. Dropped
 /// while armed (the request was dropped, or the store failed), it withdraws the
-/// reservations in the background; they expire within a second anyway.
+/// reservations in the background; they expire at the waiter's deadline anyway.
 struct Place {
     ticket: Ticket,
     armed: Option<Reserved>,

@@ -185,10 +185,9 @@ impl Locks {
     /// does. Prefer waiting for the TTL when you can.
     ///
     /// Waiters' reservations stay: the waiters in line take the keys next, in their order,
-    /// rather than a request that arrived just now (and a waiter that is gone loses its
-    /// reservations within a second). The
-    /// waiters are woken, in this process and (on Redis) in every process that subscribes
-    /// to releases. A foreign value under a key is left alone. On Redlock, it succeeds when
+    /// rather than a request that arrived just now (and a waiter whose process is gone loses
+    /// its reservations at its deadline). The waiters first in line are woken, in this
+    /// process and (on Redis) in every process that subscribes to releases. A foreign value under a key is left alone. On Redlock, it succeeds when
     /// a majority of the masters answered.
     ///
     /// Every call is logged as a warning, with the keys, the `reason` and how many were
