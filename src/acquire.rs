@@ -22,8 +22,9 @@
 //!    the first still in the way, and sends its whole batch again only once none is. A big
 //!    batch so makes about two passes to be granted (the refused one that reserves, and the
 //!    grant) and one to be released, however long it waits.
-//! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then at
-//!    most every second: for a hold or a place before it that expired with its process.
+//! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
+//!    less and less often, down to every 1-2 s: for a hold or a place before it that
+//!    expired with its process. On Redis a poll is a probe of what blocked it.
 //! 5. **Owners.** An owner that holds keys (a nested layer, `Lease::lock`) stands in line
 //!    at its own arrival ([`Line::Holder`]): its keys keep it out of nothing, and only the
 //!    waiters that came before it keep it out of others.
@@ -370,7 +371,7 @@ impl<'a> Acquisition<'a> {
         // before it that expired (its process died): it polls seldom, so that a long line
         // does not cost the store a probe per waiter every few milliseconds.
         let mut backoff = match line {
-            Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(1)),
+            Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(2)),
             Line::Outside | Line::Holder(_) => {
                 Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
             }

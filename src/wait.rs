@@ -38,7 +38,7 @@ use std::time::Duration;
 /// and stopping at the first still held; it sends its whole batch again only once none
 /// is: a purchase order of 2,000 keys held up by small orders pays for a few reads a
 /// release, not for 2,000 writes. A waiter in line also polls, seldom (after 100-200 ms,
-/// then at most every second), for what no release announces: a hold or a place before it
+/// then less often, down to every 1-2 s), for what no release announces: a hold or a place before it
 /// that expired with its process. Waiters in no line (unfair waiting) watch the keys that
 /// kept them out and poll every 5-100 ms.
 ///

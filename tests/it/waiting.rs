@@ -307,6 +307,70 @@ async fn script_calls_per_grant_do_not_grow_with_the_waiters() {
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
 
+/// A line of waiters costs the store at most a poll a waiter a second while nobody is
+/// granted (a waiter in line is woken at its turn, and polls only for what no release
+/// announces): the cost of the line grows with its length, and no faster.
+/// `LINE_WAITERS=1024 cargo test --all-features --test it waiting::a_line_of -- --nocapture`
+/// measures another length (256 by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_line_of_waiters_costs_at_most_a_poll_a_waiter_a_second() {
+    let waiters: usize = std::env::var("LINE_WAITERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(256);
+    let server = RedisServer::start();
+    let store = Observer::of(&server);
+    let handles = [0, 1].map(|_| {
+        Locks::new(Redis::url(server.url()).build().unwrap())
+            .ttl(Duration::from_secs(30))
+            .wait(Wait::up_to(Duration::from_secs(30)))
+            .max_waiters(waiters + 1)
+    });
+    let gate = Gate::new();
+    let holder = gated_router(&handles[0], &gate);
+    let held = tokio::spawn(async move { send(&holder, work(&["hot"])).await });
+    gate.wait_entered().await;
+    let line: Vec<_> = (0..waiters)
+        .map(|i| {
+            let app = probe_router(&handles[i % 2]);
+            tokio::spawn(async move { send(&app, work(&["hot"])).await })
+        })
+        .collect();
+    // Every waiter is in line and has made its first polls (after 100-200 ms, then
+    // 200-400 ms): what follows is the line's steady cost.
+    let joined = Instant::now();
+    let in_line = poll_every(Duration::from_millis(50), Duration::from_secs(60), || {
+        store
+            .lock("lock:hot")
+            .is_some_and(|v| v.reservations.len() == waiters)
+    })
+    .await;
+    assert!(in_line.is_some(), "the waiters never all stood in line");
+    let joined = joined.elapsed();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let window = Duration::from_secs(3);
+    let (calls, cpu) = (store.script_calls(), store.main_thread_cpu());
+    tokio::time::sleep(window).await;
+    let calls = (store.script_calls() - calls) as f64 / window.as_secs_f64();
+    let cpu = (store.main_thread_cpu() - cpu).as_secs_f64() * 1e3 / window.as_secs_f64();
+    eprintln!(
+        "{waiters} waiters behind a held key: all in line after {joined:?}; then {calls:.0} \
+         script calls a second ({:.2} a waiter), Redis main thread {cpu:.1} ms a second",
+        calls / waiters as f64
+    );
+    assert!(
+        calls <= 1.2 * waiters as f64,
+        "{calls:.0} calls a second for {waiters} waiters"
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    for waiter in line {
+        let reply = within(Duration::from_secs(20), "a waiter", waiter).await;
+        assert_eq!(reply.unwrap().status, StatusCode::OK);
+    }
+    assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
+}
+
 /// A woken waiter retries what blocked it, not its batch: a purchase order of 2,000 keys
 /// held up by one key reads that key when it polls, and writes its 2,000 keys again only
 /// once it is free.

@@ -256,6 +256,21 @@ impl Observer {
         self.calls(&["fcall", "evalsha", "eval"])
     }
 
+    /// The CPU time of the server's main thread so far (`INFO cpu`): the thread that runs
+    /// every command.
+    pub(crate) fn main_thread_cpu(&self) -> Duration {
+        let info: String = self.cmd(redis::cmd("INFO").arg("cpu"));
+        let seconds: f64 = info
+            .lines()
+            .filter(|line| {
+                line.starts_with("used_cpu_user_main_thread:")
+                    || line.starts_with("used_cpu_sys_main_thread:")
+            })
+            .filter_map(|line| line.split(':').nth(1)?.trim().parse::<f64>().ok())
+            .sum();
+        Duration::from_secs_f64(seconds)
+    }
+
     /// How many calls of `commands` the server has run, those the scripts made included.
     pub(crate) fn calls(&self, commands: &[&str]) -> u64 {
         let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));

@@ -121,7 +121,16 @@ local function split(value)
     if is_shared(holds) then in_form = readers_in_form(holds) else in_form = ours_in_form(holds) end
     if not in_form then return nil end
   end
-  if queue ~= '' and string.gsub(queue, '|%d+/%d+', '') ~= '' then return nil end
+  -- The line holds `|<ticket>/<until>` entries: its ends are checked, not every entry. A
+  -- hot key's line is as long as its waiters, and every call on the key reads the value:
+  -- matching every entry cost each call about 1.5 us a waiter (a probe of a key with 256
+  -- waiters in line, 0.4 ms), for a check that the holds' form already makes (another
+  -- program's value does not begin with an owner's holds by chance). The scripts that walk
+  -- the line skip what is not an entry.
+  if queue ~= '' then
+    local last = string.byte(queue, -1)
+    if not string.find(queue, '^|%d+/') or last < 48 or last > 57 then return nil end
+  end
   local marker = string.match(queue, '^|0/(%d+)')
   local hold_end = marker and tonumber(marker)
   if marker then
