@@ -293,7 +293,9 @@ impl<'a> Acquisition<'a> {
     /// How long a waiter in line that is kept out at `now` keeps its reservations: to its
     /// deadline, and [`RESERVATION_MARGIN`] more.
     fn reserve_until(deadline: Instant, now: Instant) -> Duration {
-        deadline.saturating_duration_since(now) + RESERVATION_MARGIN
+        deadline
+            .saturating_duration_since(now)
+            .saturating_add(RESERVATION_MARGIN)
     }
 
     /// How many of `blockers` (positions in the batch, ascending), from the first, no

@@ -218,7 +218,8 @@ impl Fanout {
     /// clients' retries into more load.
     pub(super) fn timeout_for(&self, keys: usize, step: usize) -> Duration {
         let steps = keys.div_ceil(step.max(1)).max(1);
-        self.node_timeout * u32::try_from(steps).unwrap_or(u32::MAX)
+        self.node_timeout
+            .saturating_mul(u32::try_from(steps).unwrap_or(u32::MAX))
     }
 
     /// Remembers `ttl`, for how long releases are worth retrying.
