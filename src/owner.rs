@@ -1,6 +1,9 @@
 //! One owner per request: shared by nested layers and by the handler's own acquisitions.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::{
+    sync::{Arc, Mutex, OnceLock, PoisonError},
+    time::Instant,
+};
 
 use futures_util::future::{join_all, BoxFuture};
 
@@ -17,9 +20,10 @@ use crate::{
 #[derive(Debug)]
 pub(crate) struct RequestOwner {
     pub(crate) token: OwnerToken,
-    /// When the owner arrived: its place in line on keys it does not hold yet, when it
-    /// locks more (see [`Line::Holder`](crate::store::contract::Line)).
-    pub(crate) arrived: Ticket,
+    /// When the owner was first granted keys (from the clock read the grant already made,
+    /// rather than a ticket taken for every request): its place in line on keys it does not
+    /// hold yet, when it locks more (see [`Line::Holder`](crate::store::contract::Line)).
+    granted_at: OnceLock<Instant>,
     /// The holds the handler took through [`Lease::lock`], released with the request.
     extra: Mutex<Vec<(u64, LockGuard)>>,
 }
@@ -28,9 +32,22 @@ impl RequestOwner {
     pub(crate) fn new(token: OwnerToken) -> Arc<Self> {
         Arc::new(Self {
             token,
-            arrived: Ticket::take(),
+            granted_at: OnceLock::new(),
             extra: Mutex::default(),
         })
+    }
+
+    /// Notes that the owner was granted keys at `at` (the first grant counts).
+    pub(crate) fn granted(&self, at: Instant) {
+        let _ = self.granted_at.set(at);
+    }
+
+    /// The owner's place in line: its first grant, or now, before it holds anything (a
+    /// trusted caller's owner).
+    pub(crate) fn arrived(&self) -> Ticket {
+        self.granted_at
+            .get()
+            .map_or_else(Ticket::take, |at| Ticket::since(at.elapsed()))
     }
 
     fn extra(&self) -> std::sync::MutexGuard<'_, Vec<(u64, LockGuard)>> {

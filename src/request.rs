@@ -186,7 +186,7 @@ impl Claim {
 
     fn acquisition<'a>(&'a self, locks: &'a Locks) -> Acquisition<'a> {
         let layer = Some(&self.layer);
-        let holder_since = self.holds_keys.then_some(self.owner.arrived);
+        let holder_since = self.holds_keys.then(|| self.owner.arrived());
         Acquisition::new(locks, &self.keys, &self.modes, holder_since, layer)
     }
 }
@@ -221,6 +221,7 @@ impl<B> Pending<B> {
             fencing_token,
             at: granted_at,
         } = acquired.map_err(|rejection| locks.refuse(rejection))?;
+        owner.granted(granted_at);
         // The handler's view of its locks, for the request's extensions (a granted guard is
         // always armed, so there is one).
         let lease = guard.status().map(|status| {

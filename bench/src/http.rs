@@ -687,7 +687,8 @@ impl Hand {
         let mut conn = self.conn.clone();
         // KEYS: the fencing counter, then the batch. ARGV: owner token, hold id, ttl in
         // milliseconds, how many conflicts to name, ticket ('' for none), reservation ttl,
-        // modes ('x': the whole batch exclusive), '1' to count the grant.
+        // modes ('x': the whole batch exclusive), '1' to count the grant, the release
+        // channel (used only to wake a reader next in line).
         // A grant answers its fencing token, a refusal a list.
         let acquired: redis::RedisResult<redis::Value> = redis::cmd("FCALL")
             .arg(&*self.acquire)
@@ -704,6 +705,7 @@ impl Hand {
             // Exclusive, and counting the grant, as the layer's one-step batches do.
             .arg("x")
             .arg("1")
+            .arg("hand:released")
             .query_async(&mut conn)
             .await;
         match acquired {
@@ -712,8 +714,9 @@ impl Hand {
             Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
         }
         let response = ok().await.into_response();
-        // KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots.
-        let released: redis::RedisResult<i64> = redis::cmd("FCALL")
+        // KEYS: the batch. ARGV: owner token, hold id, channel, wake-up slots. It answers
+        // how many keys had the hold, then the waiters it let in.
+        let released: redis::RedisResult<redis::Value> = redis::cmd("FCALL")
             .arg(&*self.release)
             .arg(keys.len())
             .arg(&keys)

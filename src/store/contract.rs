@@ -124,6 +124,15 @@ impl Ticket {
         }
     }
 
+    /// The ticket of an arrival `ago` before now: before every ticket taken since.
+    pub(crate) fn since(ago: Duration) -> Self {
+        let ago = u64::try_from(ago.as_millis()).unwrap_or(u64::MAX);
+        Self {
+            at: millis_since_epoch().saturating_sub(ago.saturating_add(1)) << 10,
+            id: fastrand::u64(..),
+        }
+    }
+
     /// The ticket as a number of 36 decimal digits, in order: how wake-up messages name it.
     pub(crate) fn key(self) -> u128 {
         u128::from(self.at) * 10u128.pow(20) + u128::from(self.id)
