@@ -375,6 +375,17 @@ async fn a_waiter_that_gives_up_or_is_dropped_withdraws_its_reservations_at_once
 /// The environment variable that turns [`waiter_process`] into a waiting client.
 const WAITER_URL: &str = "TOWER_BATCH_LOCK_TEST_WAITER_URL";
 
+/// Starts this test binary again to run the ignored test `test` alone, on the Redis at
+/// `url`: a process of its own, for a test to kill.
+fn child_process(test: &str, url: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--ignored", "--nocapture"])
+        .env(WAITER_URL, url)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("could not start {test}: {error}"))
+}
+
 /// Not a test: the process that [`a_killed_waiters_reservations_expire_within_the_bound`]
 /// starts and kills. It waits for `a` and `b` on the Redis at `$WAITER_URL`, for
 /// [`KILLED_WAITERS_BOUND`].
@@ -412,17 +423,7 @@ async fn holder_process() {
 async fn a_holders_process_killed_leaves_its_waiters_place_in_line() {
     let store = Store::redis();
     let [locks, _] = &store.locks;
-    let mut holder = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "fairness::holder_process",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(WAITER_URL, store.servers[0].url())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("start the holder process");
+    let mut holder = child_process("fairness::holder_process", &store.servers[0].url());
     let held = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
         store.line("lock:a").is_some()
             && store.observers()[0]
@@ -472,17 +473,7 @@ async fn a_killed_waiters_reservations_last_to_its_deadline() {
     let [locks, _] = &store.locks;
     let (gate, held) = hold(locks, "a").await;
 
-    let mut waiter = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "fairness::waiter_process",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(WAITER_URL, store.servers[0].url())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("start the waiter process");
+    let mut waiter = child_process("fairness::waiter_process", &store.servers[0].url());
     let in_line = poll_every(Duration::from_millis(10), Duration::from_secs(20), || {
         store.line("lock:b").is_some_and(|line| line.len() == 1)
     })

@@ -1,5 +1,7 @@
-//! Wake-ups across processes: a release names the wake-up slots of its keys on a pub/sub
-//! channel, and every process subscribed to it wakes its waiters on those slots.
+//! Wake-ups across processes: a release names the wake-up slots of its keys, and the
+//! tickets of the waiters first in line on the keys it freed, on a pub/sub channel; every
+//! process subscribed to it wakes those waiters in line, and its waiters in no line on
+//! those slots.
 
 use std::{fmt::Write as _, sync::Weak, time::Duration};
 
@@ -17,7 +19,8 @@ pub(in crate::store) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 const MAX_NAMED_SLOTS: usize = 64;
 
 /// The message of a release by the store tagged `tag` ([`Wakeups::tag`]): its slots and
-/// the tag, `3,17,512,@5f0c…`, or `*` for all. The store's own listener skips the messages
+/// the tag, `3,17,512,@5f0c…`, or `*` for all; the release script adds the tickets of the
+/// waiters it lets in (`,#<36 digits>`). The store's own listener skips the messages
 /// with its tag, since the release woke its waiters already: woken a second time while
 /// they try again, they would try once more for nothing. Listeners of earlier versions
 /// take the slots and skip the tag, which is not a number; `*` goes without one, since
