@@ -17,7 +17,6 @@
 
 use std::{
     collections::HashMap,
-    error::Error,
     fmt,
     future::Future,
     sync::{
@@ -28,7 +27,7 @@ use std::{
 };
 
 use futures_util::{future::BoxFuture, FutureExt};
-use redis::{ConnectionInfo, ErrorKind, RedisError};
+use redis::ConnectionInfo;
 
 use super::{
     contract::{Acquire, AcquireRequest, Holder, LockStore},
@@ -136,20 +135,25 @@ impl NodeFailure {
 
     /// Whether the command may still run on the node later: it got no answer in time, or
     /// its connection failed; an error that the node answered with ended it.
+    #[cfg(feature = "cluster")]
     pub(super) fn may_run_later(&self) -> bool {
         let answered = self.redis_error().is_some_and(|error| {
-            matches!(error.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
+            matches!(
+                error.kind(),
+                redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+            )
         });
         self.may_have_applied() && !answered
     }
 
     /// The error of Redis, or of the connection to it, that the node failed with, if any:
     /// the first among the causes of its error.
-    pub(super) fn redis_error(&self) -> Option<&RedisError> {
+    #[cfg(feature = "cluster")]
+    pub(super) fn redis_error(&self) -> Option<&redis::RedisError> {
         let Self::Failed(error) = self else {
             return None;
         };
-        std::iter::successors(Error::source(error), |&cause| cause.source())
+        std::iter::successors(std::error::Error::source(error), |&cause| cause.source())
             .find_map(|cause| cause.downcast_ref())
     }
 }
