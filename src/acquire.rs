@@ -389,10 +389,8 @@ impl<'a> Acquisition<'a> {
         // pause. Measured across two processes on one Redis, a release that lands in that
         // gap took 1-2% of the waits to 20-40 ms. A waiter in line watches for its turn
         // from before its first attempt.
-        let mut watched: Option<Watches<'_>> = match line {
-            Line::At(ticket) => Some(self.store.wakeups().watch_ticket(ticket.key())),
-            Line::Outside | Line::Holder(_) => None,
-        };
+        let mut watched: Option<Watches<'_>> =
+            matches!(line, Line::At(_)).then(|| self.watch(line, self.keys));
         loop {
             // A hold of its own for each attempt: a release of a failed attempt that is still
             // retried in the background (Redlock's, on a slow master) must never end the

@@ -386,7 +386,28 @@ fn child_process(test: &str, url: &str) -> std::process::Child {
         .unwrap_or_else(|error| panic!("could not start {test}: {error}"))
 }
 
-/// Not a test: the process that [`a_killed_waiters_reservations_expire_within_the_bound`]
+/// Sends a request for `keys` (`b` among them) through `locks`, waiting up to 10 s, and
+/// returns once it stands in line on `b` (on the memory store, which cannot be looked
+/// into, a moment after it was sent).
+async fn waiter_in_line_on_b(
+    store: &Store,
+    locks: &Locks,
+    keys: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let app = recording_router(&waiting(locks, Duration::from_secs(10)), &order);
+    let request = named(keys, "w", 0);
+    let waiter = tokio::spawn(async move { send(&app, request).await });
+    let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+        store.line("lock:b").is_none_or(|line| line.len() == 1)
+    })
+    .await;
+    assert!(reserved.is_some(), "{}", store.name);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    waiter
+}
+
+/// Not a test: the process that [`a_killed_waiters_reservations_last_to_its_deadline`]
 /// starts and kills. It waits for `a` and `b` on the Redis at `$WAITER_URL`, for
 /// [`KILLED_WAITERS_BOUND`].
 #[tokio::test]
@@ -525,15 +546,7 @@ async fn an_owner_with_a_held_key_is_kept_out_of_another_by_an_earlier_waiter() 
         let [first, second] = &store.locks;
         // `c` is held: a waiter for `b` and `c` reserves both, `b` free.
         let (gate_c, held_c) = hold(first, "c").await;
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let waiter_app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
-        let waiter = tokio::spawn(async move { send(&waiter_app, named("b,c", "w", 0)).await });
-        let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
-            store.line("lock:b").is_none_or(|line| line.len() == 1)
-        })
-        .await;
-        assert!(reserved.is_some(), "{}", store.name);
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        let waiter = waiter_in_line_on_b(&store, second, "b,c").await;
 
         // A request that arrives now holds `a`, and its handler locks `b` without waiting.
         let inner = |Extension(lease): Extension<Lease>| async move {
@@ -591,15 +604,7 @@ async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {
         });
         gate.wait_entered().await;
 
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let waiter_app = recording_router(&waiting(second, Duration::from_secs(10)), &order);
-        let waiter = tokio::spawn(async move { send(&waiter_app, named("a,b", "w", 0)).await });
-        let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
-            store.line("lock:b").is_none_or(|line| line.len() == 1)
-        })
-        .await;
-        assert!(reserved.is_some(), "{}", store.name);
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        let waiter = waiter_in_line_on_b(&store, second, "a,b").await;
 
         gate.open();
         let reply = within(Duration::from_secs(5), "the holder", holder)
