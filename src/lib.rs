@@ -114,13 +114,15 @@
 //! | situation | status | body and headers |
 //! | --- | --- | --- |
 //! | every key acquired | the handler's | a [`Lease`] is in the request's extensions |
+//! | a path no route matches, under [`Router::layer`](axum::Router::layer) | the router's fallback's (404) | nothing locked ([where to put the layer](LockLayer#where-to-put-it)) |
+//! | a method the route does not serve | 405 under a method router's `route_layer`; elsewhere the layer reads the keys first | ([where to put the layer](LockLayer#where-to-put-it)) |
 //! | a key is held by another request in a mode that excludes this one's, or reserved by a waiter that came earlier (after [waiting](Locks::wait)), or an upgrade beside other readers | 409 ([`Locks::contention_status`] for 423) | names up to 20 conflicting keys ([`Locks::max_named_conflicts`]); `Retry-After` ([`Locks::retry_after`]) |
 //! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged, once per outage); `Retry-After: 1` |
 //! | the request names no key | 400, `"limit": "no_keys"` | unless [`Locks::require_keys(false)`](Locks::require_keys) lets it pass unlocked |
 //! | more than [`Locks::max_keys`] (10,000) distinct keys | 413, `"limit": "max_keys"` | |
 //! | an empty key, or one over [`Locks::max_key_len`] (256 bytes) | 400, `"limit": "max_key_len"` | |
 //! | the extractor refuses the request (no JSON content type, a body over its cap, a body that is not JSON or does not fit the type, a header that is not UTF-8) | 415 / 413 / 400 / 422 / 400 | the parser's message, naming the field (`items[2].sku: invalid type: ...`) |
-//! | [`keys::path`] on a route without that parameter | 500 | one error logged, naming the route and its parameters |
+//! | [`keys::path`] on a route without that parameter, or outside an axum router | 500 | one error logged, naming the route and its parameters |
 //! | a handler takes [`Lease`], but the route has no lock layer or passed the request unlocked | 500 | an error logged (take `Option<Lease>` there) |
 //! | the lease is lost while the handler runs, with [`OnLostLease::Cancel`] | 503 | the handler's future is dropped |
 //!
@@ -279,6 +281,7 @@ mod rejection;
 mod request;
 mod retry_after;
 pub mod store;
+mod unrouted;
 mod wait;
 
 /// The pool crate of [`store::Redis::pool`], at the version this crate is built with: a

@@ -21,6 +21,7 @@ use crate::{
     owner::{ExtraHolds, RequestGuard, RequestOwner},
     rejection::{Refused, Rejection},
     store::contract::{Modes, OwnerToken},
+    unrouted,
 };
 
 /// Extracts, normalizes and acquires the keys of one request: the work before the inner
@@ -43,6 +44,13 @@ where
     let route = request.extensions().get::<MatchedPath>();
     let name = policy.metrics_label.as_deref();
     let layer = labels.of(name.or(route.map(MatchedPath::as_str)), policy.all_shared);
+    let (request, unrouted) = unrouted::request_matched_no_route(request);
+    if unrouted {
+        // The router's fallback answers it (see `unrouted`): nothing to lock, nothing to
+        // count.
+        span.record("outcome", "unrouted");
+        return Locking::Now(Ok((request, None)));
+    }
     let extracting = match extractor.extract_now(request) {
         Ok(extracted) => {
             let pending = match admit(locks, extracted, layer, &span) {

@@ -158,7 +158,9 @@ impl Locks {
 
 impl Idempotency {
     /// Whether a request without an `Idempotency-Key` is refused (400) rather than run as
-    /// it is, unprotected. Off by default.
+    /// it is, unprotected. Off by default. A path that no route matches, where the layer is
+    /// on a whole `Router`, is never refused: it gets the router's 404, and nothing is kept
+    /// of it (see [`LockLayer`](crate::LockLayer#where-to-put-it)).
     pub fn required(mut self, required: bool) -> Self {
         self.config.required = required;
         self

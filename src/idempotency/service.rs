@@ -34,6 +34,7 @@ use crate::{
     middleware::LockService,
     rejection::{Refused, Rejection},
     store::contract::StoredAnswer,
+    unrouted,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -135,15 +136,20 @@ where
         Box::pin(async move {
             let config = &shared.config;
             let (mut parts, body) = request.into_parts();
-            let key = match key::read(&parts.headers, config.max_key_len) {
-                Ok(Some(key)) => key,
-                Ok(None) if !config.required => {
-                    // No key: the request runs as it is, through no lock.
-                    let request = Request::from_parts(parts, Body::new(body));
-                    return Ok(inner.call(request).await?.map(Body::new));
+            let key = if unrouted::matched_no_route(&mut parts) {
+                // The router's fallback answers it (see `unrouted`): nothing to keep.
+                None
+            } else {
+                match key::read(&parts.headers, config.max_key_len) {
+                    Ok(None) if config.required => return Ok(refusals::missing_key()),
+                    Ok(key) => key,
+                    Err(rejection) => return Ok(rejection.into_response()),
                 }
-                Ok(None) => return Ok(refusals::missing_key()),
-                Err(rejection) => return Ok(rejection.into_response()),
+            };
+            let Some(key) = key else {
+                // The request runs as it is, through no lock.
+                let request = Request::from_parts(parts, Body::new(body));
+                return Ok(inner.call(request).await?.map(Body::new));
             };
             let body = match read_capped(&parts.headers, body, config.body_limit).await {
                 Ok(body) => body,

@@ -39,6 +39,7 @@ use crate::rejection::Rejection;
 /// | several parameters, and no `.param(..)` | 500: joining them all would lock `account:b1/7` where `/accounts/{id}` locks `account:7` |
 /// | `.param(name)` names a parameter the route does not have | 500 |
 /// | no parameter, or a service outside an axum router | 500 |
+/// | a path that no route matches (the layer is on a whole `Router`) | the router's 404: the layer passes it on |
 ///
 /// ```
 /// use axum::{body::Body, routing::put, Router};
@@ -140,7 +141,7 @@ impl PathKeys {
             tracing::error!(
                 kind,
                 "keys::path(\"{kind}\") found no route, so no path parameter to lock: \
-                 it runs outside an axum Router, or on a fallback"
+                 it runs outside an axum Router, or inside a nested service"
             );
             return Self::refusal();
         };

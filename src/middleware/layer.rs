@@ -21,6 +21,26 @@ use crate::{locks::Locks, wait::Wait};
 /// let app: Router = Router::new()
 ///     .route("/jobs/{id}", post(|| async { "done" }).layer(LockLayer::new(keys::path("job"))));
 /// ```
+///
+/// # Where to put it
+///
+/// Anywhere axum takes a layer: on a route's method router (`post(h).layer(..)` or
+/// `.route_layer(..)`), on a router's routes ([`Router::route_layer`](axum::Router::route_layer))
+/// or on the whole router ([`Router::layer`](axum::Router::layer)), which wraps its
+/// fallback too. A path that no route matches gets the router's 404 (or its own
+/// fallback's answer) under each: the layer locks nothing for it, and refuses nothing.
+///
+/// A method that the route does not serve still goes through the layer, except under a
+/// method router's `route_layer`, where axum answers 405 first (axum's docs say the same
+/// of every middleware that answers early). Elsewhere the layer reads the request's keys
+/// before axum's 405: a `GET` with no body, on a route locked by [`keys::json`](crate::keys::json),
+/// gets 415. Use `route_layer` on the method router where an exact 405 matters.
+///
+/// A service nested with [`Router::nest_service`](axum::Router::nest_service) is no route
+/// of the outer router to axum, and a layer there cannot tell its requests from the
+/// fallback's: it passes them on unlocked. Lock such a service from inside it
+/// (`nest_service("/x", locks.layer(..).layer(service))`); a router nested with
+/// [`Router::nest`](axum::Router::nest) is made of routes, and locks as they do.
 #[derive(Debug, Clone)]
 pub struct LockLayer<E> {
     locks: Locks,

@@ -120,6 +120,7 @@ mod redlock;
 mod reentrant;
 #[cfg(feature = "redis")]
 mod replicas;
+mod routing;
 #[cfg(feature = "cluster")]
 mod shared;
 mod tracing;

@@ -37,7 +37,6 @@ pub(crate) fn header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
 
 /// Keys from the comma-separated `x-keys` header, which must be there: a closure extractor
 /// over the head that refuses with 400 without it.
-#[cfg(feature = "redis")]
 pub(crate) fn required_header_keys(parts: &Parts) -> Result<Vec<String>, Rejection> {
     let value = parts
         .headers
