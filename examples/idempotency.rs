@@ -15,7 +15,6 @@ use std::sync::{
 
 use axum::{http::StatusCode, routing::post, Json, Router};
 use serde::Deserialize;
-use tower::ServiceBuilder;
 use tower_batch_lock::{keys, Locks};
 
 /// The body of `POST /orders`.
@@ -34,17 +33,14 @@ pub fn app(locks: &Locks, created: Arc<AtomicU64>) -> Router {
             format!("order {number}: {} skus", order.skus.len()),
         )
     });
-    // Outermost first: a retry is answered from the store without taking the skus' locks,
-    // and a refusal by the lock layer (409, 503, a bad body) is never stored, so the
-    // retry runs. `ServiceBuilder` also spares axum the error type it cannot infer between
-    // two `.layer(..)` calls.
+    // The idempotency layer outside (the later `.layer`): a retry is answered from the
+    // store without taking the skus' locks, and a refusal by the lock layer (409, 503, a
+    // bad body) is never stored, so the retry runs.
     Router::new().route(
         "/orders",
-        create.layer(
-            ServiceBuilder::new()
-                .layer(locks.idempotency().required(true))
-                .layer(locks.layer(skus)),
-        ),
+        create
+            .layer(locks.layer(skus))
+            .layer(locks.idempotency().required(true)),
     )
 }
 

@@ -18,7 +18,7 @@
 //!
 //! ```
 //! use axum::{body::Body, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{admin, store::Store, Locks};
 //!

@@ -10,7 +10,7 @@
 //! ```
 //! use std::time::Duration;
 //! use axum::{body::Body, routing::put, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, Locks, Wait};
 //!
@@ -164,7 +164,7 @@
 //! first answer to each `Idempotency-Key` header on the same store as the locks, and
 //! replays it to retries on any process, so that a retried `POST` never creates a second
 //! order; see [`idempotency::Idempotency`] for what is stored and what is not, and why it
-//! goes outside the lock layer in a `tower::ServiceBuilder`.
+//! goes outside the lock layer: `post(create).layer(locks.layer(skus)).layer(locks.idempotency())`.
 //!
 //! # Metrics
 //!
@@ -198,6 +198,7 @@
 //! on an admin port renders them (see `examples/metrics.rs`):
 //!
 //! ```
+//! // Cargo.toml: metrics = "0.24", metrics-exporter-prometheus = "0.18"
 //! use axum::{routing::get, Router};
 //! use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 //!
@@ -246,8 +247,8 @@
 //! - **Keep keys out of sight.** Keys are namespaced ([`Locks::prefix`]) and limited in
 //!   number and length; set [`Locks::max_named_conflicts`] to 0 where clients must not learn
 //!   which keys are busy.
-//! - **Idempotency outside, locks inside**, in one `ServiceBuilder`, for order APIs that
-//!   clients retry.
+//! - **Idempotency outside, locks inside** (the idempotency layer the later `.layer(..)`),
+//!   for order APIs that clients retry.
 //! - **Watch** `tower_batch_lock_acquisitions_total{outcome="unavailable"}`, lost leases and
 //!   release failures; give the histograms buckets.
 //!

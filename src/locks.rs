@@ -32,7 +32,7 @@ use crate::{lease::Lease, middleware::LockLayer};
 /// ```
 /// use std::time::Duration;
 /// use axum::{routing::put, Router};
-/// use http::StatusCode;
+/// use axum::http::StatusCode;
 /// use tower_batch_lock::{keys, Locks};
 ///
 /// let locks = Locks::memory()
@@ -435,7 +435,7 @@ impl Locks {
     /// the request contends like any other.
     ///
     /// ```
-    /// use http::{request::Parts, HeaderName};
+    /// use axum::http::{request::Parts, HeaderName};
     /// use tower_batch_lock::Locks;
     ///
     /// // A downstream service that trusts callers its gateway marked as internal.
@@ -505,7 +505,7 @@ impl Locks {
     ///
     /// ```
     /// use axum::response::{IntoResponse, Response};
-    /// use http::{header, HeaderValue};
+    /// use axum::http::{header, HeaderValue};
     /// use tower_batch_lock::{Locks, Rejection};
     ///
     /// // The default answer, with a header the API's clients look for.

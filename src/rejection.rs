@@ -12,7 +12,7 @@ use http::{header, HeaderValue, StatusCode};
 /// unavailable lock store) it also sets `Retry-After`. Extractors return it too:
 ///
 /// ```
-/// use http::{request::Parts, StatusCode};
+/// use axum::http::{request::Parts, StatusCode};
 /// use tower_batch_lock::Rejection;
 ///
 /// fn idempotency_key(parts: &Parts) -> Result<Vec<String>, Rejection> {

@@ -64,29 +64,30 @@ const NAMESPACE: &str = "idempotency:";
 /// ```
 ///
 /// With a [`LockLayer`](crate::LockLayer) on the same route, put the idempotency layer
-/// outside, so that a retry is answered from the store without taking the resources'
-/// locks, and a refusal by the lock layer (409, 503, a body its extractor refuses, a request
-/// that names no key) is never stored: the retry, or the corrected request with the same
-/// key, runs. Use a `tower::ServiceBuilder`: it lists layers outermost first, and spares
-/// axum's `MethodRouter::layer` the error type it cannot infer between two chained
-/// `.layer(..)` calls (error E0283, whose suggestion does not help):
+/// outside (the later `.layer(..)`), so that a retry is answered from the store without
+/// taking the resources' locks, and a refusal by the lock layer (409, 503, a body its
+/// extractor refuses, a request that names no key) is never stored: the retry, or the
+/// corrected request with the same key, runs.
 ///
 /// ```
 /// use axum::{routing::post, Router};
-/// use tower::ServiceBuilder;
 /// use tower_batch_lock::{keys, Locks};
 ///
 /// # async fn create_order() -> &'static str { "created" }
 /// let locks = Locks::memory();
 /// let app: Router = Router::new().route(
 ///     "/orders",
-///     post(create_order).layer(
-///         ServiceBuilder::new()
-///             .layer(locks.idempotency())
-///             .layer(locks.layer(keys::header("x-sku", "sku"))),
-///     ),
+///     post(create_order)
+///         .layer(locks.layer(keys::header("x-sku", "sku")))
+///         .layer(locks.idempotency()),
 /// );
 /// ```
+///
+/// The other order does not compile: axum cannot infer the error type between two
+/// `.layer(..)` calls (E0283, "cannot infer type of the type parameter `NewError`")
+/// unless the outer layer's service fixes it, as this one does (it serves axum's
+/// infallible services only). A `tower::ServiceBuilder` lists the same two layers
+/// outermost first.
 ///
 /// # What is stored, and what is not
 ///
@@ -233,6 +234,7 @@ impl Idempotency {
     /// to compare JSON bodies by value rather than by spelling:
     ///
     /// ```
+    /// // Cargo.toml: serde_json = "1"
     /// use tower_batch_lock::Locks;
     ///
     /// let layer = Locks::memory().idempotency().fingerprint(|_parts, body| {

@@ -1,6 +1,7 @@
 //! The idempotency service: look for a stored answer, lock the key, run, store.
 
 use std::{
+    convert::Infallible,
     fmt,
     sync::Arc,
     task::{Context, Poll},
@@ -53,7 +54,8 @@ fn in_flight_keys(parts: &request::Parts) -> Result<Vec<String>, Rejection> {
 /// The service that [`Idempotency`](super::Idempotency) wraps around its inner service.
 ///
 /// Its own refusals, replays and the inner service's answers are all
-/// [`axum::response::Response`]s.
+/// [`axum::response::Response`]s; its inner service is an infallible one, as axum's
+/// routes are (a stored answer is a response, never an error).
 pub struct IdempotencyService<S> {
     /// The in-flight lock around the recorder around the inner service.
     inner: LockService<Recorder<S>, InFlightKeys>,
@@ -112,17 +114,19 @@ impl<S> fmt::Debug for IdempotencyService<S> {
 
 impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
 where
-    S: Service<Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = http::Response<ResBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send,
-    S::Error: Send + 'static,
     B: HttpBody<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
     type Response = Response;
-    type Error = S::Error;
-    type Future = BoxFuture<'static, Result<Response, S::Error>>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

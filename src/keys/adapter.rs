@@ -31,7 +31,7 @@ use crate::rejection::Rejection;
 ///
 /// ```
 /// use axum::{body::Body, extract::Path, routing::put, Extension, Router};
-/// use http::{header, Request, StatusCode};
+/// use axum::http::{header, Request, StatusCode};
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};
 ///
@@ -75,7 +75,7 @@ where
 ///
 /// ```
 /// use axum::{body::Body, extract::{Path, State}, routing::put, Extension, Router};
-/// use http::Request;
+/// use axum::http::Request;
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};
 ///
@@ -203,7 +203,7 @@ impl<B: Send + 'static> KeyExtractor<B> for FromPartsKeys {
 ///
 /// ```
 /// use axum::{body::Body, routing::post, Extension, Form, Router};
-/// use http::{header, Request, StatusCode};
+/// use axum::http::{header, Request, StatusCode};
 /// use serde::Deserialize;
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};

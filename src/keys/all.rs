@@ -16,7 +16,7 @@ use super::extractor::{first_poll, Extracted, KeyExtractor};
 ///
 /// ```
 /// use axum::{body::Body, routing::put, Extension, Router};
-/// use http::{header, Request, StatusCode};
+/// use axum::http::{header, Request, StatusCode};
 /// use serde::Deserialize;
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};

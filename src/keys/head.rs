@@ -29,7 +29,7 @@ use crate::rejection::Rejection;
 ///
 /// ```
 /// use axum::{body::Body, routing::post, Router};
-/// use http::{Request, StatusCode};
+/// use axum::http::{Request, StatusCode};
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Locks};
 ///
@@ -144,7 +144,7 @@ impl<B: Send + 'static> KeyExtractor<B> for HeaderKeys {
 ///
 /// ```
 /// use axum::{body::Body, routing::post, Extension, Router};
-/// use http::{Request, StatusCode};
+/// use axum::http::{Request, StatusCode};
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Lease, LockLayer};
 ///

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use axum::{body::Body, routing::put, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, LockLayer};
 //!
@@ -75,7 +75,7 @@
 //!
 //! ```
 //! use axum::{body::Body, extract::Path, routing::put, Extension, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, Lease, LockLayer};
 //!
@@ -123,7 +123,7 @@
 //!
 //! ```
 //! use axum::{body::Body, routing::post, Extension, Json, Router};
-//! use http::{header, Request, StatusCode};
+//! use axum::http::{header, Request, StatusCode};
 //! use serde::Deserialize;
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, Lease, LockLayer};
@@ -144,8 +144,8 @@
 //!     }))),
 //! );
 //!
-//! let ids: Vec<u64> = (1..=2_000).collect();
-//! let body = serde_json::json!({ "account_ids": ids, "cents": 5 }).to_string();
+//! let ids: Vec<String> = (1..=2_000).map(|id: u64| id.to_string()).collect();
+//! let body = format!(r#"{{"account_ids": [{}], "cents": 5}}"#, ids.join(","));
 //! let request = Request::post("/payouts")
 //!     .header(header::CONTENT_TYPE, "application/json")
 //!     .body(Body::from(body))
@@ -174,7 +174,7 @@
 //!
 //! ```
 //! use axum::{body::Body, routing::post, Extension, Router};
-//! use http::{Request, StatusCode};
+//! use axum::http::{Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, Lease, LockLayer};
 //!
@@ -212,7 +212,7 @@
 //!     routing::put,
 //!     Extension, Router,
 //! };
-//! use http::{request::Parts, Request, StatusCode};
+//! use axum::http::{request::Parts, Request, StatusCode};
 //! use tower::ServiceExt;
 //! use tower_batch_lock::{keys, Lease, LockLayer, Rejection};
 //!
@@ -262,7 +262,7 @@
 //!
 //! ```
 //! use axum::{routing::post, Router};
-//! use http::request::Parts;
+//! use axum::http::request::Parts;
 //! use tower_batch_lock::{LockLayer, Rejection};
 //!
 //! // `report:{year}-{month}` from `?period=2024-05`, or no lock at all.

@@ -43,7 +43,7 @@ use crate::rejection::Rejection;
 ///
 /// ```
 /// use axum::{body::Body, routing::put, Router};
-/// use http::{Request, StatusCode};
+/// use axum::http::{Request, StatusCode};
 /// use tower::ServiceExt;
 /// use tower_batch_lock::{keys, Locks};
 ///

@@ -117,7 +117,7 @@ impl<E> LockLayer<E> {
     /// ```
     /// use std::time::Duration;
     /// use axum::{routing::put, Router};
-    /// use http::StatusCode;
+    /// use axum::http::StatusCode;
     /// use tower_batch_lock::{keys, Locks};
     ///
     /// let locks = Locks::memory();

@@ -123,6 +123,7 @@ mod replicas;
 mod routing;
 #[cfg(feature = "cluster")]
 mod shared;
+mod snippets;
 mod tracing;
 #[cfg(feature = "redis")]
 mod waiting;

@@ -61,7 +61,11 @@ async fn check(extractor: &str, apps: [(&str, Router); 3]) {
             let unknown = status(&app, method.clone(), "/nope").await;
             assert_eq!(unknown, StatusCode::NOT_FOUND, "{method} /nope, {at}");
             let below = status(&app, method.clone(), "/orders/7/items").await;
-            assert_eq!(below, StatusCode::NOT_FOUND, "{method} /orders/7/items, {at}");
+            assert_eq!(
+                below,
+                StatusCode::NOT_FOUND,
+                "{method} /orders/7/items, {at}"
+            );
         }
         // A GET without a body, which `keys::json` refuses (415) before the method router
         // could answer 405, where the layer wraps that router's fallback.
@@ -103,7 +107,9 @@ async fn an_unknown_path_reaches_the_applications_own_fallback() {
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
-    let body = axum::body::to_bytes(response.into_body(), 1024).await.unwrap();
+    let body = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .unwrap();
     assert_eq!(body, "no such page here");
 }
 
