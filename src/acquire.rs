@@ -42,7 +42,7 @@ use crate::{
     backoff::Backoff,
     guard::LockGuard,
     locks::Locks,
-    observe::{self, Layer, Outcome, Waiting},
+    observe::{self, Layer, Outcome, Unanswered, Waiting},
     outage::OutageLog,
     rejection::Rejection,
     store::{
@@ -177,7 +177,11 @@ impl<'a> Acquisition<'a> {
         // The clock is read once before and once after: the first attempt starts at
         // `started`, and the hold at the answer.
         let started = Instant::now();
+        let unanswered = self.layer.map(|layer| Unanswered::new(layer, started));
         let acquired = self.run(owner, started).await;
+        if let Some(unanswered) = unanswered {
+            unanswered.answered();
+        }
         self.conclude(span, (started, Instant::now()), acquired)
     }
 

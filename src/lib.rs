@@ -181,7 +181,7 @@
 //!
 //! | metric | kind | labels | what |
 //! | --- | --- | --- | --- |
-//! | `tower_batch_lock_acquisitions_total` | counter | `layer`, `mode`, `outcome` | one per request that reached the layer with keys or with input it refused: `granted`, `contended` (409/423), `unavailable` (503), `rejected` (bad input) |
+//! | `tower_batch_lock_acquisitions_total` | counter | `layer`, `mode`, `outcome` | one per request that reached the layer with keys or with input it refused: `granted`, `contended` (409/423), `unavailable` (503), `rejected` (bad input), `abandoned` (dropped before its answer: its client went away or a timeout around the layer fired, most often while it waited) |
 //! | `tower_batch_lock_acquire_seconds` | histogram | `layer`, `mode`, `outcome` | from the keys being known to the grant or the refusal, waiting included |
 //! | `tower_batch_lock_wait_seconds` | histogram | `layer`, `mode` | how long a request that waited did so |
 //! | `tower_batch_lock_keys` | histogram | `layer` | keys per batch, after deduplication |

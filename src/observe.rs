@@ -139,11 +139,14 @@ pub(crate) enum Outcome {
     Unavailable,
     /// Bad input: the extractor refused it, or its keys broke a limit.
     Rejected,
+    /// Dropped before its answer: its client went away, or a timeout around the layer
+    /// gave up on it, most often while it waited.
+    Abandoned,
 }
 
 impl Outcome {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const ALL: usize = 4;
+    const ALL: usize = 5;
 
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     fn as_str(self) -> &'static str {
@@ -152,6 +155,7 @@ impl Outcome {
             Self::Contended => "contended",
             Self::Unavailable => "unavailable",
             Self::Rejected => "rejected",
+            Self::Abandoned => "abandoned",
         }
     }
 }
@@ -316,6 +320,32 @@ impl ReleaseFailure {
             Self::Retried => "retried",
             Self::GaveUp => "gave_up",
         }
+    }
+}
+
+/// Counts an acquisition that is dropped before its answer as [abandoned](Outcome::Abandoned),
+/// with the time it took until then: every request that reached the layer with keys
+/// counts under one outcome.
+#[derive(Debug)]
+pub(crate) struct Unanswered<'a> {
+    layer: &'a Layer,
+    since: std::time::Instant,
+}
+
+impl<'a> Unanswered<'a> {
+    pub(crate) fn new(layer: &'a Layer, since: std::time::Instant) -> Self {
+        Self { layer, since }
+    }
+
+    /// The acquisition has its answer, which the caller records.
+    pub(crate) fn answered(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        outcome(self.layer, Outcome::Abandoned, Some(self.since.elapsed()));
     }
 }
 

@@ -114,8 +114,15 @@ impl Recorded {
     }
 
     /// The acquisitions counted under `layer`, by outcome.
-    fn outcomes(&self, layer: &str) -> [u64; 4] {
-        ["granted", "contended", "unavailable", "rejected"].map(|outcome| {
+    fn outcomes(&self, layer: &str) -> [u64; 5] {
+        [
+            "granted",
+            "contended",
+            "unavailable",
+            "rejected",
+            "abandoned",
+        ]
+        .map(|outcome| {
             self.counter(
                 "tower_batch_lock_acquisitions_total",
                 &[
@@ -171,7 +178,7 @@ async fn every_answer_is_counted_once_under_its_outcome() {
         let seen = |status| statuses.iter().filter(|&&s| s == status).count() as u64;
 
         let recorded = recorded();
-        let [granted, contended, unavailable, rejected] = recorded.outcomes(name);
+        let [granted, contended, unavailable, rejected, abandoned] = recorded.outcomes(name);
         assert_eq!(
             contended,
             seen(StatusCode::CONFLICT),
@@ -180,8 +187,8 @@ async fn every_answer_is_counted_once_under_its_outcome() {
         assert_eq!(granted, seen(StatusCode::OK), "{name}: {statuses:?}");
         assert_eq!(rejected, seen(StatusCode::PAYLOAD_TOO_LARGE), "{name}");
         assert_eq!(
-            (granted, contended, unavailable, rejected),
-            (2, 5, 0, 1),
+            (granted, contended, unavailable, rejected, abandoned),
+            (2, 5, 0, 1, 0),
             "{name}"
         );
         let acquired = recorded.samples(
@@ -244,6 +251,48 @@ async fn waiting_requests_are_counted_while_they_wait_and_timed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_whose_client_goes_away_is_counted_abandoned() {
+    recorded();
+    let locks = Locks::new(Store::isolated_memory())
+        .metrics_label("abandoning")
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let gate = Gate::new();
+    let holder = Router::new().route(
+        "/",
+        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
+    );
+    let held = tokio::spawn(async move { send(&holder, post_keys("/", "gone")).await });
+    gate.wait_entered().await;
+    // The client hangs up while its request waits: hyper drops the request's future.
+    let app = locked(&locks, "/");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(150),
+        tower::ServiceExt::oneshot(app, post_keys("/", "gone")),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the waiter waits for the holder");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+
+    let recorded = recorded();
+    assert_eq!(recorded.outcomes("abandoning"), [1, 0, 0, 0, 1]);
+    let took = recorded.samples(
+        "tower_batch_lock_acquire_seconds",
+        &[
+            ("layer", "abandoning"),
+            ("mode", "exclusive"),
+            ("outcome", "abandoned"),
+        ],
+    );
+    assert!(took.len() == 1 && took[0] >= 0.14, "{took:?}");
+    let waiting = [("layer", "abandoning"), ("mode", "exclusive")];
+    assert_eq!(
+        recorded.gauge("tower_batch_lock_waiting_requests", &waiting),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unavailable() {
     recorded();
     let mut server = RedisServer::start();
@@ -270,6 +319,6 @@ async fn a_layer_without_a_name_is_labelled_with_its_route_and_an_outage_is_unav
     )
     .await;
     assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
-    let [granted, _, unavailable, _] = recorded().outcomes("/shipments/{id}");
+    let [granted, _, unavailable, ..] = recorded().outcomes("/shipments/{id}");
     assert_eq!((granted, unavailable), (1, 1));
 }
