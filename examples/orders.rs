@@ -628,7 +628,7 @@ async fn main() -> Result<(), StoreError> {
         )
         .into());
     }
-    let (store, locks, backend) = match chosen.first().copied() {
+    let (store, locks, serving) = match chosen.first().copied() {
         None => (
             Store::memory(),
             Locks::memory(),
@@ -653,8 +653,8 @@ async fn main() -> Result<(), StoreError> {
             // Each master gets a pool of its own; the locks hold while a majority answers.
             let locks = Locks::new(tower_batch_lock::store::Redlock::new(&urls).build()?);
             // (No URL in the log: it may carry a password.)
-            let backend = format!("locks on {} Redlock masters, data in the first", urls.len());
-            (Store::redis(pool), locks, backend)
+            let serving = format!("locks on {} Redlock masters, data in the first", urls.len());
+            (Store::redis(pool), locks, serving)
         }
         #[cfg(feature = "cluster")]
         Some("REDIS_CLUSTER_URLS") => {
@@ -663,8 +663,8 @@ async fn main() -> Result<(), StoreError> {
             let client = redis::cluster::ClusterClient::new(urls.clone())?;
             let data = client.get_async_connection().await?;
             let locks = Locks::new(tower_batch_lock::store::RedisCluster::new(&urls).build()?);
-            let backend = "locks and data on a Redis Cluster".to_owned();
-            (Store::redis_cluster(data), locks, backend)
+            let serving = "locks and data on a Redis Cluster".to_owned();
+            (Store::redis_cluster(data), locks, serving)
         }
         Some(other) => {
             return Err(format!(
@@ -681,7 +681,7 @@ async fn main() -> Result<(), StoreError> {
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(
-        "orders listening on http://{}, {backend}",
+        "orders listening on http://{}, {serving}",
         listener.local_addr()?
     );
     let admin_addr = env::var("ADMIN_ADDR").unwrap_or_else(|_| "127.0.0.1:3001".to_owned());

@@ -319,7 +319,7 @@ impl Held {
                 return;
             }
             // An extension is in flight: wait for it. The task bounds its own attempts by
-            // the backend timeout.
+            // the store timeout.
             let _ = task.await;
         }
     }

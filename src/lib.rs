@@ -262,6 +262,10 @@
 // docs.rs (nightly) marks each item with the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// First: rustdoc lists `Locks`'s methods module by module in this order, and its page
+// starts with how to make one (`memory`, `new`), not with `idempotency` or `inspect`.
+mod locks;
+
 mod acquire;
 #[cfg(feature = "admin")]
 pub mod admin;
@@ -272,7 +276,6 @@ pub mod idempotency;
 mod inspect;
 pub mod keys;
 mod lease;
-mod locks;
 mod middleware;
 mod observe;
 mod outage;

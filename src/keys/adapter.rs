@@ -21,6 +21,11 @@ use crate::rejection::Rejection;
 /// [`Path<T>`](axum::extract::Path), `Query<T>`, a typed header, a tuple of those, or one of
 /// your own. `keys` turns the extracted value into keys ([`IntoKeys`]).
 ///
+/// Unlike a handler, `keys` takes **one** argument: for several extractors, take a tuple
+/// and destructure it, `|(Path(id), Query(q)): (Path<u64>, Query<Filter>)|`. Written as a
+/// handler's arguments, `|Path(id), Query(q)|`, it does not compile (E0593, "closure is
+/// expected to take 1 argument, but it takes 2").
+///
 /// The extractor runs as it would for a handler, with the state `()`: extractors that need
 /// the router's state (`State<T>`, or your own over `S: FromRef<..>`) run in
 /// [`from_parts_with_state`]. When the extractor refuses the request, its status is the
@@ -71,7 +76,8 @@ where
 /// [`State<T>`](axum::extract::State): they run with `state`, as a handler's would with the
 /// state of [`Router::with_state`](axum::Router::with_state). As axum's
 /// [`from_fn_with_state`](axum::middleware::from_fn_with_state), since a layer does not
-/// see the router's state: pass the same value (or its part the extractors read).
+/// see the router's state: pass the same value (or its part the extractors read). As for
+/// [`from_parts`], `keys` takes one argument: the extractors' values as one tuple.
 ///
 /// ```
 /// use axum::{body::Body, extract::{Path, State}, routing::put, Extension, Router};

@@ -19,6 +19,11 @@ use crate::rejection::Rejection;
 /// value is used as sent, byte for byte, less the spaces and tabs around it (which HTTP
 /// does not count as part of it); a header sent several times gives a key per value.
 ///
+/// HTTP lets a proxy fold a header sent several times into one line, its values joined
+/// with commas (RFC 9110, section 5.3): `x-sku: a` and `x-sku: b` may arrive as
+/// `x-sku: a, b`, which locks the one key `sku:a, b`. For a header that names several
+/// resources, read it as a list with [`HeaderKeys::list`], and folding changes nothing.
+///
 /// | request | answer |
 /// | --- | --- |
 /// | no such header | no key: the request runs unlocked (or is refused by [`Locks::require_keys`](crate::Locks::require_keys)), or 400 with [`HeaderKeys::required`] |
@@ -63,6 +68,7 @@ where
         name,
         kind: kind.into().into(),
         required: false,
+        list: false,
     }
 }
 
@@ -72,12 +78,34 @@ pub struct HeaderKeys {
     name: HeaderName,
     kind: Arc<str>,
     required: bool,
+    list: bool,
 }
+
+/// The whitespace HTTP allows around a field value and a list's elements (RFC 9110's `OWS`).
+const OWS: [char; 2] = [' ', '\t'];
 
 impl HeaderKeys {
     /// Refuses a request without the header with 400, instead of letting it run unlocked.
     pub fn required(mut self) -> Self {
         self.required = true;
+        self
+    }
+
+    /// Reads each value as a comma-separated list (RFC 9110's `#element`), a key per
+    /// element: `x-sku: a, b` locks `sku:a` and `sku:b`, as the two lines `x-sku: a` and
+    /// `x-sku: b` do, so a proxy that folds them changes nothing. Spaces and tabs around an
+    /// element are not part of it, and empty elements are skipped, as RFC 9110 asks; a
+    /// value with no element is refused with 400. An id that contains a comma cannot be
+    /// sent this way.
+    ///
+    /// ```
+    /// use tower_batch_lock::keys;
+    ///
+    /// let skus = keys::header("x-sku", "sku").list().required();
+    /// # drop(skus);
+    /// ```
+    pub fn list(mut self) -> Self {
+        self.list = true;
         self
     }
 
@@ -96,11 +124,18 @@ impl HeaderKeys {
                     "the `{name}` header is not valid UTF-8"
                 )));
             };
-            let text = text.trim_matches([' ', '\t']);
-            if text.is_empty() {
+            let text = text.trim_matches(OWS);
+            let before = keys.len();
+            if self.list {
+                let elements = text.split(',').map(|e| e.trim_matches(OWS));
+                let named = elements.filter(|e| !e.is_empty());
+                keys.extend(named.map(|e| format!("{}:{e}", self.kind)));
+            } else if !text.is_empty() {
+                keys.push(format!("{}:{text}", self.kind));
+            }
+            if keys.len() == before {
                 return Err(bad_request(format!("the `{name}` header is empty")));
             }
-            keys.push(format!("{}:{text}", self.kind));
         }
         if keys.is_empty() && self.required {
             return Err(bad_request(format!(
@@ -306,6 +341,30 @@ mod tests {
         assert_eq!(decoded("%FF%fe"), [0xff, 0xfe]);
         assert_eq!(decoded("é%C3%A9"), "éé".as_bytes());
         assert_eq!(decoded("%%41"), b"%A");
+    }
+
+    fn header_keys(extractor: HeaderKeys, values: &[&str]) -> Result<Vec<String>, String> {
+        let mut request = Request::builder();
+        for value in values {
+            request = request.header("x-sku", *value);
+        }
+        let (parts, ()) = request.body(()).unwrap().into_parts();
+        extractor.keys(&parts).map_err(|r| r.detail().to_owned())
+    }
+
+    #[test]
+    fn a_header_read_as_a_list_locks_the_same_keys_folded_or_not() {
+        let list = || header("x-sku", "sku").list();
+        let folded = header_keys(list(), &["a, b,\tc"]).unwrap();
+        assert_eq!(folded, ["sku:a", "sku:b", "sku:c"]);
+        assert_eq!(header_keys(list(), &["a", "b ", " c"]).unwrap(), folded);
+        assert_eq!(header_keys(list(), &[" ,a,, b,c, "]).unwrap(), folded);
+        assert!(header_keys(list(), &[" , ,"])
+            .unwrap_err()
+            .contains("empty"));
+        // Not a list: one value, one key, byte for byte.
+        let plain = header_keys(header("x-sku", "sku"), &["a, b"]).unwrap();
+        assert_eq!(plain, ["sku:a, b"]);
     }
 
     fn query_keys(query: &str) -> Result<Vec<String>, String> {

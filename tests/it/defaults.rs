@@ -169,7 +169,7 @@ async fn retry_after_follows_observed_holds_not_the_ttl() {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn check_says_whether_the_store_can_serve_within_the_backend_timeout() {
+async fn check_says_whether_the_store_can_serve_within_the_store_timeout() {
     assert!(Locks::new(Store::isolated_memory()).check().await.is_ok());
 
     let mut server = RedisServer::start();

@@ -1,4 +1,4 @@
-//! The Redis backend, driven through the layer the way users drive it: an axum `Router`
+//! The Redis store, driven through the layer the way users drive it: an axum `Router`
 //! called with `oneshot` (or served over a real TCP listener), against real `redis-server`
 //! processes started by `support` on free loopback ports.
 //!
@@ -1311,7 +1311,7 @@ async fn a_killed_process_blocks_others_only_until_the_ttl() {
 // 6. Outage
 // ---------------------------------------------------------------------------------------
 
-const BACKEND_TIMEOUT: Duration = Duration::from_millis(300);
+const STORE_TIMEOUT: Duration = Duration::from_millis(300);
 
 fn assert_unavailable(reply: &Reply) {
     assert_eq!(
@@ -1333,7 +1333,7 @@ async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart()
     let mut server = RedisServer::start();
     let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
-        .store_timeout(BACKEND_TIMEOUT);
+        .store_timeout(STORE_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     // An idle connection in the pool, so the next request finds a dead one.
@@ -1347,7 +1347,7 @@ async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart()
         eprintln!("outage (killed): 503 in {took:?}");
         assert_unavailable(&reply);
         assert!(
-            took < BACKEND_TIMEOUT + Duration::from_millis(500),
+            took < STORE_TIMEOUT + Duration::from_millis(500),
             "{took:?}"
         );
     }
@@ -1376,12 +1376,12 @@ async fn a_killed_server_gives_503_fast_and_the_layer_recovers_after_a_restart()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_frozen_server_gives_503_within_the_backend_timeout_and_leaves_no_key() {
+async fn a_frozen_server_gives_503_within_the_store_timeout_and_leaves_no_key() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(5))
-        .store_timeout(BACKEND_TIMEOUT);
+        .store_timeout(STORE_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["f:1"])).await.status, StatusCode::OK);
@@ -1394,11 +1394,11 @@ async fn a_frozen_server_gives_503_within_the_backend_timeout_and_leaves_no_key(
     eprintln!("outage (SIGSTOP): 503 in {took:?}");
     assert_unavailable(&reply);
     assert!(
-        took >= BACKEND_TIMEOUT - Duration::from_millis(10),
+        took >= STORE_TIMEOUT - Duration::from_millis(10),
         "{took:?}"
     );
     assert!(
-        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        took < STORE_TIMEOUT + Duration::from_millis(500),
         "{took:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -1427,7 +1427,7 @@ async fn an_acquisition_stalled_on_the_server_leaves_no_key_once_it_runs() {
     let observer = Observer::of(&server);
     let locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(10))
-        .store_timeout(BACKEND_TIMEOUT);
+        .store_timeout(STORE_TIMEOUT);
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
     assert_eq!(send(&app, batch(&["s:1"])).await.status, StatusCode::OK);
@@ -1439,7 +1439,7 @@ async fn an_acquisition_stalled_on_the_server_leaves_no_key_once_it_runs() {
     eprintln!("outage (CLIENT PAUSE WRITE): 503 in {took:?}");
     assert_unavailable(&reply);
     assert!(
-        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        took < STORE_TIMEOUT + Duration::from_millis(500),
         "{took:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -1516,7 +1516,7 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
     };
     let locks = Locks::new(Redis::pool(pool).build().unwrap())
         .ttl(Duration::from_secs(10))
-        .store_timeout(BACKEND_TIMEOUT);
+        .store_timeout(STORE_TIMEOUT);
     let app = counting_router(&locks, &runs);
     let started = Instant::now();
     let reply = send(&app, batch(&["z:1", "z:2"])).await;
@@ -1527,12 +1527,12 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
         "the hook did not freeze the server"
     );
     eprintln!("outage (frozen after send): 503 in {took:?}");
-    // The server stays frozen for longer than the backend timeout, as in a long stall.
+    // The server stays frozen for longer than the store timeout, as in a long stall.
     tokio::time::sleep(Duration::from_millis(700)).await;
     server.resume();
     assert_unavailable(&reply);
     assert!(
-        took < BACKEND_TIMEOUT + Duration::from_millis(500),
+        took < STORE_TIMEOUT + Duration::from_millis(500),
         "{took:?}"
     );
     assert_eq!(
@@ -1888,9 +1888,9 @@ async fn the_lease_lists_the_keys_and_expires_about_a_ttl_from_now() {
 
 /// redis-rs gives up on a reply after 500 ms by default; a batch that Redis takes longer
 /// over (here: a script held 1.5 s by `CLIENT PAUSE`) must still be granted within the
-/// layer's own backend timeout.
+/// layer's own store timeout.
 #[tokio::test]
-async fn a_slow_script_is_bounded_by_the_backend_timeout_not_by_the_clients_default() {
+async fn a_slow_script_is_bounded_by_the_store_timeout_not_by_the_clients_default() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let runs = Arc::new(AtomicUsize::new(0));

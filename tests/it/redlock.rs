@@ -1,4 +1,4 @@
-//! The Redlock backend, driven through the layer: axum routers called with `oneshot`, on 3
+//! The Redlock store, driven through the layer: axum routers called with `oneshot`, on 3
 //! or 5 real `redis-server` masters started by `support` on free loopback ports, which the
 //! tests kill, freeze (SIGSTOP), slow down (`CLIENT PAUSE`) and restart empty.
 //!

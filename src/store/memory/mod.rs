@@ -1,4 +1,4 @@
-//! Locks in this process's memory, with the same semantics as the Redis backend.
+//! Locks in this process's memory, with the same semantics as the Redis stores.
 
 use std::{
     hash::{BuildHasher, RandomState},

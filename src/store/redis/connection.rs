@@ -77,10 +77,10 @@ impl SharedConnection {
             None => {
                 let pooled = self.pool.get().await.map_err(StoreError::not_sent)?;
                 let mut connection = deadpool_redis::Connection::take(pooled);
-                // Every call is bounded by the caller (the layer's backend timeout,
+                // Every call is bounded by the caller (the layer's store timeout,
                 // Redlock's per-master timeout), and a call cut short retires the
                 // connection. Its own limit (500 ms in redis-rs by default) would refuse a
-                // big batch that the backend timeout allows.
+                // big batch that the store timeout allows.
                 connection.set_response_timeout(Duration::from_secs(3600));
                 let mut shared = self.shared();
                 shared.generation += 1;
