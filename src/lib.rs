@@ -270,6 +270,7 @@ mod acquire;
 #[cfg(feature = "admin")]
 pub mod admin;
 mod backoff;
+mod duration;
 mod guard;
 #[cfg(feature = "idempotency")]
 pub mod idempotency;

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use http::{request::Parts, HeaderName, StatusCode};
 
 use crate::{
+    duration::capped,
     keys::normalize::KeyPolicy,
     outage::OutageLog,
     registry::Batches,
@@ -245,7 +246,7 @@ impl Locks {
             ttl >= Duration::from_millis(1),
             "a lock TTL must be at least 1 ms"
         );
-        self.tune(|p| p.ttl = ttl)
+        self.tune(|p| p.ttl = capped(ttl))
     }
 
     /// The namespace in front of every key in the store. Default `lock:`. The prefix alone
@@ -303,8 +304,13 @@ impl Locks {
 
     /// How long one call to the store may take in all (pool checkout and command) before
     /// the request gets 503. Default 2 s.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is zero: no store could answer, and every request would get 503.
     pub fn store_timeout(self, timeout: Duration) -> Self {
-        self.tune(|p| p.store_timeout = timeout)
+        assert!(!timeout.is_zero(), "a store timeout must not be zero");
+        self.tune(|p| p.store_timeout = capped(timeout))
     }
 
     /// Whether a request whose extractor finds no keys is refused with a 400 problem+json
@@ -392,9 +398,10 @@ impl Locks {
     /// With [`renew_lease`](Self::renew_lease), stops renewing once the keys have been held
     /// this long (waiting for them does not count); they then expire with their TTL, and
     /// the lease is lost. Default 5 minutes: a hung handler does not hold its keys for
-    /// good. `Duration::MAX` removes the limit.
+    /// good. `Duration::MAX` removes the limit (a century, as every duration setting at
+    /// most).
     pub fn max_hold(self, max: Duration) -> Self {
-        self.tune(|p| p.max_hold = Some(max))
+        self.tune(|p| p.max_hold = Some(capped(max)))
     }
 
     /// What happens when the lease is lost while the inner service runs: go on (the

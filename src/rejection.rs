@@ -165,7 +165,9 @@ impl Rejection {
 
 /// Whole seconds, rounded up, and at least one: `Retry-After: 0` invites a busy loop.
 fn retry_after_secs(after: Duration) -> u64 {
-    (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1)
+    (after.as_secs())
+        .saturating_add(u64::from(after.subsec_nanos() > 0))
+        .max(1)
 }
 
 impl fmt::Display for Rejection {

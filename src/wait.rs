@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::duration::capped;
+
 /// Whether a request whose keys are busy is refused at once or waits for them, and
 /// whether waiters are served in order.
 ///
@@ -74,9 +76,13 @@ impl Wait {
         }
     }
 
-    /// Wait at most `bound` for the keys to become free, served in order of arrival.
+    /// Wait at most `bound` for the keys to become free, served in order of arrival. A
+    /// bound over a century (`Duration::MAX`) is a century.
     pub const fn up_to(bound: Duration) -> Self {
-        Self { bound, fair: true }
+        Self {
+            bound: capped(bound),
+            fair: true,
+        }
     }
 
     /// Whether waiters are served in order of arrival, reserving their keys against later

@@ -34,7 +34,7 @@ use super::{
     error::StoreError,
     redis::{RedisStore, DEFAULT_STEP},
 };
-use crate::{backoff::Backoff, observe};
+use crate::{backoff::Backoff, duration::capped, observe};
 
 /// How often a node that keeps failing is logged as a warning, at most.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -75,7 +75,7 @@ impl NodeUrls {
     /// If `timeout` is zero.
     pub(super) fn set_node_timeout(&mut self, timeout: Duration) {
         assert!(!timeout.is_zero(), "a node timeout must not be zero");
-        self.node_timeout = timeout;
+        self.node_timeout = capped(timeout);
     }
 }
 

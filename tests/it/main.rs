@@ -121,6 +121,7 @@ mod reentrant;
 #[cfg(feature = "redis")]
 mod replicas;
 mod routing;
+mod settings;
 #[cfg(feature = "cluster")]
 mod shared;
 mod snippets;

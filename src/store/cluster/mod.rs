@@ -28,6 +28,8 @@ use redis::IntoConnectionInfo;
 use super::{fanout::NodeUrls, handle::Store, redis::replicas::ReplicaAck};
 use store::ClusterStore;
 
+use crate::duration::capped;
+
 mod announce;
 mod attempt;
 mod nodes;
@@ -179,7 +181,7 @@ impl RedisCluster {
     /// refused attempt is rolled back (bounded by this too) before the next; keep it below
     /// half of [`Locks::store_timeout`](crate::Locks::store_timeout) (2 s by default), which bounds every call anyway.
     pub fn retry_for(mut self, duration: Duration) -> Self {
-        self.retry_for = duration;
+        self.retry_for = capped(duration);
         self
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use redis::{aio::ConnectionLike, FromRedisValue};
 
 use super::scripts::Invocation;
-use crate::store::error::StoreError;
+use crate::{duration::capped, store::error::StoreError};
 
 /// How many replicas must acknowledge a grant, and how long to wait for them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +27,10 @@ impl ReplicaAck {
             !timeout.is_zero(),
             "a replica acknowledgement needs a timeout"
         );
-        Self { replicas, timeout }
+        Self {
+            replicas,
+            timeout: capped(timeout),
+        }
     }
 
     /// The timeout as `WAIT` takes it: milliseconds, at least 1 (0 would wait for ever).
