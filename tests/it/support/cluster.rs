@@ -134,6 +134,16 @@ impl Cluster {
         query(port, cmd).expect("the node answers")
     }
 
+    /// Runs `cmd` on the node at `port`, which may not answer yet (a node just resumed or
+    /// promoted, on a loaded machine): `None` then.
+    pub(crate) fn try_cmd<T: redis::FromRedisValue>(
+        &self,
+        port: u16,
+        cmd: &mut redis::Cmd,
+    ) -> Option<T> {
+        query(port, cmd)
+    }
+
     /// Kills the master at `port` as a crash would.
     pub(crate) fn kill(&mut self, port: u16) {
         let node = self.nodes.iter_mut().find(|n| n.port == port).unwrap();
