@@ -56,6 +56,12 @@ use crate::{
 /// }
 /// ```
 ///
+/// A request under several layers (two lock layers, the idempotency layer around a lock
+/// layer) has one lease that speaks for all of them: the innermost layer's, which knows
+/// those around it. Its [`keys`](Self::keys) are all the keys the layers hold, it
+/// [expires](Self::expires_at) with the earliest of their holds, and it is
+/// [lost](Self::lost) when any of them is.
+///
 /// It only describes the locks: the layer releases them when the response is ready (or
 /// its body has ended, with [`Locks::hold_until_body_end`](crate::Locks::hold_until_body_end)),
 /// or when the request is dropped, however long a copy of the lease lives.
@@ -72,7 +78,16 @@ pub struct Lease {
     /// The rules and the store these locks came from, for [`Lease::lock`].
     locks: Locks,
     owner: Arc<RequestOwner>,
+    /// The lease of the holds around this one: an outer lock layer's (with those around
+    /// it), the idempotency layer's in-flight hold.
+    enclosing: Option<Arc<Lease>>,
 }
+
+/// A hold around the request that is not its owner's, for the lock layers inside to count
+/// in their leases: the idempotency layer's in-flight lock, where no lock layer is outside
+/// it (one that is gets it in its own lease, [`Lease::within`]).
+#[derive(Clone)]
+pub(crate) struct Enclosing(pub(crate) Lease);
 
 impl Lease {
     pub(crate) fn new(
@@ -90,7 +105,43 @@ impl Lease {
             status,
             locks,
             owner,
+            enclosing: None,
         }
+    }
+
+    /// This lease, inside the holds of the request that it came with: an outer layer's
+    /// lease, or an [`Enclosing`] hold.
+    pub(crate) fn inside<B>(mut self, request: &http::Request<B>) -> Self {
+        let extensions = request.extensions();
+        let outer = extensions.get::<Lease>().cloned();
+        self.enclosing = outer
+            .or_else(|| extensions.get::<Enclosing>().map(|e| e.0.clone()))
+            .map(Arc::new);
+        self
+    }
+
+    /// This lease, with `hold` among the holds around it.
+    pub(crate) fn within(&self, hold: Lease) -> Self {
+        let enclosing = match &self.enclosing {
+            Some(enclosing) => enclosing.within(hold),
+            None => hold,
+        };
+        Self {
+            enclosing: Some(Arc::new(enclosing)),
+            ..self.clone()
+        }
+    }
+
+    /// This lease and those around it.
+    fn chain(&self) -> impl Iterator<Item = &Lease> {
+        std::iter::successors(Some(self), |lease| lease.enclosing.as_deref())
+    }
+
+    /// This hold's keys, without the namespace prefix, with their modes.
+    fn own_keys(&self) -> impl Iterator<Item = (&str, Mode)> {
+        let prefix_len = self.locks.prefix_len();
+        let modes = (0..self.keys.len()).map(|i| self.modes.at(i));
+        self.keys.iter().map(move |k| &k[prefix_len..]).zip(modes)
     }
 
     /// The request's owner, which every lock layer on the request shares.
@@ -141,15 +192,29 @@ impl Lease {
             .expect("hex digits are a valid header value")
     }
 
-    /// The keys held, sorted and without the namespace prefix.
+    /// The keys held, by this layer and the layers around it: sorted, each once, without
+    /// the namespace prefix.
     pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
-        let prefix_len = self.locks.prefix_len();
-        self.keys.iter().map(move |k| &k[prefix_len..])
+        let mut keys: Vec<&str> = self
+            .chain()
+            .flat_map(|lease| lease.own_keys().map(|(key, _)| key))
+            .collect();
+        if self.enclosing.is_some() {
+            keys.sort_unstable();
+            keys.dedup();
+        }
+        keys.into_iter()
     }
 
-    /// How this lease holds `key` (named as in [`keys`](Self::keys)), or `None` when it
-    /// does not hold it.
+    /// How the request holds `key` (named as in [`keys`](Self::keys)), or `None` when it
+    /// does not hold it: exclusively when any layer holds it so.
     pub fn mode_of(&self, key: &str) -> Option<Mode> {
+        let modes = self.chain().filter_map(|lease| lease.own_mode_of(key));
+        modes.reduce(|a, b| if a == Mode::Exclusive { a } else { b })
+    }
+
+    /// How this hold, not those around it, holds `key`.
+    fn own_mode_of(&self, key: &str) -> Option<Mode> {
         // One prefix in front of every key: sorted with it, sorted without it.
         let prefix_len = self.locks.prefix_len();
         let index = self
@@ -159,32 +224,48 @@ impl Lease {
         Some(self.modes.at(index))
     }
 
-    /// The fencing token of this grant.
+    /// The fencing token of this layer's grant. The layers around it were granted before,
+    /// from the same counter where they share its store and prefix: this token is then
+    /// larger than theirs, and than every earlier grant's on any of the [keys](Self::keys).
     pub fn fencing_token(&self) -> FencingToken {
         self.fencing_token
     }
 
     /// When the locks expire if they are not renewed again: the TTL counted from the
     /// moment the last acquisition or renewal was sent, so the real expiry in the store is
-    /// never earlier. With [`Redlock`](crate::store::Redlock) it is the validity deadline, sooner
-    /// by the allowance for clock drift between the masters (`ttl / 100 + 2 ms`).
+    /// never earlier; the earliest of those of the layers around this one. With
+    /// [`Redlock`](crate::store::Redlock) it is the validity deadline, sooner by the
+    /// allowance for clock drift between the masters (`ttl / 100 + 2 ms`).
     pub fn expires_at(&self) -> Instant {
-        self.status.get().expires_at
+        let expiries = self.chain().map(|lease| lease.status.get().expires_at);
+        expiries.min().expect("a lease is in its own chain")
     }
 
-    /// Whether the locks no longer protect the request: the lease was lost or ran out, or
-    /// the layer has released it.
+    /// Whether the locks no longer protect the request: this layer's or one around it was
+    /// lost or ran out, or released.
     pub fn is_lost(&self) -> bool {
-        let status = self.status.get();
-        status.lost || status.ended || Instant::now() >= status.expires_at
+        let now = Instant::now();
+        self.chain().any(|lease| {
+            let status = lease.status.get();
+            status.lost || status.ended || now >= status.expires_at
+        })
     }
 
     /// Resolves when the locks no longer protect the request: a renewal found them gone or
     /// taken, or could not reach the store before the lease ran out, or the lease expired
-    /// without renewal, or the layer released it.
+    /// without renewal, or the layer released it; this layer's, or one around it.
     ///
     /// Select on it around work that must stop when the locks are gone.
     pub async fn lost(&self) {
+        if self.enclosing.is_none() {
+            return self.own_lost().await;
+        }
+        let each = self.chain().map(|lease| Box::pin(lease.own_lost()));
+        futures_util::future::select_all(each).await;
+    }
+
+    /// [`lost`](Self::lost) for this hold alone.
+    async fn own_lost(&self) {
         loop {
             let changed = self.status.changed();
             let status = self.status.get();

@@ -230,8 +230,8 @@ impl<B> Pending<B> {
             at: granted_at,
         } = acquired.map_err(|rejection| locks.refuse(rejection))?;
         owner.granted(granted_at);
-        // The handler's view of its locks, for the request's extensions (a granted guard is
-        // always armed, so there is one).
+        // The handler's view of its locks, and of those of the layers around this one, for
+        // the request's extensions (a granted guard is always armed, so there is one).
         let lease = guard.status().map(|status| {
             Lease::new(
                 keys.clone(),
@@ -241,6 +241,7 @@ impl<B> Pending<B> {
                 locks.clone(),
                 owner.clone(),
             )
+            .inside(&request)
         });
         guard.time_into(locks.holds().clone(), layer, granted_at);
         let listed =

@@ -30,7 +30,7 @@ use futures_util::future::BoxFuture;
 use crate::{
     backoff::Backoff,
     keys::body::read_capped,
-    lease::Lease,
+    lease::{Enclosing, Lease},
     locks::Locks,
     middleware::LockService,
     rejection::{Refused, Rejection},
@@ -348,10 +348,21 @@ where
             // in-flight lock's owner for theirs would see an owner that already holds
             // keys, which no waiter's reservation keeps out: requests with a key would
             // jump the line of fair waiting.
+            // Its hold still counts in the lease the handler sees: lost with it, expiring
+            // with it.
             let extensions = request.extensions_mut();
-            extensions.remove::<Lease>();
-            if let Some(lease) = run.outer_lease.clone() {
-                extensions.insert(lease);
+            let in_flight = extensions.remove::<Lease>();
+            match (run.outer_lease.clone(), in_flight) {
+                (Some(outer), Some(hold)) => {
+                    extensions.insert(outer.within(hold));
+                }
+                (Some(outer), None) => {
+                    extensions.insert(outer);
+                }
+                (None, Some(hold)) => {
+                    extensions.insert(Enclosing(hold));
+                }
+                (None, None) => {}
             }
             // The first request may have finished between the first look and the lock.
             if let Some(answer) = shared.stored(&run).await {

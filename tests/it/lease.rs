@@ -206,3 +206,96 @@ async fn a_lease_kept_past_its_request_is_lost_once_the_layer_releases_it() {
         .await
         .expect("lost() of a released lease did not resolve at once");
 }
+
+/// How long the handler's `lease.lost()` took to fire (at most 2 s), with its keys.
+async fn lost_after(lease: Lease) -> String {
+    let started = std::time::Instant::now();
+    let keys = lease.keys().collect::<Vec<_>>().join(",");
+    let lost = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    match lost {
+        Ok(()) => format!("{keys} lost after {} ms", started.elapsed().as_millis()),
+        Err(_) => format!("{keys} never lost"),
+    }
+}
+
+/// The milliseconds in a [`lost_after`] answer, or `None` for "never lost".
+fn lost_ms(answer: &str) -> Option<u128> {
+    answer
+        .rsplit_once("lost after ")?
+        .1
+        .strip_suffix(" ms")?
+        .parse()
+        .ok()
+}
+
+/// Two lock layers on one route, outer first: the handler's lease is the inner one's, and
+/// speaks for both: all their keys, the earlier expiry, lost when the outer hold is.
+#[tokio::test]
+async fn the_lease_under_two_layers_is_lost_when_the_outer_hold_is() {
+    // The outer layer's hold is not renewed: it runs out after 300 ms.
+    let outer = Locks::new(Store::isolated_memory())
+        .ttl(Duration::from_millis(300))
+        .renew_lease(false);
+    let inner = Locks::new(Store::isolated_memory());
+    let app = Router::new().route(
+        "/",
+        post(|lease: Lease| async move {
+            let expires_in = lease.expires_at() - std::time::Instant::now();
+            assert!(expires_in <= Duration::from_millis(300), "{expires_in:?}");
+            lost_after(lease).await
+        })
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(outer.layer(|_: &http::request::Parts| Ok::<_, StatusCode>(["order:1"])))
+                .layer(inner.layer(header_keys)),
+        ),
+    );
+    let answer = send_text(&app, post_keys("/", "sku:a,sku:b")).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert!(
+        answer.body.starts_with("order:1,sku:a,sku:b lost after"),
+        "{}",
+        answer.body
+    );
+    let ms = lost_ms(&answer.body).unwrap();
+    assert!((250..1000).contains(&ms), "{}", answer.body);
+}
+
+/// The idempotency layer's in-flight hold counts in the lease of a lock layer inside it.
+#[cfg(feature = "idempotency")]
+#[tokio::test]
+async fn the_lease_inside_the_idempotency_layer_is_lost_with_its_in_flight_hold() {
+    // The in-flight hold is renewed, up to `max_hold`: it runs out within 300 ms after.
+    let in_flight = Locks::new(Store::isolated_memory())
+        .ttl(Duration::from_millis(300))
+        .max_hold(Duration::from_millis(300));
+    let inner = Locks::new(Store::isolated_memory());
+    for outer in [None, Some(Locks::new(Store::isolated_memory()))] {
+        let route = post(|lease: Lease| lost_after(lease))
+            .layer(inner.layer(header_keys))
+            .layer(in_flight.idempotency());
+        let app = match &outer {
+            Some(outer) => Router::new().route(
+                "/",
+                route.layer(
+                    outer.layer(|_: &http::request::Parts| Ok::<_, StatusCode>(["order:1"])),
+                ),
+            ),
+            None => Router::new().route("/", route),
+        };
+        let request = Request::post("/")
+            .header("x-keys", "sku:a")
+            .header("idempotency-key", "\"k-1\"")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let answer = send_text(&app, request).await;
+        assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+        let ms = lost_ms(&answer.body);
+        assert!(
+            ms.is_some_and(|ms| (250..1000).contains(&ms)),
+            "{}",
+            answer.body
+        );
+        assert!(answer.body.contains("sku:a"), "{}", answer.body);
+    }
+}
