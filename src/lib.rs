@@ -190,6 +190,7 @@
 //! | `tower_batch_lock_waiting_requests` | gauge | `layer`, `mode` | requests of this process waiting now |
 //! | `tower_batch_lock_lost_leases_total` | counter | `layer` | leases lost while held |
 //! | `tower_batch_lock_release_failures_total` | counter | `layer`, `result` | releases that failed and were `retried`, or `gave_up` (the keys then expire with their TTL) |
+//! | `tower_batch_lock_store_connections_total` | counter | | connections the Redis stores made for their shared use: one each at the start, then one for each that failed or stalled (a stall under load makes one, not one for each caller that gave up) |
 //! | `tower_batch_lock_node_errors_total` | counter | `store`, `node` (`host:port`), `call` | a Redlock or cluster node that did not answer a call in time, or failed it |
 //!
 //! A handler's own [`Lease::lock`] acquisitions count only in the lost-lease and

@@ -271,6 +271,11 @@ mod record {
     }
 
     #[cfg(feature = "redis")]
+    pub(crate) fn connection_opened() {
+        counter!("tower_batch_lock_store_connections_total").increment(1);
+    }
+
+    #[cfg(feature = "redis")]
     pub(crate) fn node_error(store: &'static str, node: &str, call: &'static str) {
         counter!(
             "tower_batch_lock_node_errors_total",
@@ -298,11 +303,13 @@ mod record {
     pub(crate) fn release(layer: &Layer, result: ReleaseFailure) {}
     #[cfg(feature = "redis")]
     pub(crate) fn node_error(store: &'static str, node: &str, call: &'static str) {}
+    #[cfg(feature = "redis")]
+    pub(crate) fn connection_opened() {}
 }
 
-#[cfg(feature = "redis")]
-pub(crate) use record::node_error;
 pub(crate) use record::{batch, held, holding, lease_lost, outcome, release, waited, waiting};
+#[cfg(feature = "redis")]
+pub(crate) use record::{connection_opened, node_error};
 
 /// What became of a release that failed: the `result` label.
 #[derive(Debug, Clone, Copy)]

@@ -1952,3 +1952,61 @@ async fn a_store_outage_is_logged_once_not_once_per_request() {
     }
     assert!(answered, "the store never answered again");
 }
+
+/// A 5 s stall under 64 clients: each caller that times out retires the shared connection,
+/// and the next connection is made by one caller while the others wait for it, not by each
+/// of them (the pool's bound, 8 here, does not count connections taken out of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stall_under_load_opens_a_few_connections_not_one_a_caller() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let received = || -> u64 {
+        let info: String = observer.cmd(redis::cmd("INFO").arg("stats"));
+        let field = info
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"));
+        field.unwrap().trim().parse().unwrap()
+    };
+    let pool = deadpool_redis::Config::from_url(server.url())
+        .builder()
+        .unwrap()
+        .max_size(8)
+        .runtime(deadpool_redis::Runtime::Tokio1)
+        .build()
+        .unwrap();
+    let locks =
+        Locks::new(Redis::pool(pool).build().unwrap()).store_timeout(Duration::from_millis(300));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    assert_eq!(send(&app, batch(&["s:warm"])).await.status, StatusCode::OK);
+
+    let before = received();
+    let stop_at = Instant::now() + Duration::from_secs(7);
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let mut sent = 0;
+                while Instant::now() < stop_at && sent < 10_000 {
+                    send(&app, batch(&[format!("s:{i}")])).await;
+                    sent += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.pause();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    server.resume();
+    for client in clients {
+        client.await.unwrap();
+    }
+    // The observer's own connections: one for each `received()`.
+    let opened = received() - before - 1;
+    eprintln!("a 5 s stall under 64 clients opened {opened} connections");
+    assert!(
+        opened <= 8 + 4,
+        "{opened} connections opened for a 5 s stall"
+    );
+    assert_eq!(send(&app, batch(&["s:after"])).await.status, StatusCode::OK);
+}

@@ -191,3 +191,45 @@ async fn granted_within_tries(app: &axum::Router, keys: &[String]) -> bool {
     }
     false
 }
+
+/// A grant's `WAIT` runs on a connection of the store's own: one cut short (the store
+/// timeout gave up on it) is closed, never handed back busy to the pool you gave
+/// (`Redis::pool`), whose next user would wait behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cut_short_leaves_no_busy_connection_in_your_pool() {
+    let master = RedisServer::start();
+    let replica = RedisServer::start_replica_of(&master);
+    let on_replica = Observer::of(&replica);
+    let synced = poll_every(Duration::from_millis(20), Duration::from_secs(10), || {
+        in_sync(&on_replica)
+    })
+    .await;
+    assert!(synced.is_some(), "the replica did not sync");
+    let pool = deadpool_redis::Config::from_url(master.url())
+        .builder()
+        .unwrap()
+        .max_size(1)
+        .runtime(deadpool_redis::Runtime::Tokio1)
+        .build()
+        .unwrap();
+    let store = Redis::pool(pool.clone())
+        .replicas(1, Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let locks = Locks::new(store).store_timeout(Duration::from_millis(300));
+
+    replica.pause();
+    let reply = send(&bare(&locks), batch(&["doc"])).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    // The pool's connection answers at once (1 ms here), not behind the `WAIT` (300 ms
+    // when it was handed back to the pool).
+    let started = Instant::now();
+    let mut connection = pool.get().await.unwrap();
+    let () = redis::cmd("PING")
+        .query_async(&mut *connection)
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    replica.resume();
+    assert!(took < Duration::from_millis(150), "{took:?}");
+}

@@ -1,24 +1,35 @@
 //! The one connection a Redis store shares between its calls, and what a failed call
 //! does to it.
 
+use futures_util::{
+    future::{BoxFuture, Shared as SharedFuture},
+    FutureExt,
+};
 use redis::{aio::MultiplexedConnection, FromRedisValue, RedisResult};
 
 use std::{
-    sync::{Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
 use super::scripts::Invocation;
-use crate::store::error::StoreError;
-use deadpool_redis::Pool;
+use crate::{observe, store::error::StoreError};
+use deadpool_redis::{Pool, PoolError};
 
 /// One connection, taken from the pool and shared by every call: redis-rs pipelines
 /// concurrent commands over it, where checking a connection out for each call would cost
 /// a round trip of its own (deadpool-redis checks every connection it hands out with a
 /// `PING`). One whose call failed or stalled is not used again.
+///
+/// The next one is made once, for every caller that finds none: in a task of its own,
+/// which the callers await, each within its own time, and which goes on when they give
+/// up. A stall under load then opens one connection, not one for each caller that timed
+/// out (connections taken out of the pool are not counted against its size).
 pub(super) struct SharedConnection {
     pool: Pool,
     shared: Mutex<Shared>,
+    /// [`Dedicated`] connections between their calls.
+    idle: Mutex<Vec<MultiplexedConnection>>,
 }
 
 impl SharedConnection {
@@ -26,6 +37,7 @@ impl SharedConnection {
         Self {
             pool,
             shared: Mutex::default(),
+            idle: Mutex::default(),
         }
     }
 
@@ -58,43 +70,104 @@ impl SharedConnection {
         }
     }
 
-    /// A connection of its own for one call, from the pool (deadpool-redis checks it with a
-    /// `PING` first), back to the pool when dropped: for a call that blocks its connection
-    /// (`WAIT`), which on the shared one would hold up every other call of the process.
-    pub(super) async fn dedicated(&self) -> Result<deadpool_redis::Connection, StoreError> {
-        let mut connection = self.pool.get().await.map_err(StoreError::not_sent)?;
+    /// A connection of its own for one call that blocks its connection (`WAIT`), which on
+    /// the shared one would hold up every other call of the process. It is this store's
+    /// own, taken out of the pool: the pool's users (`Redis::pool` takes yours) never get
+    /// a connection with this store's settings, or one that a call cut short left busy.
+    /// [`Dedicated::done`] keeps it for the next such call; dropped, it is closed.
+    pub(super) async fn dedicated(&self) -> Result<Dedicated<'_>, StoreError> {
+        // An idle one that still answers, as deadpool-redis checks what it hands out.
+        while let Some(mut idle) = self.pop_idle() {
+            if redis::cmd("PING")
+                .query_async::<()>(&mut idle)
+                .await
+                .is_ok()
+            {
+                return Ok(Dedicated {
+                    connection: idle,
+                    store: self,
+                });
+            }
+        }
+        let pooled = self.pool.get().await.map_err(StoreError::not_sent)?;
+        let mut connection = deadpool_redis::Connection::take(pooled);
         // As for the shared connection: the caller bounds the call.
         connection.set_response_timeout(Duration::from_secs(3600));
-        Ok(connection)
+        Ok(Dedicated {
+            connection,
+            store: self,
+        })
+    }
+
+    fn pop_idle(&self) -> Option<MultiplexedConnection> {
+        self.idle().pop()
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<MultiplexedConnection>> {
+        // Every change is one push or pop: a poisoned list is still whole.
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The shared connection for one call, taken from the pool if there is none.
     pub(super) async fn call(&self) -> Result<Call<'_>, StoreError> {
-        let cached = self.shared().connection.clone();
-        let reused = cached.is_some();
-        let (connection, generation) = match cached {
-            Some(cached) => cached,
-            None => {
-                let pooled = self.pool.get().await.map_err(StoreError::not_sent)?;
-                let mut connection = deadpool_redis::Connection::take(pooled);
-                // Every call is bounded by the caller (the layer's store timeout,
-                // Redlock's per-master timeout), and a call cut short retires the
-                // connection. Its own limit (500 ms in redis-rs by default) would refuse a
-                // big batch that the store timeout allows.
-                connection.set_response_timeout(Duration::from_secs(3600));
-                let mut shared = self.shared();
-                shared.generation += 1;
-                shared.connection = Some((connection.clone(), shared.generation));
-                (connection, shared.generation)
+        let (connecting, generation) = {
+            let mut shared = self.shared();
+            if let Some((connection, generation)) = shared.connection.clone() {
+                return Ok(self.on(connection, generation, true));
             }
+            if shared.connecting.is_none() {
+                shared.generation += 1;
+                shared.connecting = Some((self.connect(), shared.generation));
+            }
+            shared.connecting.clone().expect("set above")
         };
-        Ok(Call {
+        let made = connecting.await;
+        let mut shared = self.shared();
+        // The first caller to see it made shares it; a failed attempt makes way for the
+        // next.
+        if shared
+            .connecting
+            .as_ref()
+            .is_some_and(|(_, g)| *g == generation)
+        {
+            shared.connecting = None;
+            if let Ok(connection) = &made {
+                shared.connection = Some((connection.clone(), generation));
+            }
+        }
+        drop(shared);
+        let connection = made.map_err(StoreError::not_sent)?;
+        Ok(self.on(connection, generation, false))
+    }
+
+    /// A call on `connection`, of `generation`.
+    fn on(&self, connection: MultiplexedConnection, generation: u64, reused: bool) -> Call<'_> {
+        Call {
             connection,
             generation,
             reused,
             store: self,
             ended: false,
-        })
+        }
+    }
+
+    /// Makes a connection, in a task that goes on when its callers give up.
+    fn connect(&self) -> Connecting {
+        let pool = self.pool.clone();
+        let made = tokio::spawn(async move {
+            observe::connection_opened();
+            let pooled = pool.get().await.map_err(Arc::new)?;
+            let mut connection = deadpool_redis::Connection::take(pooled);
+            // Every call is bounded by the caller (the layer's store timeout, Redlock's
+            // per-master timeout), and a call cut short retires the connection. Its own
+            // limit (500 ms in redis-rs by default) would refuse a big batch that the
+            // store timeout allows.
+            connection.set_response_timeout(Duration::from_secs(3600));
+            Ok(connection)
+        });
+        // A task that did not finish: the runtime is shutting down.
+        let made = made.map(|joined| joined.unwrap_or(Err(Arc::new(PoolError::Closed))));
+        made.boxed().shared()
     }
 
     fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
@@ -120,7 +193,29 @@ impl SharedConnection {
 #[derive(Default)]
 struct Shared {
     connection: Option<(MultiplexedConnection, u64)>,
+    /// The connection being made, when there is none, and the generation it will be.
+    connecting: Option<(Connecting, u64)>,
     generation: u64,
+}
+
+/// A connection being made, which every caller that finds none awaits.
+type Connecting = SharedFuture<BoxFuture<'static, Result<MultiplexedConnection, Arc<PoolError>>>>;
+
+/// A connection for one call that blocks it, see [`SharedConnection::dedicated`].
+pub(super) struct Dedicated<'a> {
+    pub(super) connection: MultiplexedConnection,
+    store: &'a SharedConnection,
+}
+
+impl Dedicated<'_> {
+    /// The call ended with an answer: the connection serves the next such call, up to as
+    /// many idle as the pool holds.
+    pub(super) fn done(self) {
+        let mut idle = self.store.idle();
+        if idle.len() < self.store.pool.status().max_size {
+            idle.push(self.connection);
+        }
+    }
 }
 
 /// What one call sends.

@@ -290,12 +290,14 @@ impl RedisStore {
         request: &AcquireRequest,
         ack: ReplicaAck,
     ) -> Result<AcquireReply, StoreError> {
-        let mut connection = self.connection.dedicated().await?;
+        let mut dedicated = self.connection.dedicated().await?;
         let granted = |reply: &AcquireReply| matches!(reply, AcquireReply::Granted(_));
-        match acquire_acknowledged(&mut *connection, script, granted, ack).await? {
+        let acknowledged =
+            acquire_acknowledged(&mut dedicated.connection, script, granted, ack).await?;
+        dedicated.done();
+        match acknowledged {
             Acknowledged::Answer(reply) => Ok(reply),
             Acknowledged::Short(acknowledged) => {
-                drop(connection);
                 let released = self.release(&request.keys, request.holder).await;
                 let detail = format!(
                     "only {acknowledged} of {} replicas acknowledged the grant within {} ms",
