@@ -121,6 +121,7 @@ impl Lease {
     }
 
     /// This lease, with `hold` among the holds around it.
+    #[cfg(feature = "idempotency")]
     pub(crate) fn within(&self, hold: Lease) -> Self {
         let enclosing = match &self.enclosing {
             Some(enclosing) => enclosing.within(hold),
