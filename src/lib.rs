@@ -139,6 +139,15 @@
 //! soon as the holds that were there before it end, however many small requests keep
 //! coming. [`Wait`] explains reservations and their limits.
 //!
+//! # Released before the response
+//!
+//! A response is sent once its keys are released (or once its body has ended, with
+//! [`Locks::hold_until_body_end`]): the release's round trip is on the response's path,
+//! so that a client's next request never finds the keys of its previous one still held.
+//! The cost: a store that stalls delays responses whose work is done, by up to
+//! [`Locks::store_timeout`]; the release then goes on in the background, and the keys
+//! expire with their TTL if it never lands.
+//!
 //! # Leases and fencing
 //!
 //! - [`Lease`]: the handler's view of its locks, taken like any axum extractor

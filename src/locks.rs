@@ -261,6 +261,14 @@ impl Locks {
             !prefix.is_empty(),
             "a lock prefix must not be empty: it keeps client keys apart from other data"
         );
+        if self.store().locks.spreads_by_hash_slot() && has_hash_tag(&prefix) {
+            tracing::warn!(
+                prefix,
+                "the lock prefix has a Redis hash tag ({{...}}): every lock key is in one \
+                 hash slot, on one master of the cluster, which then serves every batch \
+                 alone; use a prefix without braces"
+            );
+        }
         self.tune(|p| p.keys.prefix = prefix.into())
     }
 
@@ -391,6 +399,12 @@ impl Locks {
     /// When an extension finds the keys gone or taken, or cannot reach the store before the
     /// lease runs out, the lease is lost: [`Lease::lost`] resolves, it is logged, and
     /// [`on_lost_lease`](Self::on_lost_lease) decides the rest.
+    ///
+    /// The renewal starts from the response future, when it is polled a third of the TTL
+    /// after the grant (no task is spawned for the many requests that end sooner): a
+    /// handler that blocks its thread (synchronous work, not `spawn_blocking`) past the
+    /// TTL keeps it from running, and loses its keys. Run blocking work in
+    /// `tokio::task::spawn_blocking`, as tokio asks of every async handler.
     pub fn renew_lease(self, renew: bool) -> Self {
         self.tune(|p| p.renew = renew)
     }
@@ -589,5 +603,36 @@ pub(crate) struct WaiterSlot(Arc<AtomicUsize>);
 impl Drop for WaiterSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether every key that starts with `prefix` hashes by the prefix alone on a Redis
+/// Cluster: Redis hashes the part between the first `{` and the next `}`, when it is not
+/// empty.
+fn has_hash_tag(prefix: &str) -> bool {
+    let Some(open) = prefix.find('{') else {
+        return false;
+    };
+    prefix[open + 1..].find('}').is_some_and(|close| close > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_hash_tag;
+
+    #[test]
+    fn a_hash_tag_is_a_non_empty_part_between_the_first_brace_and_the_next() {
+        assert!(has_hash_tag("{locks}:"));
+        assert!(has_hash_tag("app:{a}{b}:"));
+        assert!(!has_hash_tag("lock:"));
+        assert!(
+            !has_hash_tag("{}lock:"),
+            "an empty tag: the whole key is hashed"
+        );
+        assert!(
+            !has_hash_tag("lock{"),
+            "closed by the client's key, not by the prefix"
+        );
+        assert!(!has_hash_tag("lock}{"));
     }
 }

@@ -281,36 +281,11 @@ impl<B: Send + 'static> KeyExtractor<B> for QueryKeys {
 /// a space, `%XY` the byte 0xXY, and anything else, a stray `%` included, itself. (The rules
 /// of the URL standard, which browsers and `serde_urlencoded` follow.)
 pub(crate) fn form_decode(text: &str) -> Vec<u8> {
-    let mut decoded = Vec::with_capacity(text.len());
-    let mut rest = text.as_bytes();
-    while let [first, tail @ ..] = rest {
-        rest = match (first, tail) {
-            (b'+', _) => {
-                decoded.push(b' ');
-                tail
-            }
-            (b'%', [high, low, after @ ..])
-                if high.is_ascii_hexdigit() && low.is_ascii_hexdigit() =>
-            {
-                decoded.push(hex_value(*high) << 4 | hex_value(*low));
-                after
-            }
-            (&byte, _) => {
-                decoded.push(byte);
-                tail
-            }
-        };
-    }
-    decoded
-}
-
-/// The value of an ASCII hex digit.
-fn hex_value(digit: u8) -> u8 {
-    match digit {
-        b'0'..=b'9' => digit - b'0',
-        b'a'..=b'f' => digit - b'a' + 10,
-        _ => digit - b'A' + 10,
-    }
+    // The standard's order: `+` first, so that `%2B` stays a `+`. (`form_urlencoded` does
+    // the same, but turns bytes that are not UTF-8 into U+FFFD, which would lock `%FF` and
+    // `%FE` under one key where they must be refused.)
+    let spaced = text.replace('+', " ");
+    percent_encoding::percent_decode_str(&spaced).collect()
 }
 
 fn bad_request(detail: String) -> Rejection {

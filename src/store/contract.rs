@@ -553,6 +553,12 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
     /// shares a key; see `Redlock`.)
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire>;
 
+    /// Whether the store spreads keys over nodes by their Redis hash slot (a Redis Cluster),
+    /// where a `{hash tag}` in the prefix would put every key on one node.
+    fn spreads_by_hash_slot(&self) -> bool {
+        false
+    }
+
     /// Whether [`probe`](Self::probe) costs a waiter less than an attempt of its whole
     /// batch: then a refusal names every key that kept the batch out (up to
     /// [`AcquireRequest::report`]), for the waiter to probe those alone.

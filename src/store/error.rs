@@ -32,6 +32,12 @@ impl StoreError {
         Self::from_source(source, false)
     }
 
+    /// The call failed, and left nothing for its caller to undo: it only reads, or it undid
+    /// (or is undoing) what it wrote, as a refused or failed batch does on every node.
+    pub(crate) fn left_nothing(source: impl Into<Source>) -> Self {
+        Self::from_source(source, false)
+    }
+
     /// The command was sent, and its effect is unknown.
     pub(crate) fn unknown(source: impl Into<Source>) -> Self {
         Self::from_source(source, true)

@@ -102,7 +102,7 @@ impl Nodes {
             self.roll_back(keys, holder, &released).await;
             self.fanout.forget(holder);
             let error = counted.err().map(|e| e.to_string()).unwrap_or_default();
-            return Attempt::Done(Err(StoreError::not_sent(format!(
+            return Attempt::Done(Err(StoreError::left_nothing(format!(
                 "could not count the grant: {error}"
             ))));
         }
@@ -143,7 +143,7 @@ impl Nodes {
         };
         self.fanout.forget(holder);
         if let Some(why) = why_unsure {
-            return Attempt::Done(Err(StoreError::not_sent(format!(
+            return Attempt::Done(Err(StoreError::left_nothing(format!(
                 "a cluster master did not answer in time: {why}"
             ))));
         }
@@ -152,8 +152,10 @@ impl Nodes {
         }
         match moved {
             Some(why) if rolled_back => Attempt::Moved(why),
-            Some(why) => Attempt::Done(Err(StoreError::not_sent(why))),
-            None => Attempt::Done(Err(StoreError::not_sent("the cluster refused the batch"))),
+            Some(why) => Attempt::Done(Err(StoreError::left_nothing(why))),
+            None => Attempt::Done(Err(StoreError::left_nothing(
+                "the cluster refused the batch",
+            ))),
         }
     }
 

@@ -124,9 +124,15 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   `tower-batch-lock:released`, `SSUBSCRIBE` in each process: only the shard of the
 ///   channel carries them, where a plain `PUBLISH` goes to every node).
 /// - **ACL.** The user needs `FCALL`, `FUNCTION LOAD`, `EVALSHA`, `EVAL` (the fencing
-///   counter's script), `SET`, `GET`, `DEL`,
-///   `PTTL`, `PEXPIRE`, `TIME`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` on the
-///   prefix's keys (and `idempotency:*` for the idempotency layer) and on the channel.
+///   counter's script), `SET`, `GET`, `MGET`, `DEL`, `EXISTS`, `PTTL`, `PEXPIRE`, `TIME`,
+///   `PING`, `INFO`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` (and `WAIT` with
+///   [`replicas`](Self::replicas)) on the prefix's keys (and `idempotency:*` for the
+///   idempotency layer) and on the channel.
+/// - **Keys and slots.** Redis puts a key in the hash slot of its `{hash tag}`, when it
+///   has one. A [prefix](crate::Locks::prefix) with a tag would put every lock on one
+///   master (the crate logs a warning); braces in the keys a client sends choose their
+///   slots, so a client can put all of its keys on one master, which then serves its
+///   batches alone.
 /// - **Managed services.** The service must let clients load and run Lua functions and
 ///   scripts and `CLUSTER
 ///   SLOTS`. Services that put a proxy in front of the cluster (one endpoint that hides the

@@ -109,10 +109,10 @@ impl Nodes {
                     RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
                 )
                 .await
-                .map_err(StoreError::not_sent)
+                .map_err(StoreError::left_nothing)
         })
         .await
-        .map_err(|failure| StoreError::not_sent(failure.to_string()))?;
+        .map_err(|failure| StoreError::left_nothing(failure.to_string()))?;
         let topology = Arc::new(Topology::from_slots(
             &reply,
             current.generation + 1,

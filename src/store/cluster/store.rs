@@ -160,7 +160,7 @@ impl LockStore for ClusterStore {
                 };
                 let pause = backoff.pause();
                 if Instant::now() + pause >= until {
-                    return Err(StoreError::not_sent(format!(
+                    return Err(StoreError::left_nothing(format!(
                         "the cluster kept moving for {} ms: {moved}",
                         inner.retry_for.as_millis()
                     )));
@@ -219,6 +219,10 @@ impl LockStore for ClusterStore {
     }
 
     fn probes(&self) -> bool {
+        true
+    }
+
+    fn spreads_by_hash_slot(&self) -> bool {
         true
     }
 
@@ -300,7 +304,7 @@ impl LockStore for ClusterStore {
             let seen = self.inner.current().generation;
             let topology = self.inner.refresh(seen).await?;
             if !topology.serves_every_slot() {
-                return Err(StoreError::not_sent(
+                return Err(StoreError::left_nothing(
                     "the cluster leaves hash slots without a master",
                 ));
             }
@@ -317,7 +321,7 @@ impl LockStore for ClusterStore {
             if failures.is_empty() {
                 Ok(())
             } else {
-                Err(StoreError::not_sent(failures.join("; ")))
+                Err(StoreError::left_nothing(failures.join("; ")))
             }
         })
     }

@@ -55,7 +55,7 @@ impl Topology {
         generation: u64,
         mut pool_for: impl FnMut(&str, u16) -> Result<Arc<RedisStore>, StoreError>,
     ) -> Result<Self, StoreError> {
-        let invalid = || StoreError::not_sent("the cluster answered CLUSTER SLOTS oddly");
+        let invalid = || StoreError::left_nothing("the cluster answered CLUSTER SLOTS oddly");
         let Value::Array(ranges) = reply else {
             return Err(invalid());
         };
@@ -116,7 +116,9 @@ impl Topology {
             let master = *self
                 .owners
                 .get(&Slot::for_key(&keys[index]))
-                .ok_or_else(|| StoreError::not_sent("a key's slot has no master in the cluster"))?;
+                .ok_or_else(|| {
+                    StoreError::left_nothing("a key's slot has no master in the cluster")
+                })?;
             if group_of[master] == usize::MAX {
                 group_of[master] = groups.len();
                 groups.push(Group {

@@ -81,9 +81,10 @@ use crate::store::handle::Store;
 ///   this store needs every key of a batch on one node.
 /// - **Eviction.** Use `maxmemory-policy noeviction` (the default) on the Redis that holds
 ///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
-/// - **ACL.** The user needs `+fcall +function|load +set +get +mget +del +pttl +pexpire
-///   +time +publish +subscribe +info` on `~lock:*` (or your prefix; and
-///   `~idempotency:*` for the idempotency layer) and `&tower-batch-lock:released`.
+/// - **ACL.** The user needs `+fcall +function|load +set +get +mget +del +exists +pttl
+///   +pexpire +time +publish +subscribe +info` (and `+wait +ping` with
+///   [`replicas`](Redis::replicas)) on `~lock:*` (or your prefix; and `~idempotency:*` for
+///   the idempotency layer) and `&tower-batch-lock:released`.
 /// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
 /// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
 ///   over to a replica that had not received the key, the lock is lost, and another

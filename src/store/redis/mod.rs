@@ -413,8 +413,9 @@ impl LockStore for RedisStore {
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
         Box::pin(async move {
             let (owner, hold) = (holder.owner.as_hex(), holder.hold_hex());
-            // A step that lost a key ends it: the lease is lost, and the keys extended
-            // before are released with it.
+            // A step that lost a key ends the extension, and the lease is lost; the keys
+            // of the steps before stay extended until the request releases them (or their
+            // TTL ends).
             for step in keys.chunks(self.step) {
                 let mut script = self.scripts.prepare(&self.scripts.extend, None, step);
                 script.arg(&owner).arg(&hold).arg(millis(ttl));
@@ -471,7 +472,7 @@ impl LockStore for RedisStore {
             };
             if version.is_some_and(|(major, _)| major < 7) {
                 let (major, minor) = version.unwrap_or_default();
-                return Err(StoreError::not_sent(format!(
+                return Err(StoreError::left_nothing(format!(
                     "the lock store needs Redis 7.0 or later; this server is {major}.{minor}"
                 )));
             }
@@ -479,7 +480,7 @@ impl LockStore for RedisStore {
                 match missing_replicas(&mut call.connection, ack).await {
                     Ok(None) => {}
                     Ok(Some(missing)) => {
-                        return call.end(Ok(())).and(Err(StoreError::not_sent(missing)))
+                        return call.end(Ok(())).and(Err(StoreError::left_nothing(missing)))
                     }
                     Err(error) => return call.end(Err(error)),
                 }

@@ -289,7 +289,7 @@ impl LockStore for RedlockStore {
             self.fanout.forget(holder);
             let masters = self.masters.len();
             if tally.failed >= self.quorum {
-                return Err(StoreError::not_sent(format!(
+                return Err(StoreError::left_nothing(format!(
                     "{} of {masters} Redlock masters did not answer in time",
                     tally.failed
                 )));
@@ -302,7 +302,7 @@ impl LockStore for RedlockStore {
                 )));
             }
             // The rollback is done or under way: nothing is left for the caller to undo.
-            Err(StoreError::not_sent(why))
+            Err(StoreError::left_nothing(why))
         })
     }
 
@@ -382,7 +382,7 @@ impl LockStore for RedlockStore {
             Err(if unsure {
                 StoreError::unknown(detail)
             } else {
-                StoreError::not_sent(detail)
+                StoreError::left_nothing(detail)
             })
         })
     }
@@ -450,7 +450,7 @@ impl LockStore for RedlockStore {
                 }
             }
             if answers.len() < self.quorum {
-                return Err(StoreError::not_sent(format!(
+                return Err(StoreError::left_nothing(format!(
                     "only {} of {} Redlock masters answered the inspection, {} needed",
                     answers.len(),
                     self.masters.len(),
@@ -505,7 +505,7 @@ impl LockStore for RedlockStore {
                 }
                 return Ok(());
             }
-            Err(StoreError::not_sent(format!(
+            Err(StoreError::left_nothing(format!(
                 "only {passed} of {} Redlock masters passed their check, {} needed: {}",
                 self.masters.len(),
                 self.quorum,
@@ -547,7 +547,7 @@ impl AnswerStore for RedlockStore {
                 }
             }
             if answered < self.quorum {
-                return Err(StoreError::not_sent(format!(
+                return Err(StoreError::left_nothing(format!(
                     "only {answered} of {} Redlock masters answered a read of a stored answer",
                     self.masters.len()
                 )));
