@@ -20,6 +20,9 @@
 //!
 //! Every store has the same semantics (all or nothing, owner-only release, re-entry,
 //! TTLs, fair waiting, fencing tokens); the builders' docs say what each adds or assumes.
+//! Their executable statement is the repository's `tests/it/spec.rs`: a reference model,
+//! and random sequences of operations from several owners whose every answer each store
+//! must give as the model does.
 
 pub(crate) mod call;
 #[cfg(feature = "cluster")]

@@ -2,6 +2,9 @@
 //! the modules share; `orders_app` is the `orders` example, which `orders` and `malformed`
 //! drive. Modules that need Redis (or another feature) are compiled with it only.
 //!
+//! The statement of the semantics every store keeps is `spec`: a reference model, and
+//! random sequences of operations that each store must answer as the model does.
+//!
 //! Which tests prove the properties of DESIGN.md (`mod::test`, `*` for several):
 //!
 //! 1. **No overlap**: `redis::intersecting_batches_never_overlap_across_processes`,
@@ -125,6 +128,8 @@ mod settings;
 #[cfg(feature = "cluster")]
 mod shared;
 mod snippets;
+#[cfg(feature = "redis")]
+mod spec;
 mod tracing;
 #[cfg(feature = "redis")]
 mod waiting;
