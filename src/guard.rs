@@ -360,7 +360,10 @@ impl Held {
     /// One attempt is not enough after an acquisition whose outcome is unknown: the store
     /// that was too slow to answer it is usually too slow for the release that follows
     /// at once, and the acquisition may still run when it recovers. A release sent after
-    /// the store recovered runs after it, on any connection.
+    /// the store recovered usually runs after it, but not always: the acquisition may
+    /// still sit in a retired connection's bytes, or in a delayed packet, and land after
+    /// every release. Such a late grant has no holder and no renewal: it keeps its keys
+    /// until its TTL ends, the bound that [`store`](crate::store) states for every store.
     async fn release_until_answered(&self) {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.release().await {

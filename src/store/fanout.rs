@@ -6,8 +6,10 @@
 //!   half-opened connection is not lost), and the nodes' commands are encoded and their
 //!   replies parsed on every core at once.
 //! - An acquisition is registered, by holder, before anything is sent. Its release raises
-//!   a flag, and a node's grant that lands after that (the node was slow, the caller gave
-//!   up) undoes itself there: a release never leaves behind a grant that landed after it.
+//!   a flag, and a node's grant whose answer arrives after that (the node was slow, the
+//!   caller gave up) is undone there at once. A grant whose answer never arrives (a lost
+//!   or delayed reply) is met by the retried release below, if it lands before it; one
+//!   that lands after every release keeps its keys until its TTL ends.
 //! - A release whose outcome on a node is unknown (the node may still run an earlier
 //!   command of ours, such as the acquisition) is retried in the background until the node
 //!   answers, or until no key of ours can be left there (the longest TTL asked for).

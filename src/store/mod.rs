@@ -23,6 +23,12 @@
 //! Their executable statement is the repository's `tests/it/spec.rs`: a reference model,
 //! and random sequences of operations from several owners whose every answer each store
 //! must give as the model does.
+//!
+//! An acquisition whose answer is lost or late (a stalled store, a timeout) is released
+//! at once, and again until the store answers (for at most a TTL). A grant of it that
+//! lands after every release (its command still queued on a connection given up, or in a
+//! delayed packet) holds its keys for no one, unrenewed: **at most one TTL**, on every
+//! store. Requests are then refused those keys as if a crashed process held them.
 
 pub(crate) mod call;
 #[cfg(feature = "cluster")]
