@@ -1,8 +1,8 @@
 //! The store contract, executable: a reference model of the lock semantics (exclusive and
 //! shared holds, re-entry and upgrades, all-or-nothing batches, release of one hold, the
-//! end of a request, fencing, what the operator's view shows), and a property test that
-//! drives random sequences of operations from several owners through the public API
-//! against the model and against every store, and compares every answer.
+//! end of a request, expiry, fencing, what the operator's view shows), and property tests
+//! that drive random sequences of operations from several owners through the public API
+//! against the model and against every store, and compare every answer.
 //!
 //! An owner is a request in flight, holding a key of its own through its layer; its
 //! handler runs the test's commands: [`Lease::lock`] for more keys (strings exclusive,
@@ -10,11 +10,11 @@
 //! request, which releases all. Requests do not wait (a busy key is a 409 at once).
 //!
 //! What the model leaves out, each covered by tests of its own: waiting and reservations
-//! (`fairness::*`, `waiting::*`), TTLs and renewal (`waiting::*`, `defaults::*`), a store
-//! that fails (`wire::*`, `redis::a_frozen_*`), and the idempotency answers
-//! (`idempotency::*`). A new store passes this before anything else: add it to [`stores`].
+//! (`fairness::*`, `waiting::*`), renewal (`waiting::*`, `defaults::*`), a store that
+//! fails (`wire::*`, `redis::a_frozen_*`), and the idempotency answers (`idempotency::*`).
+//! A new store passes this before anything else: add it to [`stores`].
 //!
-//! `SPEC_CASES` sets the number of random sequences (24 by default).
+//! `SPEC_CASES` and `SPEC_EXPIRY_CASES` set the number of random sequences.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -58,9 +58,13 @@ enum Op {
     End { owner: usize },
     /// The operator's view of every key.
     Inspect,
+    /// Time passes beyond the TTL of every grant so far (with [`EXPIRING`] locks, which
+    /// are not renewed).
+    Sleep,
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// The operations, with [`Op::Sleep`] among them if `sleeps`.
+fn op(sleeps: bool) -> impl Strategy<Value = Op> {
     let owner = 0..OWNERS;
     prop_oneof![
         4 => (owner.clone(), vec((0..KEYS.len(), any::<bool>()), 1..4))
@@ -68,8 +72,16 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (owner.clone(), 0..4usize).prop_map(|(owner, handle)| Op::Release { owner, handle }),
         1 => owner.prop_map(|owner| Op::End { owner }),
         2 => Just(Op::Inspect),
+        u32::from(sleeps) => Just(Op::Sleep),
     ]
 }
+
+/// The TTL of [`EXPIRING`] locks: long enough for a sequence between two sleeps, on a
+/// loaded machine.
+const TTL: Duration = Duration::from_millis(1500);
+
+/// Locks whose grants expire after [`TTL`], unrenewed.
+const EXPIRING: fn(Locks) -> Locks = |locks| locks.ttl(TTL).renew_lease(false);
 
 /// What an operation answered: the same from the model and from every store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +160,14 @@ impl Model {
             }
             Op::End { owner } => {
                 self.grants[*owner].clear();
+                Answer::Done
+            }
+            // Every grant so far has expired; the owners still hold their handles, whose
+            // release then frees nothing, and no one else's hold.
+            Op::Sleep => {
+                for grants in &mut self.grants {
+                    grants.iter_mut().for_each(|grant| *grant = None);
+                }
                 Answer::Done
             }
             Op::Inspect => Answer::Seen(
@@ -343,6 +363,10 @@ impl Driver {
                 self.end(*owner).await?;
                 Answer::Done
             }
+            Op::Sleep => {
+                tokio::time::sleep(TTL + Duration::from_millis(300)).await;
+                Answer::Done
+            }
             Op::Inspect => {
                 let states = self.locks.inspect(KEYS).await.map_err(|r| r.to_string())?;
                 Answer::Seen(states.iter().map(|s| (s.status(), s.holds())).collect())
@@ -388,6 +412,25 @@ fn stores(case: usize, servers: &Servers) -> Vec<(&'static str, Locks)> {
 
 #[test]
 fn every_store_answers_every_sequence_as_the_model_does() {
+    let cases = std::env::var("SPEC_CASES").map_or(24, |n| n.parse().unwrap());
+    check_every_store(cases, vec(op(false), 1..40), |locks| locks);
+}
+
+/// Grants that expire: the keys are free again for others, and a late release of them
+/// frees nothing. `SPEC_EXPIRY_CASES` sets the number of sequences (6 by default).
+#[test]
+fn grants_expire_after_their_ttl_on_every_store_as_the_model_says() {
+    let cases = std::env::var("SPEC_EXPIRY_CASES").map_or(6, |n| n.parse().unwrap());
+    check_every_store(cases, vec(op(true), 1..12), EXPIRING);
+}
+
+/// Runs `cases` sequences of `ops` on every store (configured by `configure`) at once,
+/// each against the model.
+fn check_every_store(
+    cases: u32,
+    ops: impl Strategy<Value = Vec<Op>>,
+    configure: fn(Locks) -> Locks,
+) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -401,27 +444,32 @@ fn every_store_answers_every_sequence_as_the_model_does() {
             .block_on(runtime.spawn(crate::support::cluster::Cluster::start_in_turn()))
             .unwrap(),
     };
-    let cases = std::env::var("SPEC_CASES").map_or(24, |n| n.parse().unwrap());
     let case = std::sync::atomic::AtomicUsize::new(0);
     let mut runner = TestRunner::new(Config {
         cases,
         failure_persistence: None,
         ..Config::default()
     });
-    let result = runner.run(&vec(op(), 1..40), |ops| {
+    let result = runner.run(&ops, |ops| {
         let case = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let stores = runtime.block_on(async { stores(case, &servers) });
-        for (name, locks) in stores {
-            let outcome = runtime.block_on(async {
-                tokio::time::timeout(Duration::from_secs(30), run(&ops, locks)).await
+        let failures = runtime.block_on(async {
+            let runs = stores(case, &servers).into_iter().map(|(name, locks)| {
+                let ops = &ops;
+                async move {
+                    let limit = Duration::from_secs(60);
+                    match tokio::time::timeout(limit, run(ops, configure(locks))).await {
+                        Ok(Ok(())) => None,
+                        Ok(Err(failure)) => Some(format!("{name}: {failure}")),
+                        Err(_) => Some(format!("{name}: no end in {limit:?}")),
+                    }
+                }
             });
-            match outcome {
-                Ok(Ok(())) => {}
-                Ok(Err(failure)) => return Err(TestCaseError::fail(format!("{name}: {failure}"))),
-                Err(_) => return Err(TestCaseError::fail(format!("{name}: no end in 30 s"))),
-            }
+            futures_util::future::join_all(runs).await
+        });
+        match failures.into_iter().flatten().next() {
+            Some(failure) => Err(TestCaseError::fail(failure)),
+            None => Ok(()),
         }
-        Ok(())
     });
     if let Err(failure) = result {
         panic!("{failure}");
