@@ -1,7 +1,7 @@
 //! One backoff for every retry loop: waiting for busy keys, retrying a release, a
 //! subscription, a moving cluster.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Pauses that start at `first` and double up to `last`, each drawn at random between
 /// half and all of that (so that processes that failed together do not retry together).
@@ -21,6 +21,18 @@ impl Backoff {
         let ceiling = self.next;
         self.next = (self.next * 2).min(self.last);
         ceiling.mul_f64(fastrand::f64().mul_add(0.5, 0.5))
+    }
+
+    /// Sleeps the next pause before another try, unless that would take it to `until` or
+    /// past it: then `false` at once, and the caller gives up. The skeleton of every retry
+    /// loop: try, [`sleep_before`](Self::sleep_before) the deadline, try again.
+    pub(crate) async fn sleep_before(&mut self, until: Instant) -> bool {
+        let pause = self.pause();
+        if Instant::now() + pause >= until {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        true
     }
 }
 

@@ -368,8 +368,7 @@ impl Held {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.release().await {
             self.count_release_failure(ReleaseFailure::Retried);
-            let pause = backoff.pause();
-            if Instant::now() + pause >= self.status.get().expires_at {
+            if !backoff.sleep_before(self.status.get().expires_at).await {
                 tracing::warn!(
                     keys = self.keys.len(),
                     "gave up releasing locks; they expire with their TTL"
@@ -377,7 +376,6 @@ impl Held {
                 self.count_release_failure(ReleaseFailure::GaveUp);
                 return;
             }
-            tokio::time::sleep(pause).await;
         }
     }
 }

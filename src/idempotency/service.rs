@@ -268,19 +268,14 @@ impl Shared {
                 Ok(Err(error)) => error.to_string(),
                 Err(_) => "the store did not answer in time".to_owned(),
             };
-            let pause = backoff.pause();
-            if Instant::now() + pause >= give_up_at {
+            if !backoff.sleep_before(give_up_at).await {
                 tracing::error!(
                     failure,
                     "could not store an idempotent answer: a retry will run the request again"
                 );
                 return;
             }
-            tracing::warn!(
-                failure,
-                "could not store an idempotent answer yet; trying again"
-            );
-            tokio::time::sleep(pause).await;
+            tracing::warn!(failure, "could not store an idempotent answer; trying again");
         }
     }
 

@@ -322,12 +322,7 @@ impl Fanout {
             let store = self.store;
             tokio::spawn(async move {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-                loop {
-                    let pause = backoff.pause();
-                    if Instant::now() + pause >= give_up_at {
-                        break;
-                    }
-                    tokio::time::sleep(pause).await;
+                while backoff.sleep_before(give_up_at).await {
                     match bounded(timeout, node.release(&keys, holder)).await {
                         Err(failure) if failure.may_have_applied() => {}
                         // Answered, or the node cannot be reached at all (so it runs

@@ -193,12 +193,7 @@ impl Nodes {
         let inner = self.clone();
         tokio::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_secs(1), Duration::MAX);
-            loop {
-                let pause = backoff.pause();
-                if Instant::now() + pause >= until {
-                    return;
-                }
-                tokio::time::sleep(pause).await;
+            while backoff.sleep_before(until).await {
                 let deadline = Instant::now() + inner.retry_for;
                 let _ = inner
                     .on_groups("release", &keys, deadline, None, |node, keys| async move {

@@ -219,15 +219,13 @@ impl Nodes {
                 }
                 Err(error) => error.to_string(),
             };
-            let pause = backoff.pause();
-            if Instant::now() + pause >= until {
+            if !backoff.sleep_before(until).await {
                 return Err(StoreError::unknown(format!(
                     "the cluster did not serve {} of {} keys in time: {failure}",
                     pending.len(),
                     keys.len()
                 )));
             }
-            tokio::time::sleep(pause).await;
             let _ = self.refresh(seen).await;
         }
     }

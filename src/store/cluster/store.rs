@@ -158,15 +158,13 @@ impl LockStore for ClusterStore {
                     },
                     Err(error) => error.to_string(),
                 };
-                let pause = backoff.pause();
-                if Instant::now() + pause >= until {
+                if !backoff.sleep_before(until).await {
                     return Err(StoreError::left_nothing(format!(
                         "the cluster kept moving for {} ms: {moved}",
                         inner.retry_for.as_millis()
                     )));
                 }
                 tracing::debug!(moved, "the cluster moved under a batch; trying again");
-                tokio::time::sleep(pause).await;
                 if let Ok(topology) = topology {
                     let _ = inner.refresh(topology.generation).await;
                 }
