@@ -275,7 +275,10 @@ impl Shared {
                 );
                 return;
             }
-            tracing::warn!(failure, "could not store an idempotent answer; trying again");
+            tracing::warn!(
+                failure,
+                "could not store an idempotent answer; trying again"
+            );
         }
     }
 
