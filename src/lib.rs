@@ -281,6 +281,8 @@ mod acquire;
 pub mod admin;
 mod backoff;
 mod duration;
+#[cfg(feature = "redis")]
+pub mod fenced;
 mod guard;
 #[cfg(feature = "idempotency")]
 pub mod idempotency;

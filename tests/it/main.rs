@@ -104,6 +104,8 @@ mod extractors;
 #[cfg(feature = "redis")]
 mod fairness;
 #[cfg(feature = "redis")]
+mod fenced;
+#[cfg(feature = "redis")]
 mod fencing;
 mod fuzz;
 #[cfg(all(feature = "idempotency", feature = "redis"))]
