@@ -21,6 +21,13 @@
 //!   or a stock update holds one of their SKUs (409 with `Retry-After`, as for orders). It
 //!   writes nothing, and the idempotency layer leaves it alone.
 //!
+//! A process that pauses past its lease (a stall, `SIGSTOP`) cannot overwrite the sale of
+//! the instance that was granted the SKUs after it: in one Redis (`REDIS_URL`,
+//! `REDIS_URLS`), stock and orders are written with the request's fencing token
+//! ([`tower_batch_lock::fenced::set`]), and a write older than the last one is refused:
+//! that order gets 409 and takes nothing. (On a cluster, whose keys span slots, and in
+//! memory, the writes are plain.)
+//!
 //! `POST /orders` also takes an optional `Idempotency-Key` header: a retry with the same
 //! key and body gets the first answer again, marked `Idempotent-Replayed: true`; the same
 //! key with another body is 422, and a retry while the first still runs is 409.
@@ -85,7 +92,7 @@ use axum::{
 };
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
+use tower_batch_lock::{keys, FencingToken, Lease, Locks, Rejection, Wait};
 
 /// The body of `POST /orders` (`Id` a `String`) and of `POST /quotes`, where `order_id`
 /// may be left out (`Id` an `Option<String>`): one type, so that both routes read and
@@ -210,12 +217,18 @@ struct AppState {
 async fn set_stock(
     State(app): State<AppState>,
     Path(sku): Path<String>,
+    lease: Option<Lease>,
     JsonBody(level): JsonBody<StockLevel>,
 ) -> Result<Json<Item>, Rejection> {
-    app.store
-        .set_stock(&sku, level.qty)
+    let fence = lease.map(|lease| lease.fencing_token());
+    let written = app
+        .store
+        .set_stock(&sku, level.qty, fence)
         .await
         .map_err(store_failed)?;
+    if !written {
+        return Err(lost_lease());
+    }
     Ok(Json(Item {
         sku,
         qty: level.qty,
@@ -299,13 +312,29 @@ async fn place_order(
                 qty,
             })
             .collect(),
-        fence: lease.map(|lease| lease.fencing_token().get()),
+        fence: lease.as_ref().map(|lease| lease.fencing_token().get()),
     };
-    app.store
-        .commit(&remaining, &placed)
+    let fence = lease.map(|lease| lease.fencing_token());
+    let written = app
+        .store
+        .commit(&remaining, &placed, fence)
         .await
         .map_err(store_failed)?;
+    if !written {
+        return Err(lost_lease());
+    }
     Ok((StatusCode::CREATED, Json(placed)).into_response())
+}
+
+/// The answer to a request whose write was refused: it paused past its lease (a stall,
+/// a stopped process), and a later holder of one of its keys wrote first. Its write would
+/// have lost that one's update; nothing was written.
+fn lost_lease() -> Rejection {
+    Rejection::new(
+        StatusCode::CONFLICT,
+        "the locks of this request ran out before it wrote, and another request wrote \
+         first; nothing was written: try again",
+    )
 }
 
 /// Runs with every SKU of the quote held shared, beside other quotes: no order or stock
@@ -430,6 +459,30 @@ pub enum Remote {
 
 #[cfg(feature = "redis")]
 impl Remote {
+    /// Writes every `(key, value)` in one command: in one Redis, with the request's
+    /// fencing token, refused (`false`, nothing written) where a later token wrote one of
+    /// the keys; on a cluster, whose keys span slots, or without a lock, as they are.
+    async fn write(
+        &self,
+        writes: &[(String, String)],
+        fence: Option<FencingToken>,
+    ) -> Result<bool, StoreError> {
+        if let (Self::Pool(pool), Some(token)) = (self, fence) {
+            let writes: Vec<(&str, &str)> = writes
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let mut redis = pool.get().await?;
+            return Ok(tower_batch_lock::fenced::set(&mut *redis, token, &writes).await?);
+        }
+        let mut mset = redis::cmd("MSET");
+        for (key, value) in writes {
+            mset.arg(key).arg(value);
+        }
+        self.query::<()>(&mset).await?;
+        Ok(true)
+    }
+
     async fn query<T: redis::FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
         match self {
             Self::Pool(pool) => Ok(command.query_async(&mut pool.get().await?).await?),
@@ -493,16 +546,23 @@ impl Store {
         }
     }
 
-    async fn set_stock(&self, sku: &str, qty: u64) -> Result<(), StoreError> {
+    /// Sets a stock level: `false`, and nothing written, as for [`commit`](Self::commit).
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
+    async fn set_stock(
+        &self,
+        sku: &str,
+        qty: u64,
+        fence: Option<FencingToken>,
+    ) -> Result<bool, StoreError> {
         match self {
             Self::Memory(tables) => {
                 tables.lock().unwrap().stock.insert(sku.to_owned(), qty);
-                Ok(())
+                Ok(true)
             }
             #[cfg(feature = "redis")]
             Self::Redis(remote) => {
                 remote
-                    .query(redis::cmd("SET").arg(stock_key(sku)).arg(qty))
+                    .write(&[(stock_key(sku), qty.to_string())], fence)
                     .await
             }
         }
@@ -521,8 +581,17 @@ impl Store {
         }
     }
 
-    /// Writes the new stock levels and the order, in one write.
-    async fn commit(&self, stock: &[(&str, u64)], order: &Order) -> Result<(), StoreError> {
+    /// Writes the new stock levels and the order, in one write: in one Redis, fenced by
+    /// the order's token (`false`, and nothing written, when a later holder of one of the
+    /// SKUs wrote it first). In memory, the process that holds the locks holds the data.
+    /// On a cluster, the keys span slots, which one fenced write cannot: a plain write.
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
+    async fn commit(
+        &self,
+        stock: &[(&str, u64)],
+        order: &Order,
+        fence: Option<FencingToken>,
+    ) -> Result<bool, StoreError> {
         match self {
             Self::Memory(tables) => {
                 let mut tables = tables.lock().unwrap();
@@ -530,17 +599,16 @@ impl Store {
                     tables.stock.insert(sku.to_owned(), qty);
                 }
                 tables.orders.insert(order.order_id.clone(), order.clone());
-                Ok(())
+                Ok(true)
             }
             #[cfg(feature = "redis")]
             Self::Redis(remote) => {
-                let mut mset = redis::cmd("MSET");
-                for &(sku, qty) in stock {
-                    mset.arg(stock_key(sku)).arg(qty);
-                }
-                mset.arg(order_key(&order.order_id))
-                    .arg(serde_json::to_string(order)?);
-                remote.query(&mset).await
+                let mut writes: Vec<(String, String)> = stock
+                    .iter()
+                    .map(|&(sku, qty)| (stock_key(sku), qty.to_string()))
+                    .collect();
+                writes.push((order_key(&order.order_id), serde_json::to_string(order)?));
+                remote.write(&writes, fence).await
             }
         }
     }

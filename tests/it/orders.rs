@@ -391,9 +391,14 @@ async fn redis_basic_flows() {
             "lock:", // the fencing counter
             "orders:order:o-1",
             "orders:order:o-10",
+            "orders:order:o-10:fence", // the last fencing token that wrote it
+            "orders:order:o-1:fence",
             "orders:stock:apple",
+            "orders:stock:apple:fence",
             "orders:stock:pear",
+            "orders:stock:pear:fence",
             "orders:stock:plum",
+            "orders:stock:plum:fence",
         ],
         "the data lives under `orders:`, apart from the locks and the stored answers \
          (none for quotes)"
@@ -1377,7 +1382,71 @@ mod binary {
         let mut data = server.keys("*");
         data.sort();
         // `lock:` itself is the namespace's fencing counter, never a lock.
-        assert_eq!(data, ["lock:", "orders:order:smoke", "orders:stock:apple"]);
+        let fenced = [
+            "orders:order:smoke",
+            "orders:order:smoke:fence",
+            "orders:stock:apple",
+            "orders:stock:apple:fence",
+        ];
+        assert_eq!(data, [&["lock:"][..], &fenced].concat());
+    }
+
+    /// The paused holder: instance A (a 400 ms TTL, 1.5 s of work) is granted `pz1` (stock
+    /// 10) and reads it; A's process is stopped (`SIGSTOP`) for 1.5 s, past its lease,
+    /// which it cannot renew; instance B is granted the SKU and sells one (9); A resumes,
+    /// and its write of what it computed (9) is refused: its fencing token is older than
+    /// B's. A answers 409, B 201, and the stock reads 10 less the orders answered 201.
+    /// (With a plain write, both answered 201 and the stock read 9.)
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale(env: &[(&str, &str)]) {
+        let a_env = [env, &[("LOCK_TTL_MS", "400"), ("WORK_DELAY_MS", "1500")]].concat();
+        let (a, a_addr, _) = Example::start(&a_env).await;
+        let b_env = [env, &[("LOCK_WAIT_MS", "3000")]].concat();
+        let (_b, b_addr, _) = Example::start(&b_env).await;
+        let put = http(b_addr, "PUT", "/stock/pz1", r#"{"qty": 10}"#).await;
+        assert_eq!(put.0, 200, "{}", put.1);
+
+        let order =
+            |id: &str| format!(r#"{{"order_id": "{id}", "items": [{{"sku": "pz1", "qty": 1}}]}}"#);
+        let a_order = order("a-1");
+        let a_sale = tokio::spawn(async move { http(a_addr, "POST", "/orders", &a_order).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let pid = a.0.id().expect("A runs").to_string();
+        let signal = |name: &str| {
+            let sent = std::process::Command::new("kill")
+                .args([name, &pid])
+                .status();
+            assert!(sent.unwrap().success(), "kill {name} {pid}");
+        };
+        signal("-STOP");
+        let b_sale = http(b_addr, "POST", "/orders", &order("b-1")).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        signal("-CONT");
+        let a_sale = a_sale.await.unwrap();
+
+        assert_eq!(
+            b_sale.0, 201,
+            "B sells once A's lease ran out: {}",
+            b_sale.1
+        );
+        assert_eq!(a_sale.0, 409, "A's stale write is refused: {}", a_sale.1);
+        let sold = [&a_sale, &b_sale].iter().filter(|(s, _)| *s == 201).count();
+        let (_, stock) = http(b_addr, "GET", "/stock/pz1", "").await;
+        assert_eq!(stock, format!(r#"{{"sku":"pz1","qty":{}}}"#, 10 - sold));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_redis() {
+        let server = RedisServer::start();
+        let url = server.url();
+        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URL", url.as_str())]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_redlock() {
+        let masters: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
+        let urls = urls.join(",");
+        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URLS", urls.as_str())]).await;
     }
 
     /// `REDIS_URLS`: the locks on three Redlock masters, the data in the first.
@@ -1406,7 +1475,13 @@ mod binary {
 
         let mut data = masters[0].keys("orders:*");
         data.sort();
-        assert_eq!(data, ["orders:order:smoke", "orders:stock:apple"]);
+        let fenced = [
+            "orders:order:smoke",
+            "orders:order:smoke:fence",
+            "orders:stock:apple",
+            "orders:stock:apple:fence",
+        ];
+        assert_eq!(data, fenced);
         for master in &masters[1..] {
             assert_eq!(
                 master.keys("orders:*"),
