@@ -159,6 +159,39 @@
 //!   for resources that must refuse a stale holder's writes.
 //! - [`Locks::hold_until_body_end`]: keep the keys until a streaming body has been sent.
 //!
+//! # Safety: what a lease guarantees, and what your data must do
+//!
+//! While a lease is not lost, and the store keeps its data, no other request holds any of
+//! its keys in a mode that excludes it. What a lease cannot do is stop its own holder:
+//! a process that pauses longer than the TTL (a garbage-collection pause, a stopped VM, a
+//! slow disk, a thread blocked by synchronous work) cannot renew, and does not learn that
+//! it lost its keys until it looks again. Meanwhile the next request is granted them and
+//! writes; the first resumes and writes over it. No lease-based lock prevents that alone:
+//! a store that loses a lock (a failover, a restart without persistence) does the same.
+//!
+//! The story, as the `orders` example lived it before it guarded its writes: instance A
+//! (a 400 ms TTL) is granted SKU `pz1` (stock 10) and reads it; A's process is stopped
+//! for 1.5 s; B is granted the SKU and sells one (9); A resumes and writes what it
+//! computed (9). Both orders answered 201, and the stock reads 9 where it must read 8.
+//!
+//! What closes it is where the data is written. Every grant on a key carries a
+//! [fencing token](Lease::fencing_token) larger than every earlier grant's on that key;
+//! data that keeps the last token that wrote it refuses a write with a smaller one. A's
+//! write comes with A's token, older than B's: refused. The example now answers A 409
+//! (nothing taken), B 201, and the stock reads 9: 10 less the orders answered 201.
+//!
+//! - **Data in Redis:** [`fenced::set`] writes keys with the lease's token, all or none,
+//!   and refuses them when a later token wrote one (feature `redis`).
+//! - **Data in SQL:** keep the token in a column and make it part of the write:
+//!   `UPDATE stock SET qty = $1, fence = $2 WHERE sku = $3 AND fence <= $2`; no row
+//!   updated means a later holder wrote: roll back and answer 409.
+//! - **What you must do:** guard each piece of data with one lock key that every writer of
+//!   it takes (`sku:{sku}` for the stock of `sku`): tokens compare only between grants
+//!   that share a key. Carry the token of the request's lease into the write. Treat a
+//!   refused write as a conflict, with nothing half done. [`Lease::lost`] tells a handler
+//!   that its locks are gone, to stop early; it narrows the window, but only the guarded
+//!   write closes it.
+//!
 //! # Re-entrant locks
 //!
 //! A request has one owner, shared by every layer on it: keys an outer layer holds are
