@@ -30,6 +30,7 @@ mod cluster_support;
 mod batch;
 mod cluster;
 mod contention;
+mod fenced;
 mod field;
 mod http;
 mod load;
@@ -53,7 +54,7 @@ use serde_json::{json, Map, Value};
 
 /// The sections, in the order of the results. They run in this order, except http, which
 /// runs last (see [`run_sections`]).
-const SECTIONS: [&str; 8] = [
+const SECTIONS: [&str; 9] = [
     "batch",
     "field",
     "http",
@@ -62,6 +63,7 @@ const SECTIONS: [&str; 8] = [
     "cluster",
     "shared",
     "contention",
+    "fenced",
 ];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
@@ -206,6 +208,7 @@ async fn run_sections(
             "cluster" => cluster::run(server, &pool, options.quick).await,
             "shared" => shared::run(server, options.quick).await,
             "contention" => contention::run(server, options.quick).await,
+            "fenced" => fenced::run(&pool, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {
