@@ -1397,7 +1397,10 @@ mod binary {
     /// and its write of what it computed (9) is refused: its fencing token is older than
     /// B's. A answers 409, B 201, and the stock reads 10 less the orders answered 201.
     /// (With a plain write, both answered 201 and the stock read 9.)
-    async fn a_stopped_holder_cannot_overwrite_the_next_sale(env: &[(&str, &str)]) {
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale(
+        env: &[(&str, &str)],
+        locks_server: &RedisServer,
+    ) {
         let a_env = [env, &[("LOCK_TTL_MS", "400"), ("WORK_DELAY_MS", "1500")]].concat();
         let (a, a_addr, _) = Example::start(&a_env).await;
         let b_env = [env, &[("LOCK_WAIT_MS", "3000")]].concat();
@@ -1409,7 +1412,14 @@ mod binary {
             |id: &str| format!(r#"{{"order_id": "{id}", "items": [{{"sku": "pz1", "qty": 1}}]}}"#);
         let a_order = order("a-1");
         let a_sale = tokio::spawn(async move { http(a_addr, "POST", "/orders", &a_order).await });
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // A holds the SKU (on a busy machine, that may take a while).
+        let held = crate::support::http::poll_every(
+            Duration::from_millis(10),
+            Duration::from_secs(5),
+            || !locks_server.keys("lock:sku:pz1").is_empty(),
+        )
+        .await;
+        assert!(held.is_some(), "A was never granted the SKU");
         let pid = a.0.id().expect("A runs").to_string();
         let signal = |name: &str| {
             let sent = std::process::Command::new("kill")
@@ -1438,7 +1448,8 @@ mod binary {
     async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_redis() {
         let server = RedisServer::start();
         let url = server.url();
-        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URL", url.as_str())]).await;
+        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URL", url.as_str())], &server)
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1446,7 +1457,8 @@ mod binary {
         let masters: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
         let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
         let urls = urls.join(",");
-        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URLS", urls.as_str())]).await;
+        let env = [("REDIS_URLS", urls.as_str())];
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, &masters[0]).await;
     }
 
     /// `REDIS_URLS`: the locks on three Redlock masters, the data in the first.
