@@ -261,7 +261,11 @@ impl<'a> Acquisition<'a> {
         self.outage.answered();
         match answer {
             // Nothing was in flight, so the guard is made once there is something to hold.
-            Acquire::Granted(fence) => Some(Ok((self.guard(holder, started), fence))),
+            Acquire::Granted(fence) => {
+                let mut guard = self.guard(holder, started);
+                guard.answered();
+                Some(Ok((guard, fence)))
+            }
             // Answered at once: the attempt's start is the time of its answer.
             Acquire::Held(contention) if self.gives_up(&contention, started, started) => {
                 Some(Err(Refusal::Contended(contention)))
@@ -400,7 +404,7 @@ impl<'a> Acquisition<'a> {
             // retried in the background (Redlock's, on a slow master) must never end the
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
-            let guard = self.guard(holder, attempted);
+            let mut guard = self.guard(holder, attempted);
             let request = AcquireRequest {
                 // Past its first refusal, a waiter in line has reserved its whole batch.
                 retry: slot.is_some() && matches!(line, Line::At(_)),
@@ -412,6 +416,7 @@ impl<'a> Acquisition<'a> {
             }
             let contention = match outcome {
                 Ok(Ok(Acquire::Granted(fence))) => {
+                    guard.answered();
                     // The grant took the reservations off the batch.
                     if let Some(place) = place {
                         place.disarm();

@@ -21,6 +21,7 @@ use crate::{
     store::{
         call::within,
         contract::{Holder, LockStore},
+        late,
     },
 };
 
@@ -109,6 +110,10 @@ struct Held {
     listed: Option<Registered>,
     /// The metrics label of the request that holds the keys, once it holds them.
     layer: Option<Layer>,
+    /// Whether the store answered the acquisition. When it did not (its answer was lost,
+    /// late, or its request dropped while it was in flight), a grant may still land
+    /// after the release, which is sent again for it ([`late`]).
+    answered: bool,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -151,7 +156,15 @@ impl LockGuard {
                 timed: None,
                 listed: None,
                 layer: None,
+                answered: false,
             }),
+        }
+    }
+
+    /// The store answered the acquisition with a grant: no grant of it can land later.
+    pub(crate) fn answered(&mut self) {
+        if let Some(held) = &mut self.held {
+            held.answered = true;
         }
     }
 
@@ -362,8 +375,10 @@ impl Held {
     /// at once, and the acquisition may still run when it recovers. A release sent after
     /// the store recovered usually runs after it, but not always: the acquisition may
     /// still sit in a retired connection's bytes, or in a delayed packet, and land after
-    /// every release. Such a late grant has no holder and no renewal: it keeps its keys
-    /// until its TTL ends, the bound that [`store`](crate::store) states for every store.
+    /// the release. So a guard whose acquisition was never answered sends its release
+    /// again a few times after this one was answered ([`late`]); a grant that lands after
+    /// those keeps its keys until its TTL ends, the bound that [`store`](crate::store)
+    /// states for every store.
     async fn release_until_answered(&self) {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.release().await {
@@ -391,6 +406,13 @@ impl Drop for LockGuard {
                 runtime.spawn(async move {
                     held.stop_renewal().await;
                     held.release_until_answered().await;
+                    if !held.answered {
+                        let held = &held;
+                        late::release_again(|| async move {
+                            held.release().await;
+                        })
+                        .await;
+                    }
                 });
             }
             Err(_) => tracing::warn!(

@@ -7,9 +7,9 @@
 //!   replies parsed on every core at once.
 //! - An acquisition is registered, by holder, before anything is sent. Its release raises
 //!   a flag, and a node's grant whose answer arrives after that (the node was slow, the
-//!   caller gave up) is undone there at once. A grant whose answer never arrives (a lost
-//!   or delayed reply) is met by the retried release below, if it lands before it; one
-//!   that lands after every release keeps its keys until its TTL ends.
+//!   caller gave up) is undone there at once. A node that gave no answer in time is sent
+//!   the release again a few times once the flag is raised ([`late`]), for a grant that
+//!   lands later still; one that lands after those keeps its keys until its TTL ends.
 //! - A release whose outcome on a node is unknown (the node may still run an earlier
 //!   command of ours, such as the acquisition) is retried in the background until the node
 //!   answers, or until no key of ours can be left there (the longest TTL asked for).
@@ -36,7 +36,7 @@ use super::{
     error::StoreError,
     redis::{RedisStore, DEFAULT_STEP},
 };
-use crate::{backoff::Backoff, duration::capped, observe};
+use crate::{backoff::Backoff, duration::capped, observe, store::late};
 
 /// How often a node that keeps failing is logged as a warning, at most.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -286,8 +286,10 @@ impl Fanout {
         .boxed()
     }
 
-    /// Acquires `request` on `node`, bounded by the node timeout; a grant that lands after
-    /// the acquisition was released (`released` raised) is undone at once.
+    /// Acquires `request` on `node`, bounded by the node timeout; a grant whose answer
+    /// comes after the acquisition was released (`released` raised) is undone at once,
+    /// and when no answer comes in time, the release is sent again ([`late`]) once the
+    /// acquisition is released.
     pub(super) fn acquire_on(
         self: &Arc<Self>,
         node: Arc<RedisStore>,
@@ -298,8 +300,25 @@ impl Fanout {
         async move {
             let timeout = fanout.timeout_for(request.keys.len(), node.step());
             let reply = bounded(timeout, node.acquire(&request)).await;
-            if matches!(reply, Ok(Acquire::Granted(_))) && released.load(Ordering::SeqCst) {
-                let _ = fanout.release_on(node, request.keys, request.holder).await;
+            match &reply {
+                Ok(Acquire::Granted(_)) if released.load(Ordering::SeqCst) => {
+                    let _ = fanout.release_on(node, request.keys, request.holder).await;
+                }
+                // The grant may still land. (While the batch holds, with a majority of
+                // Redlock's masters, a grant there is the batch's own: left alone.)
+                Err(failure) if failure.may_have_applied() => {
+                    tokio::spawn(async move {
+                        let (node, request, released) = (&node, &request, &released);
+                        late::release_again(|| async move {
+                            if released.load(Ordering::SeqCst) {
+                                let release = node.release(&request.keys, request.holder);
+                                let _ = bounded(timeout, release).await;
+                            }
+                        })
+                        .await;
+                    });
+                }
+                _ => {}
             }
             reply
         }

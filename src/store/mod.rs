@@ -24,11 +24,14 @@
 //! and random sequences of operations from several owners whose every answer each store
 //! must give as the model does.
 //!
-//! An acquisition whose answer is lost or late (a stalled store, a timeout) is released
-//! at once, and again until the store answers (for at most a TTL). A grant of it that
-//! lands after every release (its command still queued on a connection given up, or in a
-//! delayed packet) holds its keys for no one, unrenewed: **at most one TTL**, on every
-//! store. Requests are then refused those keys as if a crashed process held them.
+//! An acquisition whose answer is lost or late (a stalled store, a timeout, a request
+//! dropped while its call was in flight) is released at once, and again until the store
+//! answers (for at most a TTL); then again 0.25, 1.25 and 3.25 s later, since its command
+//! may still be queued on a connection given up, and runs when its store runs again. A
+//! grant of it that lands in those seconds is ended within them (about a second after it
+//! landed, in `wire::a_grant_that_lands_after_its_release_*`). One that lands later still
+//! (a packet delayed for longer) holds its keys for no one, unrenewed: **at most one
+//! TTL**, on every store, and requests are refused them as if a crashed process held them.
 
 pub(crate) mod call;
 #[cfg(feature = "cluster")]
@@ -38,6 +41,7 @@ pub(crate) mod error;
 #[cfg(feature = "redis")]
 mod fanout;
 pub(crate) mod handle;
+pub(crate) mod late;
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 mod redis;

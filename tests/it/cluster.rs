@@ -505,7 +505,7 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
     )
     .store_timeout(Duration::from_secs(2))
     // An acquisition the frozen master runs when it thaws, after its batch's release,
-    // is released again a second later, or expires with this.
+    // is released again (`late`), or expires with this.
     .ttl(Duration::from_secs(2));
     let app = batch_router(&locks, counting_handler(&Arc::default()));
     let masters = cluster.masters();

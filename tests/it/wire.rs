@@ -177,3 +177,47 @@ async fn connections_reset_under_load_break_nothing() {
     })
     .await;
 }
+
+/// An acquisition held up on the wire past its timeout (its connection's bytes held, as a
+/// network holds a delayed packet) while its release goes out on a new connection and
+/// finds nothing: when the acquisition lands after it, its grant holds the key for no
+/// one. The release is sent again after such an acquisition (`late`), and ends that grant
+/// within seconds, where it would have kept the key for its whole TTL (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_that_lands_after_its_release_is_ended_within_seconds_not_its_ttl() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Proxy::start(server.port()).await;
+    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .ttl(Duration::from_secs(10))
+        .store_timeout(Duration::from_millis(300));
+    let ledger = Arc::new(Ledger::default());
+    let app = batch_router(&locks, ledger_handler(&ledger));
+    assert_eq!(
+        send(&app, batch(&["late:warm"])).await.status,
+        StatusCode::OK
+    );
+
+    proxy.hold_open();
+    let reply = send(&app, batch(&["late:1"])).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    // The release went out on a new connection, and found nothing to release.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(observer.lock("lock:late:1").is_none());
+
+    proxy.release_held();
+    let landed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        observer.lock("lock:late:1").is_some()
+    })
+    .await;
+    assert!(landed.is_some(), "the held acquisition landed");
+    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), || {
+        observer.lock("lock:late:1").is_none()
+    })
+    .await;
+    eprintln!("a late grant ended {ended:?} after it landed");
+    assert!(
+        ended.is_some_and(|after| after < Duration::from_secs(4)),
+        "a late grant kept its key {ended:?}"
+    );
+}

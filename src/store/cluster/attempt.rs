@@ -6,7 +6,7 @@ use std::{
         atomic::{AtomicBool, Ordering},
         Arc,
     },
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use futures_util::{stream::FuturesUnordered, StreamExt};
@@ -15,14 +15,11 @@ use super::{
     nodes::Nodes,
     topology::{Group, Topology},
 };
-use crate::{
-    backoff::Backoff,
-    store::{
-        contract::{Acquire, AcquireRequest, Contention, FencingToken, Holder, Line, LockStore},
-        error::StoreError,
-        fanout::NodeFailure,
-        redis::scripts::{COUNT_GRANT, COUNT_GRANT_SOURCE},
-    },
+use crate::store::{
+    contract::{Acquire, AcquireRequest, Contention, FencingToken, Holder, Line},
+    error::StoreError,
+    fanout::NodeFailure,
+    redis::scripts::{COUNT_GRANT, COUNT_GRANT_SOURCE},
 };
 
 /// What one attempt at a batch came to.
@@ -108,11 +105,8 @@ impl Nodes {
         }
         // Refused: release every group that granted or may have, on wherever its keys are
         // now, before answering, so that nothing is left behind and a next attempt with
-        // the same holder cannot meet a late release of this one.
-        if !unsure.is_empty() {
-            let late = keys_of_groups(&groups, &unsure, keys);
-            self.release_late_landings(late, holder, Instant::now() + request.ttl);
-        }
+        // the same holder cannot meet a late release of this one. (A group that may land
+        // later still is released again by the fan-out, `late`.)
         granted.extend(unsure);
         granted.extend(moved_under);
         // A waiter in line kept out by some groups was granted the others: it keeps its
@@ -177,31 +171,6 @@ impl Nodes {
             Ok(Ok(Ok(_)))
         );
         finished && !unsure.load(Ordering::SeqCst)
-    }
-
-    /// Releases `keys` again and again, a while after a refused attempt, until `until`: an
-    /// acquisition that got no answer in time (a frozen master) may still run when the
-    /// master thaws, after the attempt's release. The hold is never used again (the caller
-    /// gets an error, and its next attempt has a hold of its own), so these releases can
-    /// end nothing but such a late grant.
-    fn release_late_landings(
-        self: &Arc<Self>,
-        keys: Arc<[String]>,
-        holder: Holder,
-        until: Instant,
-    ) {
-        let inner = self.clone();
-        tokio::spawn(async move {
-            let mut backoff = Backoff::new(Duration::from_secs(1), Duration::MAX);
-            while backoff.sleep_before(until).await {
-                let deadline = Instant::now() + inner.retry_for;
-                let _ = inner
-                    .on_groups("release", &keys, deadline, None, |node, keys| async move {
-                        node.release(&keys, holder).await
-                    })
-                    .await;
-            }
-        });
     }
 
     /// The token of a grant: the next number of the namespace's counter, floored by the
