@@ -15,7 +15,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tower_batch_lock::{Locks, Wait};
 
 use crate::support::{
-    handlers::{gated_handler, Gate},
+    handlers::{gated_handler, hold, Gate},
     http::{header_keys, post_keys, send},
     RedisServer,
 };
@@ -256,13 +256,7 @@ async fn a_waiter_whose_client_goes_away_is_counted_abandoned() {
     let locks = Locks::new(Store::isolated_memory())
         .metrics_label("abandoning")
         .wait(Wait::up_to(Duration::from_secs(5)));
-    let gate = Gate::new();
-    let holder = Router::new().route(
-        "/",
-        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
-    );
-    let held = tokio::spawn(async move { send(&holder, post_keys("/", "gone")).await });
-    gate.wait_entered().await;
+    let (gate, held) = hold(&locks, "gone").await;
     // The client hangs up while its request waits: hyper drops the request's future.
     let app = locked(&locks, "/");
     let gave_up = tokio::time::timeout(

@@ -28,7 +28,7 @@ use tower::{Service, ServiceExt};
 use tower_batch_lock::{keys, Lease, Locks, Wait};
 
 use crate::support::{
-    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    handlers::{counting_handler, gated_handler, hold, ledger_handler, Gate, Ledger},
     http::{
         batch, batch_router, header_keys, poll_every, post_keys, required_header_keys, send,
         within, Reply,
@@ -1970,13 +1970,7 @@ async fn a_stall_under_load_opens_a_few_connections_not_one_a_caller() {
             .find_map(|l| l.strip_prefix("total_connections_received:"));
         field.unwrap().trim().parse().unwrap()
     };
-    let pool = deadpool_redis::Config::from_url(server.url())
-        .builder()
-        .unwrap()
-        .max_size(8)
-        .runtime(deadpool_redis::Runtime::Tokio1)
-        .build()
-        .unwrap();
+    let pool = server.pool_of(8);
     let locks =
         Locks::new(Redis::pool(pool).build().unwrap()).store_timeout(Duration::from_millis(300));
     let runs = Arc::new(AtomicUsize::new(0));
@@ -2089,13 +2083,7 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
             .unwrap();
         pubsub.get_message().is_ok()
     });
-    let gate = Gate::new();
-    let holder = Router::new().route(
-        "/",
-        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
-    );
-    let held = tokio::spawn(async move { send(&holder, post_keys("/", "a")).await });
-    gate.wait_entered().await;
+    let (gate, held) = hold(&locks, "a").await;
     // A held key and a free one: the script reads them differently.
     let states = locks
         .inspect(["a", "free"])

@@ -205,13 +205,7 @@ async fn a_wait_cut_short_leaves_no_busy_connection_in_your_pool() {
     })
     .await;
     assert!(synced.is_some(), "the replica did not sync");
-    let pool = deadpool_redis::Config::from_url(master.url())
-        .builder()
-        .unwrap()
-        .max_size(1)
-        .runtime(deadpool_redis::Runtime::Tokio1)
-        .build()
-        .unwrap();
+    let pool = master.pool_of(1);
     let store = Redis::pool(pool.clone())
         .replicas(1, Duration::from_secs(2))
         .build()

@@ -14,20 +14,14 @@ use http::{header, StatusCode};
 use tower_batch_lock::{store::Store, Locks, RetryAfter, Wait};
 
 use crate::support::{
-    handlers::{gated_handler, Gate},
+    handlers::hold,
     http::{header_keys, post_keys, send},
 };
 
 /// A holder of key `s`, and a contender for it that arrives while it holds it; the
 /// holder lets go 100 ms later. The contender's status and its `Retry-After`, if any.
 async fn contend(locks: &Locks) -> (StatusCode, Option<u64>) {
-    let gate = Gate::new();
-    let holder = Router::new().route(
-        "/",
-        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
-    );
-    let held = tokio::spawn(async move { send(&holder, post_keys("/", "s")).await });
-    gate.wait_entered().await;
+    let (gate, held) = hold(locks, "s").await;
     let app = Router::new().route("/", post(|| async {}).layer(locks.layer(header_keys)));
     let contender = tokio::spawn(async move { send(&app, post_keys("/", "s")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -19,7 +19,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tower_batch_lock::Lease;
 
-use super::http::within;
+use super::http::{header_keys, post_keys, send, within, Reply};
 
 /// A handler that says it entered (with its lease, if it has one) and then waits until the
 /// test opens the gate.
@@ -89,6 +89,23 @@ pub(crate) fn gated_handler(
             gate.pass().await;
         })
     }
+}
+
+/// A request that holds `keys` (comma-separated, read by [`header_keys`]) on `locks` until
+/// its gate opens: the gate, once its handler entered, and the request's reply.
+pub(crate) async fn hold(
+    locks: &tower_batch_lock::Locks,
+    keys: &str,
+) -> (Arc<Gate>, tokio::task::JoinHandle<Reply>) {
+    let gate = Gate::new();
+    let holder = axum::Router::new().route(
+        "/",
+        axum::routing::post(gated_handler(&gate)).layer(locks.layer(header_keys)),
+    );
+    let request = post_keys("/", keys);
+    let held = tokio::spawn(async move { send(&holder, request).await });
+    gate.wait_entered().await;
+    (gate, held)
 }
 
 /// A handler that counts its runs and returns at once.

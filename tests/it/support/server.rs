@@ -63,6 +63,17 @@ impl RedisServer {
             .expect("a valid Redis URL")
     }
 
+    /// A pool of at most `size` connections, as a service would give the store its own.
+    pub(crate) fn pool_of(&self, size: usize) -> deadpool_redis::Pool {
+        deadpool_redis::Config::from_url(self.url())
+            .builder()
+            .expect("a valid Redis URL")
+            .max_size(size)
+            .runtime(deadpool_redis::Runtime::Tokio1)
+            .build()
+            .expect("a pool")
+    }
+
     /// A plain synchronous connection, for looking at the server from outside the crate.
     pub(crate) fn connection(&self) -> redis::Connection {
         connect(&self.url())
