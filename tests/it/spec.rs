@@ -1,20 +1,28 @@
 //! The store contract, executable: a reference model of the lock semantics (exclusive and
 //! shared holds, re-entry and upgrades, all-or-nothing batches, release of one hold, the
-//! end of a request, expiry, fencing, what the operator's view shows), and property tests
-//! that drive random sequences of operations from several owners through the public API
-//! against the model and against every store, and compare every answer.
+//! end of a request, expiry, waiting in line with reservations served in order of
+//! arrival, fencing, what the operator's view shows), and property tests that drive random
+//! sequences of operations from several owners through the public API against the model
+//! and against every store, and compare every answer.
 //!
 //! An owner is a request in flight, holding a key of its own through its layer; its
 //! handler runs the test's commands: [`Lease::lock`] for more keys (strings exclusive,
 //! [`Key::shared`] shared), [`HeldKeys::release`] for one of them, and the end of the
 //! request, which releases all. Requests do not wait (a busy key is a 409 at once).
 //!
-//! What the model leaves out, each covered by tests of its own: waiting and reservations
-//! (`fairness::*`, `waiting::*`), renewal (`waiting::*`, `defaults::*`), a store that
-//! fails (`wire::*`, `redis::a_frozen_*`), and the idempotency answers (`idempotency::*`).
-//! A new store passes this before anything else: add it to [`stores`].
+//! A waiter is a request of its own that waits for its keys (exclusively) and ends once
+//! granted; the owners' locks do not wait, and a waiter that came before an owner's
+//! request keeps it out of the keys it waits for, but those the owner holds already. Places
+//! in line are milliseconds: the driver lets one pass between arrivals.
 //!
-//! `SPEC_CASES` and `SPEC_EXPIRY_CASES` set the number of random sequences.
+//! What the model leaves out, each covered by tests of its own: a waiter that gives up
+//! and withdraws (`fairness::a_waiter_that_gives_up_*`), renewal (`waiting::*`,
+//! `defaults::*`), a store that fails (`wire::*`, `redis::a_frozen_*`), and the
+//! idempotency answers (`idempotency::*`). A new store passes this before anything else:
+//! add it to [`stores`].
+//!
+//! `SPEC_CASES`, `SPEC_EXPIRY_CASES` and `SPEC_WAIT_CASES` set the number of random
+//! sequences.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -34,7 +42,7 @@ use tower::ServiceExt;
 use tower_batch_lock::{
     keys::Key,
     store::{Redis, Redlock, Store},
-    HeldKeys, KeyStatus, Lease, Locks, Mode, Rejection,
+    HeldKeys, KeyStatus, Lease, Locks, Mode, Rejection, Wait,
 };
 
 use crate::support::RedisServer;
@@ -61,19 +69,33 @@ enum Op {
     /// Time passes beyond the TTL of every grant so far (with [`EXPIRING`] locks, which
     /// are not renewed).
     Sleep,
+    /// A request of its own locks these keys exclusively, waiting in line for them as long
+    /// as it takes, and ends as soon as it has them.
+    Wait { keys: Vec<usize> },
 }
 
-/// The operations, with [`Op::Sleep`] among them if `sleeps`.
-fn op(sleeps: bool) -> impl Strategy<Value = Op> {
+/// The operations: with [`Op::Sleep`] among them if `sleeps`, [`Op::Wait`] if `waits`.
+/// (Left out, not weighted 0: shrinking a failure would bring them back.)
+fn op(sleeps: bool, waits: bool) -> impl Strategy<Value = Op> {
     let owner = 0..OWNERS;
-    prop_oneof![
-        4 => (owner.clone(), vec((0..KEYS.len(), any::<bool>()), 1..4))
-            .prop_map(|(owner, keys)| Op::Lock { owner, keys }),
-        2 => (owner.clone(), 0..4usize).prop_map(|(owner, handle)| Op::Release { owner, handle }),
-        1 => owner.prop_map(|owner| Op::End { owner }),
-        2 => Just(Op::Inspect),
-        u32::from(sleeps) => Just(Op::Sleep),
-    ]
+    let lock = (owner.clone(), vec((0..KEYS.len(), any::<bool>()), 1..4))
+        .prop_map(|(owner, keys)| Op::Lock { owner, keys });
+    let release =
+        (owner.clone(), 0..4usize).prop_map(|(owner, handle)| Op::Release { owner, handle });
+    let mut choices = vec![
+        (4, lock.boxed()),
+        (2, release.boxed()),
+        (1, owner.prop_map(|owner| Op::End { owner }).boxed()),
+        (2, Just(Op::Inspect).boxed()),
+    ];
+    if sleeps {
+        choices.push((1, Just(Op::Sleep).boxed()));
+    }
+    if waits {
+        let wait = vec(0..KEYS.len(), 1..3).prop_map(|keys| Op::Wait { keys });
+        choices.push((2, wait.boxed()));
+    }
+    proptest::strategy::Union::new_weighted(choices)
 }
 
 /// The TTL of [`EXPIRING`] locks: long enough for a sequence between two sleeps, on a
@@ -88,9 +110,12 @@ const EXPIRING: fn(Locks) -> Locks = |locks| locks.ttl(TTL).renew_lease(false);
 enum Answer {
     Granted,
     Refused(StatusCode),
-    Done,
-    /// Each key's status and number of holds.
-    Seen(Vec<(KeyStatus, usize)>),
+    /// Done; the waiters (by number) that this granted, which then ended.
+    Woke(Vec<usize>),
+    /// A waiter (by number) took its place in line.
+    Waiting(usize),
+    /// Each key's status, number of holds, and number of waiters in line for it.
+    Seen(Vec<(KeyStatus, usize, usize)>),
 }
 
 /// The semantics, stated as plainly as they can be.
@@ -98,13 +123,65 @@ enum Answer {
 struct Model {
     /// Each owner's grants, in order, by key (and how it holds it); `None` once released.
     grants: Vec<Vec<Option<BTreeMap<usize, Mode>>>>,
+    /// When each owner's request began, while it runs: its place among the waiters.
+    arrived: Vec<Option<u64>>,
+    /// The waiters in line, in order of arrival: number, arrival, keys.
+    line: Vec<(usize, u64, Vec<usize>)>,
+    /// How many waiters came: the next one's number.
+    waiters: usize,
+    /// A clock of events, for the order of arrivals.
+    clock: u64,
 }
 
 impl Model {
     fn new() -> Self {
         Self {
             grants: vec![Vec::new(); OWNERS],
+            arrived: vec![None; OWNERS],
+            ..Self::default()
         }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Whether a waiter that arrived at `arrived` for `keys` may have them now: no one
+    /// holds them, and no waiter before it is in line for one of them.
+    fn waiter_fits(&self, arrived: u64, keys: &[usize]) -> bool {
+        keys.iter().all(|&key| {
+            self.holds(key).next().is_none()
+                && !self
+                    .line
+                    .iter()
+                    .any(|(_, before, wanted)| *before < arrived && wanted.contains(&key))
+        })
+    }
+
+    /// How many waiters are in line for each key.
+    fn in_line(&self) -> Vec<usize> {
+        (0..KEYS.len())
+            .map(|key| {
+                self.line
+                    .iter()
+                    .filter(|(_, _, k)| k.contains(&key))
+                    .count()
+            })
+            .collect()
+    }
+
+    /// Grants the waiters whose turn it is, in order of arrival; each ends at once.
+    fn settle(&mut self) -> Answer {
+        let mut woke = Vec::new();
+        while let Some(index) = (0..self.line.len()).find(|&i| {
+            let (_, arrived, keys) = &self.line[i];
+            self.waiter_fits(*arrived, keys)
+        }) {
+            woke.push(self.line.remove(index).0);
+        }
+        woke.sort_unstable();
+        Answer::Woke(woke)
     }
 
     /// Every hold on `key`: by whom, and how.
@@ -136,15 +213,28 @@ impl Model {
                         *held = Mode::Exclusive;
                     }
                 }
+                // The owner's request arrives with its first lock.
+                if self.arrived[*owner].is_none() {
+                    self.arrived[*owner] = Some(self.tick());
+                }
+                let arrived = self.arrived[*owner].expect("set above");
                 // An exclusive hold needs no other owner on the key (an owner upgrades
                 // only while alone); a shared one, no other owner's exclusive hold. An
-                // owner's own holds never keep it out.
+                // owner's own holds never keep it out. A waiter in line that arrived
+                // before the owner keeps it out of the keys it waits for, but those the
+                // owner holds already.
                 let fits = batch.iter().all(|(&key, &mode)| {
                     let mut others = self.holds(key).filter(|&(o, _)| o != *owner);
-                    match mode {
+                    let free = match mode {
                         Mode::Exclusive => others.next().is_none(),
                         _ => others.all(|(_, m)| m == Mode::Shared),
-                    }
+                    };
+                    let mine = self.holds(key).any(|(o, _)| o == *owner);
+                    let reserved = self
+                        .line
+                        .iter()
+                        .any(|(_, before, wanted)| *before < arrived && wanted.contains(&key));
+                    free && (mine || !reserved)
                 });
                 if !fits {
                     return Answer::Refused(StatusCode::CONFLICT);
@@ -156,11 +246,12 @@ impl Model {
                 if let Some(grant) = self.grants[*owner].get_mut(*handle) {
                     *grant = None;
                 }
-                Answer::Done
+                self.settle()
             }
             Op::End { owner } => {
                 self.grants[*owner].clear();
-                Answer::Done
+                self.arrived[*owner] = None;
+                self.settle()
             }
             // Every grant so far has expired; the owners still hold their handles, whose
             // release then frees nothing, and no one else's hold.
@@ -168,7 +259,17 @@ impl Model {
                 for grants in &mut self.grants {
                     grants.iter_mut().for_each(|grant| *grant = None);
                 }
-                Answer::Done
+                self.settle()
+            }
+            Op::Wait { keys } => {
+                let number = self.waiters;
+                self.waiters += 1;
+                let arrived = self.tick();
+                if self.waiter_fits(arrived, keys) {
+                    return Answer::Granted;
+                }
+                self.line.push((number, arrived, keys.clone()));
+                Answer::Waiting(number)
             }
             Op::Inspect => Answer::Seen(
                 (0..KEYS.len())
@@ -181,7 +282,8 @@ impl Model {
                         } else {
                             KeyStatus::Shared
                         };
-                        (status, holds.len())
+                        let waiting = self.line.iter().filter(|(_, _, k)| k.contains(&key));
+                        (status, holds.len(), waiting.count())
                     })
                     .collect(),
             ),
@@ -257,7 +359,16 @@ struct Driver {
     sent: Vec<usize>,
     /// The largest fencing token granted on each key.
     fences: BTreeMap<usize, u64>,
+    /// The route of the requests that wait ([`Op::Wait`]).
+    waiting: Router,
+    /// The waiters not yet granted, by number: their responses.
+    line: BTreeMap<usize, tokio::task::JoinHandle<StatusCode>>,
+    /// How many waiters came: the next one's number.
+    waiters: usize,
 }
+
+/// How long the driver gives a request the model says ends now.
+const PROMPTLY: Duration = Duration::from_secs(5);
 
 impl Driver {
     fn new(locks: Locks) -> Self {
@@ -271,6 +382,18 @@ impl Driver {
                 })),
             )
             .layer(Extension(inboxes.clone()));
+        let waiting = Router::new().route(
+            "/wait",
+            post(|| async {}).layer(
+                locks
+                    .clone()
+                    .wait(Wait::up_to(Duration::from_secs(60)))
+                    .layer(|parts: &Parts| {
+                        let keys = parts.headers["x-keys"].to_str().unwrap();
+                        Ok::<_, Rejection>(keys.split(',').map(str::to_owned).collect::<Vec<_>>())
+                    }),
+            ),
+        );
         Self {
             locks,
             app,
@@ -280,12 +403,54 @@ impl Driver {
             handles: vec![Vec::new(); OWNERS],
             sent: vec![0; OWNERS],
             fences: BTreeMap::new(),
+            waiting,
+            line: BTreeMap::new(),
+            waiters: 0,
         }
     }
 
+    /// The waiters that have ended: those the model says this step granted, given time to,
+    /// and any other that has (which the model then disputes).
+    async fn woke(&mut self, expected: &Answer) -> Result<Answer, String> {
+        if let Answer::Woke(granted) = expected {
+            for number in granted {
+                if let Some(waiter) = self.line.get(number) {
+                    let deadline = std::time::Instant::now() + PROMPTLY;
+                    while !waiter.is_finished() && std::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+        }
+        let ended: Vec<usize> = self
+            .line
+            .iter()
+            .filter(|(_, waiter)| waiter.is_finished())
+            .map(|(&number, _)| number)
+            .collect();
+        for number in &ended {
+            let status = self.line.remove(number).unwrap().await.unwrap();
+            if status != StatusCode::OK {
+                return Err(format!("waiter {number} answered {status}"));
+            }
+        }
+        Ok(Answer::Woke(ended))
+    }
+
+    /// The waiters in line for each key, as the store shows them.
+    async fn in_line(&self) -> Result<Vec<usize>, String> {
+        let states = self.locks.inspect(KEYS).await.map_err(|r| r.to_string())?;
+        Ok(states
+            .iter()
+            .map(tower_batch_lock::KeyState::waiters)
+            .collect())
+    }
+
     /// The command queue of `owner`'s request, started if it is not running.
-    fn owner(&mut self, owner: usize) -> mpsc::UnboundedSender<Command> {
+    async fn owner(&mut self, owner: usize) -> mpsc::UnboundedSender<Command> {
         if self.owners[owner].is_none() {
+            // Places in line are times in milliseconds: this one is after every one before.
+            tokio::time::sleep(Duration::from_millis(2)).await;
             self.started += 1;
             let id = self.started.to_string();
             let (send, receive) = mpsc::unbounded_channel();
@@ -316,7 +481,14 @@ impl Driver {
         Ok(())
     }
 
-    async fn apply(&mut self, op: &Op) -> Result<Answer, String> {
+    /// Applies `op`; the model's `expected` answer and its `in_line` waiters for each key
+    /// after it tell the driver what to wait for, not what to answer.
+    async fn apply(
+        &mut self,
+        op: &Op,
+        expected: &Answer,
+        in_line: &[usize],
+    ) -> Result<Answer, String> {
         Ok(match op {
             Op::Lock { owner, keys } => {
                 let named: Vec<Key> = keys
@@ -327,7 +499,7 @@ impl Driver {
                     })
                     .collect();
                 let (reply, answer) = oneshot::channel();
-                let queue = self.owner(*owner);
+                let queue = self.owner(*owner).await;
                 let sent = queue.send(Command::Lock(named, reply));
                 sent.map_err(|_| "an owner's request ended early".to_owned())?;
                 let store_handle = self.sent[*owner];
@@ -353,23 +525,68 @@ impl Driver {
             Op::Release { owner, handle } => {
                 if let Some(&store_handle) = self.handles[*owner].get(*handle) {
                     let (reply, done) = oneshot::channel();
-                    let queue = self.owner(*owner);
+                    let queue = self.owner(*owner).await;
                     let _ = queue.send(Command::Release(store_handle, reply));
                     done.await.map_err(|_| "no answer".to_owned())?;
                 }
-                Answer::Done
+                self.woke(expected).await?
             }
             Op::End { owner } => {
                 self.end(*owner).await?;
-                Answer::Done
+                self.woke(expected).await?
             }
             Op::Sleep => {
                 tokio::time::sleep(TTL + Duration::from_millis(300)).await;
-                Answer::Done
+                self.woke(expected).await?
+            }
+            Op::Wait { keys } => {
+                // Places in line are times in milliseconds: this one is after every one
+                // before.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                let number = self.waiters;
+                self.waiters += 1;
+                let names: Vec<&str> = keys.iter().map(|&key| KEYS[key]).collect();
+                let request = Request::post("/wait")
+                    .header("x-keys", names.join(","))
+                    .body(Body::empty())
+                    .unwrap();
+                let app = self.waiting.clone();
+                let mut waiter =
+                    tokio::spawn(async move { app.oneshot(request).await.unwrap().status() });
+                if *expected == Answer::Granted {
+                    let status = tokio::time::timeout(PROMPTLY, &mut waiter).await;
+                    return match status {
+                        Ok(Ok(StatusCode::OK)) => Ok(Answer::Granted),
+                        other => Err(format!("waiter {number}: {other:?}")),
+                    };
+                }
+                // In line once the store counts it (or granted, which the model disputes).
+                let started = std::time::Instant::now();
+                while !waiter.is_finished()
+                    && self.in_line().await? != in_line
+                    && started.elapsed() < PROMPTLY
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if waiter.is_finished() {
+                    let status = waiter.await.unwrap();
+                    return Ok(if status == StatusCode::OK {
+                        Answer::Granted
+                    } else {
+                        Answer::Refused(status)
+                    });
+                }
+                self.line.insert(number, waiter);
+                Answer::Waiting(number)
             }
             Op::Inspect => {
                 let states = self.locks.inspect(KEYS).await.map_err(|r| r.to_string())?;
-                Answer::Seen(states.iter().map(|s| (s.status(), s.holds())).collect())
+                Answer::Seen(
+                    states
+                        .iter()
+                        .map(|s| (s.status(), s.holds(), s.waiters()))
+                        .collect(),
+                )
             }
         })
     }
@@ -413,7 +630,7 @@ fn stores(case: usize, servers: &Servers) -> Vec<(&'static str, Locks)> {
 #[test]
 fn every_store_answers_every_sequence_as_the_model_does() {
     let cases = std::env::var("SPEC_CASES").map_or(24, |n| n.parse().unwrap());
-    check_every_store(cases, vec(op(false), 1..40), |locks| locks);
+    check_every_store(cases, vec(op(false, false), 1..40), |locks| locks);
 }
 
 /// Grants that expire: the keys are free again for others, and a late release of them
@@ -421,7 +638,16 @@ fn every_store_answers_every_sequence_as_the_model_does() {
 #[test]
 fn grants_expire_after_their_ttl_on_every_store_as_the_model_says() {
     let cases = std::env::var("SPEC_EXPIRY_CASES").map_or(6, |n| n.parse().unwrap());
-    check_every_store(cases, vec(op(true), 1..12), EXPIRING);
+    check_every_store(cases, vec(op(true, false), 1..12), EXPIRING);
+}
+
+/// Requests that wait in line: each reserves its keys against requests that came after
+/// it, is granted in order of arrival once the holds before it end, and leaves no
+/// reservation behind. `SPEC_WAIT_CASES` sets the number of sequences (12 by default).
+#[test]
+fn waiters_are_served_in_order_of_arrival_on_every_store_as_the_model_says() {
+    let cases = std::env::var("SPEC_WAIT_CASES").map_or(12, |n| n.parse().unwrap());
+    check_every_store(cases, vec(op(false, true), 1..30), |locks| locks);
 }
 
 /// Runs `cases` sequences of `ops` on every store (configured by `configure`) at once,
@@ -477,13 +703,13 @@ fn check_every_store(
 }
 
 /// Runs `ops` on `locks` and on the model, and compares every answer; at the end, every
-/// request ends, and every key is free.
+/// request ends, every waiter is granted, and every key is free.
 async fn run(ops: &[Op], locks: Locks) -> Result<(), String> {
     let mut model = Model::new();
     let mut driver = Driver::new(locks);
     for (step, op) in ops.iter().enumerate() {
         let expected = model.apply(op);
-        let got = driver.apply(op).await?;
+        let got = driver.apply(op, &expected, &model.in_line()).await?;
         if got != expected {
             return Err(format!(
                 "step {step}, {op:?}: the model answers {expected:?}, the store {got:?}"
@@ -491,11 +717,22 @@ async fn run(ops: &[Op], locks: Locks) -> Result<(), String> {
         }
     }
     for owner in 0..OWNERS {
-        driver.end(owner).await?;
-        model.apply(&Op::End { owner });
+        let end = Op::End { owner };
+        let expected = model.apply(&end);
+        driver.apply(&end, &expected, &model.in_line()).await?;
     }
-    let all_free = Answer::Seen(vec![(KeyStatus::Free, 0); KEYS.len()]);
-    let got = driver.apply(&Op::Inspect).await?;
+    for (number, waiter) in std::mem::take(&mut driver.line) {
+        let status = tokio::time::timeout(PROMPTLY, waiter).await;
+        if !matches!(status, Ok(Ok(StatusCode::OK))) {
+            return Err(format!(
+                "waiter {number}, with every request ended: {status:?}"
+            ));
+        }
+    }
+    let all_free = Answer::Seen(vec![(KeyStatus::Free, 0, 0); KEYS.len()]);
+    let got = driver
+        .apply(&Op::Inspect, &all_free, &[0; KEYS.len()])
+        .await?;
     if got != all_free {
         return Err(format!("after every request ended: {got:?}"));
     }
