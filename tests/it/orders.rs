@@ -1399,7 +1399,7 @@ mod binary {
     /// (With a plain write, both answered 201 and the stock read 9.)
     async fn a_stopped_holder_cannot_overwrite_the_next_sale(
         env: &[(&str, &str)],
-        locks_server: &RedisServer,
+        lock_servers: &[RedisServer],
     ) {
         let a_env = [env, &[("LOCK_TTL_MS", "400"), ("WORK_DELAY_MS", "1500")]].concat();
         let (a, a_addr, _) = Example::start(&a_env).await;
@@ -1412,14 +1412,19 @@ mod binary {
             |id: &str| format!(r#"{{"order_id": "{id}", "items": [{{"sku": "pz1", "qty": 1}}]}}"#);
         let a_order = order("a-1");
         let a_sale = tokio::spawn(async move { http(a_addr, "POST", "/orders", &a_order).await });
-        // A holds the SKU (on a busy machine, that may take a while).
+        // A holds the SKU on every lock server (on a busy machine, that may take a
+        // while), and has had the time to learn it and read the stock.
         let held = crate::support::http::poll_every(
             Duration::from_millis(10),
             Duration::from_secs(5),
-            || !locks_server.keys("lock:sku:pz1").is_empty(),
+            || {
+                let on = |server: &RedisServer| !server.keys("lock:sku:pz1").is_empty();
+                lock_servers.iter().all(on)
+            },
         )
         .await;
         assert!(held.is_some(), "A was never granted the SKU");
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let pid = a.0.id().expect("A runs").to_string();
         let signal = |name: &str| {
             let sent = std::process::Command::new("kill")
@@ -1448,8 +1453,8 @@ mod binary {
     async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_redis() {
         let server = RedisServer::start();
         let url = server.url();
-        a_stopped_holder_cannot_overwrite_the_next_sale(&[("REDIS_URL", url.as_str())], &server)
-            .await;
+        let env = [("REDIS_URL", url.as_str())];
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, std::slice::from_ref(&server)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1458,7 +1463,7 @@ mod binary {
         let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
         let urls = urls.join(",");
         let env = [("REDIS_URLS", urls.as_str())];
-        a_stopped_holder_cannot_overwrite_the_next_sale(&env, &masters[0]).await;
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, &masters).await;
     }
 
     /// `REDIS_URLS`: the locks on three Redlock masters, the data in the first.

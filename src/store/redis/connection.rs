@@ -115,7 +115,10 @@ impl SharedConnection {
             if let Some((connection, generation)) = shared.connection.clone() {
                 return Ok(self.on(connection, generation, true));
             }
-            if shared.connecting.is_none() {
+            // None under way, or one that failed while nobody waited for it: a fresh
+            // caller makes a new attempt rather than take that old failure.
+            let failed = |(attempt, _): &(Connecting, u64)| matches!(attempt.peek(), Some(Err(_)));
+            if shared.connecting.as_ref().is_none_or(failed) {
                 shared.generation += 1;
                 shared.connecting = Some((self.connect(), shared.generation));
             }
