@@ -222,13 +222,7 @@ async fn waiting_requests_are_counted_while_they_wait_and_timed() {
     let locks = Locks::new(Store::isolated_memory())
         .metrics_label("waiting")
         .wait(Wait::up_to(Duration::from_secs(5)));
-    let gate = Gate::new();
-    let holder = Router::new().route(
-        "/",
-        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
-    );
-    let held = tokio::spawn(async move { send(&holder, post_keys("/", "w")).await });
-    gate.wait_entered().await;
+    let (gate, held) = hold(&locks, "w").await;
     let app = locked(&locks, "/");
     let waiter = tokio::spawn(async move { send(&app, post_keys("/", "w")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;

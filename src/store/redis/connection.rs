@@ -89,10 +89,9 @@ impl SharedConnection {
                 });
             }
         }
-        let pooled = self.pool.get().await.map_err(StoreError::not_sent)?;
-        let mut connection = deadpool_redis::Connection::take(pooled);
-        // As for the shared connection: the caller bounds the call.
-        connection.set_response_timeout(Duration::from_secs(3600));
+        let connection = own_connection(&self.pool)
+            .await
+            .map_err(StoreError::not_sent)?;
         Ok(Dedicated {
             connection,
             store: self,
@@ -159,14 +158,7 @@ impl SharedConnection {
         let pool = self.pool.clone();
         let made = tokio::spawn(async move {
             observe::connection_opened();
-            let pooled = pool.get().await.map_err(Arc::new)?;
-            let mut connection = deadpool_redis::Connection::take(pooled);
-            // Every call is bounded by the caller (the layer's store timeout, Redlock's
-            // per-master timeout), and a call cut short retires the connection. Its own
-            // limit (500 ms in redis-rs by default) would refuse a big batch that the
-            // store timeout allows.
-            connection.set_response_timeout(Duration::from_secs(3600));
-            Ok(connection)
+            own_connection(&pool).await.map_err(Arc::new)
         });
         // A task that did not finish: the runtime is shutting down.
         let made = made.map(|joined| joined.unwrap_or(Err(Arc::new(PoolError::Closed))));
@@ -189,6 +181,16 @@ impl SharedConnection {
             shared.connection = None;
         }
     }
+}
+
+/// A connection of the store's own, taken out of `pool` (never handed back to it).
+async fn own_connection(pool: &Pool) -> Result<MultiplexedConnection, PoolError> {
+    let mut connection = deadpool_redis::Connection::take(pool.get().await?);
+    // Every call is bounded by the caller (the layer's store timeout, Redlock's per-master
+    // timeout), and a call cut short retires the connection. Its own limit (500 ms in
+    // redis-rs by default) would refuse a big batch that the store timeout allows.
+    connection.set_response_timeout(Duration::from_secs(3600));
+    Ok(connection)
 }
 
 /// The shared connection, and which one it is: connections are replaced, and a late failure
