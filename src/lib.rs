@@ -45,6 +45,8 @@
 //!   independent Redis masters, so that the locks outlive any minority of them.
 //! - `store::RedisCluster` (feature `cluster`): every process that shares a Redis
 //!   Cluster, each batch spread over the masters that serve its keys.
+//! - `store::Postgres` (feature `postgres`): every process that shares a PostgreSQL
+//!   database, with no Redis at all.
 //!
 //! [`Locks::check`] tells whether the store can serve locks: call it in `main` before
 //! serving, and from a readiness probe.
@@ -300,7 +302,8 @@
 //! With the `redis` feature, the crate re-exports the two crates whose types its API takes
 //! and returns, [`redis`] and [`deadpool_redis`]: build a pool for [`store::Redis::pool`]
 //! with `tower_batch_lock::deadpool_redis`, and name [`redis::RedisError`] through
-//! `tower_batch_lock::redis`, and the versions always match this crate's.
+//! `tower_batch_lock::redis`, and the versions always match this crate's. With the
+//! `postgres` feature, it re-exports `deadpool_postgres` and `tokio_postgres` the same way.
 
 // docs.rs (nightly) marks each item with the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -336,6 +339,9 @@ mod wait;
 
 /// The pool crate of [`store::Redis::pool`], at the version this crate is built with: a
 /// pool made with `tower_batch_lock::deadpool_redis::Config` is always the `Pool` it takes.
+/// The pool crate of `store::Postgres::pool`, at the version this crate is built with.
+#[cfg(feature = "postgres")]
+pub use deadpool_postgres;
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
 pub use inspect::KeyState;
@@ -351,6 +357,10 @@ pub use registry::HeldBatch;
 pub use rejection::Rejection;
 pub use retry_after::RetryAfter;
 pub use store::contract::{FencingToken, KeyStatus, Mode};
+/// The PostgreSQL client crate, at the version this crate is built with: the error of
+/// `store::Postgres`'s builder.
+#[cfg(feature = "postgres")]
+pub use tokio_postgres;
 pub use wait::Wait;
 
 // The README's examples compile as doctests, so its quickstart stays true; with the

@@ -141,7 +141,7 @@ impl Ticket {
     /// The ticket as the scripts compare it: [`key`](Self::key) as 36 digits, leading
     /// zeros included, so that comparing two as strings compares them as numbers (which
     /// Lua's doubles could not hold).
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn as_arg(self) -> String {
         format!("{:036}", self.key())
     }
@@ -364,7 +364,7 @@ impl Modes {
 
     /// The modes as the scripts read them: `x` (exclusive) or `s` (shared), once for the
     /// whole batch or once per key.
-    #[cfg(feature = "redis")]
+    #[cfg(any(feature = "redis", feature = "postgres"))]
     pub(crate) fn script_arg(&self) -> String {
         let letter = |mode| match mode {
             Mode::Exclusive => 'x',

@@ -1,5 +1,5 @@
 //! Where locks live: in this process's memory, in one Redis, on several independent Redis
-//! masters (Redlock), or on a Redis Cluster.
+//! masters (Redlock), on a Redis Cluster, or in a PostgreSQL database.
 //!
 //! Each store is built one way, and [`Locks::new`](crate::Locks::new) takes it:
 //!
@@ -10,6 +10,7 @@
 //! | one Redis | [`Redis`] (feature `redis`) | every process that shares a Redis |
 //! | several independent masters | [`Redlock`] (feature `redis`) | locks that outlive the loss of any minority of the masters |
 //! | a Redis Cluster | `RedisCluster` (feature `cluster`) | every process that shares a cluster, each batch spread over the masters of its keys |
+//! | a PostgreSQL database | `Postgres` (feature `postgres`) | every process that shares a database, with no Redis |
 //!
 //! ```
 //! use tower_batch_lock::{store::Store, Locks};
@@ -43,6 +44,10 @@ mod fanout;
 pub(crate) mod handle;
 pub(crate) mod late;
 pub(crate) mod memory;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod message;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
@@ -53,6 +58,8 @@ pub(crate) mod wake;
 pub use cluster::RedisCluster;
 pub use error::StoreError;
 pub use handle::Store;
+#[cfg(feature = "postgres")]
+pub use postgres::builder::Postgres;
 #[cfg(feature = "redis")]
 pub use redis::builder::Redis;
 #[cfg(feature = "redis")]

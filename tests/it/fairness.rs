@@ -32,36 +32,17 @@ use crate::support::{
 
 /// A way to look inside a store.
 impl Store {
-    /// The tickets of the waiters that reserved `key`, in line order, on the first master
-    /// (`None` for the memory store, which cannot be looked into).
-    fn line(&self, key: &str) -> Option<Vec<u128>> {
-        let observer = self.observers().into_iter().next()?;
-        Some(
-            observer
-                .lock(key)
-                .map(|v| v.reservations)
-                .unwrap_or_default(),
-        )
-    }
-
-    /// Fails the test if any master still has a lock key, held or reserved.
+    /// Fails the test if any server still has a lock key, held or reserved.
     fn assert_nothing_left(&self) {
-        for (master, observer) in self.observers().iter().enumerate() {
-            let left = observer.all_keys();
-            assert!(
-                left.is_empty(),
-                "{}: master {master} keeps {left:?}",
-                self.name
-            );
-        }
+        let left = self.left_under("");
+        assert!(left.is_empty(), "{}: keeps {left:?}", self.name);
     }
 
-    /// Waits until no master has a lock key: releases and withdrawals of requests that
+    /// Waits until no server has a lock key: releases and withdrawals of requests that
     /// already answered may still be on their way (a Redlock minority's, say).
     async fn settle(&self) {
-        let observers = self.observers();
         let settled = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
-            observers.iter().all(|o| o.all_keys().is_empty())
+            self.left_under("").is_empty()
         })
         .await;
         if settled.is_none() {

@@ -36,10 +36,7 @@ impl Store {
     async fn settle_runs(&self) {
         let no_run = || {
             self.locks.iter().all(|l| l.held_batches().is_empty())
-                && self
-                    .servers
-                    .iter()
-                    .all(|s| s.keys("idempotency:lock:run:*").is_empty())
+                && self.left_under("idempotency:lock:run:").is_empty()
         };
         poll_every(Duration::from_millis(10), Duration::from_secs(3), no_run).await;
         self.assert_no_run_left();
@@ -56,14 +53,12 @@ impl Store {
                 self.name
             );
         }
-        for server in &self.servers {
-            let left = server.keys("idempotency:lock:run:*");
-            assert!(
-                left.is_empty(),
-                "{}: in-flight locks left: {left:?}",
-                self.name
-            );
-        }
+        let left = self.left_under("idempotency:lock:run:");
+        assert!(
+            left.is_empty(),
+            "{}: in-flight locks left: {left:?}",
+            self.name
+        );
     }
 }
 

@@ -117,6 +117,8 @@ mod malformed;
 mod metrics;
 mod operator;
 mod orders;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]

@@ -40,20 +40,10 @@ struct Target {
 
 impl Target {
     fn of(store: Store) -> Self {
-        let observers = store.observers();
-        let Store {
-            name,
-            locks,
-            servers,
-        } = store;
-        let left = move || {
-            let _servers = &servers;
-            observers.iter().flat_map(|o| o.all_keys()).collect()
-        };
         Self {
-            name,
-            locks,
-            left: Box::new(left),
+            name: store.name,
+            locks: store.locks.clone(),
+            left: Box::new(move || store.left_under("")),
         }
     }
 
@@ -580,6 +570,12 @@ async fn shared_holds_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shared_holds_on_redlock() {
     every_case(Target::of(Store::redlock())).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shared_holds_on_postgres() {
+    every_case(Target::of(Store::postgres())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -602,10 +602,12 @@ struct Servers {
         tokio::sync::MutexGuard<'static, ()>,
         crate::support::cluster::Cluster,
     ),
+    #[cfg(feature = "postgres")]
+    postgres: crate::support::postgres::Database,
 }
 
 /// The stores under test, each in a namespace of this case's: memory, one Redis, Redlock
-/// over three masters, and a Redis Cluster.
+/// over three masters, a Redis Cluster, and PostgreSQL.
 fn stores(case: usize, servers: &Servers) -> Vec<(&'static str, Locks)> {
     let prefix = format!("spec{case}:");
     let urls: Vec<String> = servers.masters.iter().map(RedisServer::url).collect();
@@ -618,6 +620,13 @@ fn stores(case: usize, servers: &Servers) -> Vec<(&'static str, Locks)> {
     let stores = stores.into_iter().chain([(
         "cluster",
         tower_batch_lock::store::RedisCluster::new(servers.cluster.1.urls())
+            .build()
+            .unwrap(),
+    )]);
+    #[cfg(feature = "postgres")]
+    let stores = stores.into_iter().chain([(
+        "postgres",
+        tower_batch_lock::store::Postgres::url(servers.postgres.url())
             .build()
             .unwrap(),
     )]);
@@ -669,6 +678,8 @@ fn check_every_store(
         cluster: runtime
             .block_on(runtime.spawn(crate::support::cluster::Cluster::start_in_turn()))
             .unwrap(),
+        #[cfg(feature = "postgres")]
+        postgres: crate::support::postgres::Database::create(),
     };
     let case = std::sync::atomic::AtomicUsize::new(0);
     let mut runner = TestRunner::new(Config {

@@ -12,7 +12,8 @@ use std::{fmt::Write as _, sync::Weak};
 use redis::{cluster_async::ClusterConnection, PushInfo, PushKind, Value};
 
 use crate::store::{
-    redis::pubsub::{release_message, wake_from_message, RELEASED_CHANNEL},
+    message::{release_message, wake_from_message},
+    redis::pubsub::RELEASED_CHANNEL,
     wake::{slots_of, Wakeups},
 };
 

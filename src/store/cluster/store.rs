@@ -21,11 +21,8 @@ use crate::store::{
     contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Modes, Reply, Ticket},
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout},
-    redis::{
-        pubsub::{reconnect_backoff, RELEASED_CHANNEL},
-        replicas::ReplicaAck,
-        Freeing,
-    },
+    message::reconnect_backoff,
+    redis::{pubsub::RELEASED_CHANNEL, replicas::ReplicaAck, Freeing},
     wake::Wakeups,
 };
 #[cfg(feature = "idempotency")]

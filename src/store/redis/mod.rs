@@ -21,10 +21,11 @@ use super::{
         LockStore, Reply, Ticket,
     },
     error::StoreError,
+    message::release_message,
     wake::{slots_of, Wakeups},
 };
 use connection::{Command, SharedConnection};
-use pubsub::{listen_for_releases, release_message, RELEASED_CHANNEL};
+use pubsub::{listen_for_releases, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;

@@ -1,41 +1,18 @@
-//! Wake-ups across processes: a release names the wake-up slots of its keys, and the
-//! tickets of the waiters first in line on the keys it freed, on a pub/sub channel; every
-//! process subscribed to it wakes those waiters in line, and its waiters in no line on
-//! those slots.
+//! Wake-ups across processes over Redis pub/sub: a release publishes its message
+//! (`store/message.rs`) on a channel; every process subscribed to it wakes the waiters the
+//! message names.
 
-use std::{fmt::Write as _, sync::Weak, time::Duration};
+use std::{sync::Weak, time::Duration};
 
 use futures_util::StreamExt;
 
-use crate::{
-    backoff::Backoff,
-    store::wake::{Wakeups, SLOTS},
+use crate::store::{
+    message::{reconnect_backoff, wake_from_message},
+    wake::Wakeups,
 };
 
 /// The pub/sub channel on which releases name the wake-up slots of their keys.
 pub(in crate::store) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
-
-/// A release of more slots than this wakes every waiter instead of naming them.
-const MAX_NAMED_SLOTS: usize = 64;
-
-/// The message of a release by the store tagged `tag` ([`Wakeups::tag`]): its slots and
-/// the tag, `3,17,512,@5f0c…`, or `*` for all; the release script adds the tickets of the
-/// waiters it lets in (`,#<36 digits>`). The store's own listener skips the messages
-/// with its tag, since the release woke its waiters already: woken a second time while
-/// they try again, they would try once more for nothing. Listeners of earlier versions
-/// take the slots and skip the tag, which is not a number; `*` goes without one, since
-/// they wake every waiter only for `*` alone.
-pub(in crate::store) fn release_message(slots: &[usize], tag: u64) -> String {
-    if slots.len() > MAX_NAMED_SLOTS {
-        return "*".to_owned();
-    }
-    let mut message = String::with_capacity(slots.len() * 5 + 18);
-    for slot in slots {
-        let _ = write!(message, "{slot},");
-    }
-    let _ = write!(message, "@{tag:x}");
-    message
-}
 
 /// Wakes this process's waiters for every release announced on [`RELEASED_CHANNEL`], until
 /// the store is dropped. Reconnects after a lost connection, and then wakes every waiter:
@@ -74,101 +51,8 @@ pub(super) async fn listen_for_releases(client: redis::Client, wakeups: Weak<Wak
     }
 }
 
-/// The pauses between attempts to subscribe again.
-pub(in crate::store) fn reconnect_backoff() -> Backoff {
-    Backoff::new(Duration::from_millis(100), Duration::from_secs(5))
-}
-
 async fn subscribe(client: &redis::Client) -> redis::RedisResult<redis::aio::PubSub> {
     let mut pubsub = client.get_async_pubsub().await?;
     pubsub.subscribe(RELEASED_CHANNEL).await?;
     Ok(pubsub)
-}
-
-/// Wakes the waiters that a release message names, unless this store sent it: those of
-/// its slots (`*`: of every slot), and the waiters in line whose tickets follow a `#`
-/// (the release script adds those: the first in line on each key it freed; see
-/// [`Wakeups`]).
-pub(in crate::store) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
-    let text = std::str::from_utf8(payload).unwrap_or_default();
-    let own = |entry: &str| {
-        entry
-            .strip_prefix('@')
-            .and_then(|tag| u64::from_str_radix(tag, 16).ok())
-            == Some(wakeups.tag())
-    };
-    if text.split(',').any(own) {
-        return;
-    }
-    if text.split(',').any(|entry| entry == "*") {
-        wakeups.wake_slots(0..SLOTS);
-    } else {
-        wakeups.wake_slots(text.split(',').filter_map(|s| s.parse().ok()));
-    }
-    wakeups.wake_tickets(
-        text.split(',')
-            .filter_map(|entry| entry.strip_prefix('#')?.parse().ok()),
-    );
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::store::wake::{any_released, slots_of};
-
-    /// Whether the waiter of `keys` wakes within 50 ms of `payload`.
-    async fn wakes(wakeups: &Wakeups, keys: &[String], payload: &str) -> bool {
-        let mut watches = wakeups.watch(keys);
-        wake_from_message(wakeups, payload.as_bytes());
-        tokio::time::timeout(Duration::from_millis(50), any_released(&mut watches))
-            .await
-            .is_ok()
-    }
-
-    #[tokio::test]
-    async fn a_store_skips_its_own_release_messages_and_wakes_for_others() {
-        let (ours, theirs) = (Wakeups::new(), Wakeups::new());
-        let keys = vec!["lock:a".to_owned()];
-        let slots = slots_of(&keys);
-        let message = release_message(&slots, ours.tag());
-        assert!(!wakes(&ours, &keys, &message).await, "{message}");
-        assert!(wakes(&theirs, &keys, &message).await, "{message}");
-        // An earlier version's message, without a tag.
-        assert!(wakes(&ours, &keys, &slots[0].to_string()).await);
-        // What an earlier version's listener reads of it: the slots.
-        let read: Vec<usize> = message.split(',').filter_map(|s| s.parse().ok()).collect();
-        assert_eq!(read, slots);
-    }
-
-    #[tokio::test]
-    async fn a_message_wakes_the_waiters_first_in_line_it_names_and_no_other() {
-        let wakeups = Wakeups::new();
-        let (named, behind) = (61_420_580_338_024, 61_420_580_338_025);
-        let (mut named_watch, mut behind_watch) =
-            (wakeups.watch_ticket(named), wakeups.watch_ticket(behind));
-        // As the release script sends it: the slots as given (every one, for a big
-        // batch), then the first in line; from another store, so not skipped.
-        let message = format!("*,#{named}");
-        wake_from_message(&wakeups, message.as_bytes());
-        let soon = Duration::from_millis(50);
-        let woke = |watch| async move {
-            tokio::time::timeout(soon, any_released(watch))
-                .await
-                .is_ok()
-        };
-        assert!(woke(&mut named_watch).await, "{message}");
-        assert!(!woke(&mut behind_watch).await, "{message}");
-        // The slots still wake the waiters in no line.
-        let keys = vec!["lock:a".to_owned()];
-        assert!(wakes(&wakeups, &keys, &message).await);
-    }
-
-    #[test]
-    fn many_slots_go_as_every_slot() {
-        let slots: Vec<usize> = (0..=MAX_NAMED_SLOTS).collect();
-        assert_eq!(release_message(&slots, 7), "*");
-        assert_eq!(release_message(&[3, 17], 255), "3,17,@ff");
-    }
 }

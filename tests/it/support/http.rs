@@ -5,7 +5,7 @@
 use std::time::Instant;
 use std::{future::Future, time::Duration};
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 use axum::routing::post;
 #[cfg(feature = "redis")]
 use axum::Extension;
@@ -14,9 +14,11 @@ use bytes::Bytes;
 use http::{header, request::Parts, HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_batch_lock::Rejection;
 #[cfg(feature = "redis")]
-use tower_batch_lock::{keys, Lease, Locks};
+use tower_batch_lock::Lease;
+use tower_batch_lock::Rejection;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+use tower_batch_lock::{keys, Locks};
 
 /// How long [`send`] waits for a response before it fails the test.
 pub(crate) const RESPONSE_LIMIT: Duration = Duration::from_secs(10);
@@ -55,7 +57,7 @@ pub(crate) fn post_keys(uri: &str, keys: &str) -> Request<Body> {
 }
 
 /// A route `POST /batch` that locks the JSON array of strings in the body.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn batch_router<H, T>(locks: &Locks, handler: H) -> Router
 where
     H: axum::handler::Handler<T, ()>,
@@ -76,7 +78,7 @@ pub(crate) fn fence_router(locks: &Locks) -> Router {
 }
 
 /// `POST /batch` with `keys` as a JSON array.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn batch<K: AsRef<str>>(keys: &[K]) -> Request<Body> {
     let keys: Vec<&str> = keys.iter().map(AsRef::as_ref).collect();
     Request::post("/batch")

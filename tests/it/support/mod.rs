@@ -10,6 +10,8 @@ pub(crate) mod cluster;
 pub(crate) mod handlers;
 pub(crate) mod http;
 pub(crate) mod logs;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod proxy;
 #[cfg(feature = "redis")]

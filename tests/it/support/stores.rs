@@ -13,6 +13,9 @@ pub(crate) struct Store {
     pub(crate) locks: [Locks; 2],
     /// The Redis servers behind it (none for memory).
     pub(crate) servers: Vec<RedisServer>,
+    /// The database behind it, for PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub(crate) database: Option<super::postgres::Database>,
 }
 
 impl Store {
@@ -22,6 +25,8 @@ impl Store {
             name: "memory",
             locks: [locks.clone(), locks],
             servers: Vec::new(),
+            #[cfg(feature = "postgres")]
+            database: None,
         }
     }
 
@@ -38,6 +43,8 @@ impl Store {
             name: "redis",
             locks: [handle(), handle()],
             servers: vec![server],
+            #[cfg(feature = "postgres")]
+            database: None,
         }
     }
 
@@ -58,11 +65,69 @@ impl Store {
             name: "redlock",
             locks: [handle(), handle()],
             servers,
+            #[cfg(feature = "postgres")]
+            database: None,
         }
     }
 
-    pub(crate) fn all() -> [Self; 3] {
-        [Self::memory(), Self::redis(), Self::redlock()]
+    /// PostgreSQL: a database of its own on the local server.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn postgres() -> Self {
+        let database = super::postgres::Database::create();
+        let handle = || {
+            listing(Locks::new(
+                store::Postgres::url(database.url())
+                    .build()
+                    .expect("a valid URL"),
+            ))
+        };
+        Self {
+            name: "postgres",
+            locks: [handle(), handle()],
+            servers: Vec::new(),
+            database: Some(database),
+        }
+    }
+
+    /// Every store: memory, one Redis, Redlock, and PostgreSQL with its feature.
+    pub(crate) fn all() -> Vec<Self> {
+        let stores = vec![Self::memory(), Self::redis(), Self::redlock()];
+        #[cfg(feature = "postgres")]
+        let stores = stores.into_iter().chain([Self::postgres()]).collect();
+        stores
+    }
+
+    /// The keys under `prefix` that the servers behind the store still keep (on Redis,
+    /// every key but the fencing counter; in PostgreSQL, those with a live hold or
+    /// reservation); none for memory.
+    pub(crate) fn left_under(&self, prefix: &str) -> Vec<String> {
+        #[allow(unused_mut)]
+        let mut left: Vec<String> = self
+            .observers()
+            .iter()
+            .flat_map(|o| o.under(prefix))
+            .collect();
+        #[cfg(feature = "postgres")]
+        if let Some(database) = &self.database {
+            left.extend(database.live_keys(prefix));
+        }
+        left
+    }
+
+    /// The tickets of the waiters that reserved `key`, in line order, on the first master
+    /// or in the table (`None` for the memory store, which cannot be looked into).
+    pub(crate) fn line(&self, key: &str) -> Option<Vec<u128>> {
+        #[cfg(feature = "postgres")]
+        if let Some(database) = &self.database {
+            return Some(database.line(key));
+        }
+        let observer = self.observers().into_iter().next()?;
+        Some(
+            observer
+                .lock(key)
+                .map(|v| v.reservations)
+                .unwrap_or_default(),
+        )
     }
 
     /// The servers, looked at from outside the crate.

@@ -1,0 +1,230 @@
+//! [`Postgres`]: the public builder of the store in a PostgreSQL database.
+
+use std::{fmt, str::FromStr, sync::Arc};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use super::{schema::Names, PostgresStore};
+use crate::store::handle::Store;
+
+/// Connections of the pool the store makes from a URL.
+const POOL_SIZE: usize = 16;
+
+/// Locks in a PostgreSQL database, shared by every process that uses the same table: built
+/// from a URL (a pool of its own) or from your deadpool-postgres pool.
+///
+/// ```no_run
+/// use tower_batch_lock::{store::Postgres, Locks};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let url = "postgres://app@127.0.0.1/app";
+/// // A pool of its own, and waiting requests woken by every process's releases.
+/// let locks = Locks::new(Postgres::url(url).build()?);
+/// # drop(locks);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Nothing connects until the first request (or [`Locks::check`](crate::Locks::check)),
+/// which makes the schema if it is missing (unless [`create_schema(false)`](Self::create_schema)).
+///
+/// # Data model
+///
+/// One row a lock key in the table `tower_batch_lock.locks` ([`schema`](Self::schema),
+/// [`table`](Self::table)): the exclusive holds (one owner, its hold ids, their end), the
+/// shared holds (owner, hold, end each), and the reservations of the waiters in line
+/// (ticket and end, in ticket order). Every call is one statement, a function of the
+/// schema, so that a batch of any size costs one round trip:
+///
+/// - *acquire* inserts the free keys' rows in one `INSERT … ON CONFLICT DO UPDATE … WHERE
+///   false`, which also locks the rows that were there, in key order (so two batches never
+///   wait for each other crosswise: no deadlock); a batch of free keys is granted there.
+///   Otherwise it reads the locked rows, and either adds its hold to each or, refused,
+///   deletes the rows it inserted (a waiter in line turns them into its reservations, and
+///   reserves the others). Nobody sees part of a batch: the statement is one transaction.
+/// - *release* deletes the rows that hold this hold alone, and takes it off the others; a
+///   row stays while a waiter reserves it.
+/// - Times are the database's clock (`clock_timestamp()`), never a client's.
+/// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
+///   restarts and crashes (a crash may skip values). A token is larger than those of
+///   every earlier grant that shared a key with it; grants of unrelated keys at the same
+///   moment take tokens in the order they reached the sequence.
+/// - Releases `NOTIFY` the channel `tower_batch_lock.locks` (the table's name) with the
+///   keys' wake-up slots and the waiters first in line; every process built with a
+///   listener ([`Postgres::url`], [`Postgres::wakeups`]) wakes those. A notification is a
+///   hint: without one, waiters poll.
+/// - Rows that nobody holds or reserves any more (their holder crashed) keep nobody out,
+///   are taken over by the next request for their key, and are deleted by a sweep every
+///   30 s (`SKIP LOCKED`: it never waits for a call), with expired idempotent answers
+///   (`locks_answers`).
+///
+/// [`schema_sql`](Self::schema_sql) gives the SQL, for those who run their own
+/// migrations. The schema has a version (`locks_version()`), which the store checks on
+/// first use: a later release that changes the schema says so, and ships its migration.
+///
+/// # Running it
+///
+/// - **Version.** PostgreSQL 12 or later. [`Locks::check`](crate::Locks::check) says so
+///   at start-up.
+/// - **Rights.** To make the schema: `CREATE` on the database (or make it yourself with
+///   [`schema_sql`](Self::schema_sql) and `create_schema(false)`); then `USAGE` on the
+///   schema, `EXECUTE` on its functions, which write the table and the sequence.
+/// - **Connection poolers.** Every call is one statement in its own transaction, and the
+///   store keeps no session state on its pooled connections: it works behind PgBouncer in
+///   transaction pooling, as behind any pooler, given PgBouncer 1.21 or later
+///   (`max_prepared_statements`, since the store prepares its statements) or a pool of
+///   yours whose connections do not prepare. The listener needs a session of its own
+///   (`LISTEN` does not work through transaction pooling): point
+///   [`wakeups`](Self::wakeups) at the server itself, or at a session-pooled entry; without
+///   it, waiters poll.
+/// - **Failover.** A lock lives in the database: it survives a restart and a crash (it is
+///   written to the WAL like any row), and a failover to a synchronous replica. A failover
+///   to an asynchronous replica that had not received a grant loses that grant: another
+///   request can then be granted the same keys while the first still runs. Fencing tokens
+///   come from the sequence, which the replica has as of its last replay: check them at the
+///   resource.
+/// - **TLS.** A pool built from a URL connects without TLS. For TLS, build your
+///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`].
+#[derive(Clone)]
+pub struct Postgres {
+    source: Source,
+    /// Where to listen for other processes' releases.
+    wakeups: Option<tokio_postgres::Config>,
+    names: Names,
+    create: bool,
+}
+
+#[derive(Clone)]
+enum Source {
+    Url(String),
+    Pool(Pool),
+}
+
+impl fmt::Debug for Postgres {
+    // By hand: URLs may carry passwords.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match self.source {
+            Source::Url(_) => "url",
+            Source::Pool(_) => "pool",
+        };
+        f.debug_struct("Postgres")
+            .field("source", &source)
+            .field("wakeups", &self.wakeups.is_some())
+            .field("table", &self.names.qualified())
+            .field("create_schema", &self.create)
+            .finish()
+    }
+}
+
+impl Postgres {
+    /// The database at `url` (`postgres://user:password@host:port/database`, or the
+    /// `key=value` form), with a pool of its own of 16 connections, and a connection of its
+    /// own that listens for every process's releases.
+    pub fn url(url: impl Into<String>) -> Self {
+        Self {
+            source: Source::Url(url.into()),
+            wakeups: None,
+            names: default_names(),
+            create: true,
+        }
+    }
+
+    /// The database behind `pool`. Without [`wakeups`](Self::wakeups), waiting requests
+    /// wake at once for this process's releases and poll (every 5 to 100 ms) for other
+    /// processes'.
+    pub fn pool(pool: Pool) -> Self {
+        Self {
+            source: Source::Pool(pool),
+            wakeups: None,
+            names: default_names(),
+            create: true,
+        }
+    }
+
+    /// Listens at `url` (the same database) for every process's releases, to wake waiting
+    /// requests at once.
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a valid PostgreSQL URL.
+    pub fn wakeups(mut self, url: &str) -> Result<Self, tokio_postgres::Error> {
+        self.wakeups = Some(tokio_postgres::Config::from_str(url)?);
+        Ok(self)
+    }
+
+    /// The schema of the store's table, sequence and functions (`tower_batch_lock` by
+    /// default).
+    ///
+    /// # Panics
+    ///
+    /// Unless `schema` is a lowercase SQL identifier of at most 40 bytes (letters, digits
+    /// and `_`, not starting with a digit).
+    pub fn schema(mut self, schema: &str) -> Self {
+        assert!(Names::valid(schema), "not a usable schema name: {schema:?}");
+        self.names.schema = schema.to_owned();
+        self
+    }
+
+    /// The table of the locks (`locks` by default); the sequence, the answers table and
+    /// the functions are named after it.
+    ///
+    /// # Panics
+    ///
+    /// Unless `table` is a lowercase SQL identifier of at most 40 bytes.
+    pub fn table(mut self, table: &str) -> Self {
+        assert!(Names::valid(table), "not a usable table name: {table:?}");
+        self.names.table = table.to_owned();
+        self
+    }
+
+    /// Whether the store makes its schema on first use where it is missing (the default),
+    /// or fails (`false`), for databases whose schema only migrations change.
+    pub fn create_schema(mut self, create: bool) -> Self {
+        self.create = create;
+        self
+    }
+
+    /// The SQL that makes the store's schema as configured: safe to run again, for your
+    /// migrations.
+    pub fn schema_sql(&self) -> String {
+        self.names.sql()
+    }
+
+    /// The store. The listener starts at once when this is called inside a Tokio
+    /// runtime, and otherwise when the first request waits.
+    ///
+    /// # Errors
+    ///
+    /// When a URL is not a valid PostgreSQL URL. Nothing connects yet.
+    pub fn build(self) -> Result<Store, tokio_postgres::Error> {
+        let (pool, listener) = match self.source {
+            Source::Pool(pool) => (pool, self.wakeups),
+            Source::Url(url) => {
+                let config = tokio_postgres::Config::from_str(&url)?;
+                let manager = Manager::from_config(
+                    config.clone(),
+                    NoTls,
+                    ManagerConfig {
+                        recycling_method: RecyclingMethod::Fast,
+                    },
+                );
+                let pool = Pool::builder(manager)
+                    .max_size(POOL_SIZE)
+                    .build()
+                    // Only timeouts without a runtime fail to build, and none are set.
+                    .expect("a pool without timeouts builds");
+                (pool, Some(self.wakeups.unwrap_or(config)))
+            }
+        };
+        let store = PostgresStore::new(pool, self.names, self.create, listener);
+        Ok(Store::of(Arc::new(store)))
+    }
+}
+
+fn default_names() -> Names {
+    Names {
+        schema: "tower_batch_lock".to_owned(),
+        table: "locks".to_owned(),
+    }
+}

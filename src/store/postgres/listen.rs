@@ -1,0 +1,120 @@
+//! What the PostgreSQL store runs beside its calls: a connection that `LISTEN`s for other
+//! processes' releases and wakes this process's waiters, and a sweeper of the rows that
+//! nobody holds or reserves any more. Both end once the store is dropped (`alive` gone).
+
+use std::{sync::Weak, time::Duration};
+
+use deadpool_postgres::Pool;
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use crate::store::{
+    message::{reconnect_backoff, wake_from_message},
+    wake::Wakeups,
+};
+
+/// How often the sweeper looks for dead rows.
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
+/// Rows a sweep deletes at most in one statement.
+const SWEEP_BATCH: i32 = 1000;
+
+/// Wakes this process's waiters for every release notified on `channel`, until the store
+/// is dropped. Reconnects after a lost connection, and then wakes every waiter: releases in
+/// the gap went unheard. Waiters poll meanwhile, as they do without a listener.
+pub(super) async fn listen_for_releases(
+    config: tokio_postgres::Config,
+    channel: String,
+    wakeups: Weak<Wakeups>,
+) {
+    let mut backoff = reconnect_backoff();
+    while wakeups.strong_count() > 0 {
+        match config.connect(NoTls).await {
+            Ok((client, mut connection)) => {
+                // The connection delivers notifications to whoever polls it, which also
+                // drives the client's own statements.
+                let (sender, mut notifications) = mpsc::unbounded_channel();
+                let driver = tokio::spawn(async move {
+                    let mut messages =
+                        futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+                    while let Some(Ok(message)) = messages.next().await {
+                        if let AsyncMessage::Notification(notification) = message {
+                            if sender.send(notification).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+                match client.batch_execute(&format!("LISTEN \"{channel}\"")).await {
+                    Ok(()) => {
+                        backoff = reconnect_backoff();
+                        if let Some(wakeups) = wakeups.upgrade() {
+                            wakeups.wake_all();
+                        }
+                        loop {
+                            // Wake up now and then to notice that the store is gone.
+                            let next =
+                                tokio::time::timeout(Duration::from_secs(1), notifications.recv());
+                            match next.await {
+                                Ok(Some(notification)) => {
+                                    let Some(wakeups) = wakeups.upgrade() else {
+                                        return;
+                                    };
+                                    wake_from_message(&wakeups, notification.payload().as_bytes());
+                                }
+                                Ok(None) => break,
+                                Err(_) if wakeups.strong_count() == 0 => return,
+                                Err(_) => {}
+                            }
+                        }
+                        tracing::warn!(
+                            "lost the connection listening for lock releases; reconnecting"
+                        );
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "could not listen for lock releases; waiters poll")
+                    }
+                }
+                driver.abort();
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not connect to listen for lock releases; waiters poll")
+            }
+        }
+        tokio::time::sleep(backoff.pause()).await;
+    }
+}
+
+/// Deletes, every [`SWEEP_EVERY`], the rows that hold and reserve nothing any more (a
+/// holder or a waiter that crashed, a release that was lost) and the expired answers, with
+/// `sweep` (the schema's sweep function on a batch size), until the store is dropped.
+/// Rows that a call is using are skipped, never waited for; an error is logged, and the
+/// next sweep tries again.
+pub(super) async fn sweep(pool: Pool, sweep: String, alive: Weak<Wakeups>) {
+    loop {
+        // A second at a time: the task holds the pool (and its connections) until it
+        // notices that the store is gone.
+        for _ in 0..SWEEP_EVERY.as_secs() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if alive.strong_count() == 0 {
+                return;
+            }
+        }
+        let swept = async {
+            let client = pool.get().await?;
+            let statement = client.prepare_cached(&sweep).await?;
+            // Until a batch comes back short: every dead row goes, a batch at a time.
+            while client
+                .query_one(&statement, &[&SWEEP_BATCH])
+                .await?
+                .get::<_, i32>(0)
+                >= SWEEP_BATCH
+            {}
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        };
+        if let Err(error) = swept.await {
+            tracing::warn!(%error, "could not sweep the expired lock rows; trying again later");
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! PostgreSQL: the store whose locks are rows of a table, written only by the functions of
+//! `schema.sql`, one statement a call; `builder.rs` holds the public
+//! [`Postgres`](builder::Postgres), `schema.rs` the names and the first-use check,
+//! `listen.rs` the wake-ups through `LISTEN`/`NOTIFY` and the sweeping of dead rows.
+
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+#[cfg(feature = "idempotency")]
+use bytes::Bytes;
+use deadpool_postgres::{Object, Pool};
+use tokio::sync::OnceCell;
+
+#[cfg(feature = "idempotency")]
+use super::contract::{AnswerStore, StoredAnswer};
+use super::{
+    contract::{
+        Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
+        LockStore, Reply, Ticket,
+    },
+    error::StoreError,
+    message::release_message,
+    wake::{slots_of, Wakeups},
+};
+use schema::Names;
+
+pub(super) mod builder;
+mod listen;
+mod schema;
+
+/// How long a call waits for rows that another call (or a transaction that guards its
+/// writes with the lock rows) has locked, before it fails: far longer than any call takes,
+/// so that only a stuck transaction reaches it.
+const ROW_WAIT: Duration = Duration::from_secs(2);
+
+/// The statements of the store, built once from its names.
+#[derive(Debug)]
+struct Statements {
+    acquire: String,
+    probe: String,
+    extend: String,
+    release: String,
+    withdraw: String,
+    force_release: String,
+    inspect: String,
+    #[cfg(feature = "idempotency")]
+    load_answer: String,
+    #[cfg(feature = "idempotency")]
+    store_answer: String,
+}
+
+impl Statements {
+    fn new(names: &Names) -> Self {
+        Self {
+            acquire: names.call(
+                "token, conflicts, earliest_ms, named, upgrade",
+                "acquire",
+                "$1::text[], $2::text, $3::text::uuid, $4::bigint, $5::bigint, $6::int, \
+                 $7::text::numeric, $8::bigint, $9::bigint",
+            ),
+            probe: names.call(
+                "*",
+                "probe",
+                "$1::text[], $2::text, $3::text::uuid, $4::text::numeric",
+            ),
+            extend: names.call(
+                "*",
+                "extend",
+                "$1::text[], $2::text::uuid, $3::bigint, $4::bigint",
+            ),
+            release: names.call(
+                "released, heads",
+                "release",
+                "$1::text[], $2::text::uuid, $3::bigint, $4::text",
+            ),
+            withdraw: names.call(
+                "withdrawn, heads",
+                "withdraw",
+                "$1::text[], $2::text::numeric, $3::text",
+            ),
+            force_release: names.call("released, heads", "force_release", "$1::text[], $2::text"),
+            inspect: names.call("state, left_ms, holds, waiters", "inspect", "$1::text[]"),
+            #[cfg(feature = "idempotency")]
+            load_answer: names.call("*", "load_answer", "$1::text"),
+            #[cfg(feature = "idempotency")]
+            store_answer: names.call("*", "store_answer", "$1::text, $2::bytea, $3::bigint"),
+        }
+    }
+}
+
+/// Locks in one PostgreSQL database.
+pub(crate) struct PostgresStore {
+    pool: Pool,
+    names: Names,
+    statements: Statements,
+    /// Whether the store may make its schema where it is missing.
+    create: bool,
+    /// Set once the schema was found (or made) in this version.
+    ready: OnceCell<()>,
+    wakeups: Arc<Wakeups>,
+    /// Where to listen for other processes' releases, if anywhere.
+    listener: Option<tokio_postgres::Config>,
+    /// Set once the listener and the sweeper run.
+    started: OnceLock<()>,
+}
+
+impl fmt::Debug for PostgresStore {
+    // By hand: the listener's configuration holds the password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("pool", &self.pool.status())
+            .field("table", &self.names.qualified())
+            .field("listens", &self.listener.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    fn new(
+        pool: Pool,
+        names: Names,
+        create: bool,
+        listener: Option<tokio_postgres::Config>,
+    ) -> Self {
+        let store = Self {
+            pool,
+            statements: Statements::new(&names),
+            names,
+            create,
+            ready: OnceCell::new(),
+            wakeups: Arc::new(Wakeups::new()),
+            listener,
+            started: OnceLock::new(),
+        };
+        // Built inside a runtime (the usual case), listen now, so that the first waiter
+        // already hears of releases; otherwise on first use.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            store.start();
+        }
+        store
+    }
+
+    /// Starts the listener for other processes' releases and the sweeper of dead rows,
+    /// once; both end with the store.
+    fn start(&self) {
+        self.started.get_or_init(|| {
+            let alive = Arc::downgrade(&self.wakeups);
+            if let Some(config) = &self.listener {
+                tokio::spawn(listen::listen_for_releases(
+                    config.clone(),
+                    self.names.channel(),
+                    alive.clone(),
+                ));
+            }
+            let sweep = self.names.call("*", "sweep", "$1::int");
+            tokio::spawn(listen::sweep(self.pool.clone(), sweep, alive));
+        });
+    }
+
+    /// A connection, once the schema is known to be there.
+    async fn client(&self) -> Result<Object, StoreError> {
+        let client = self.pool.get().await.map_err(|error| {
+            StoreError::not_sent(error).context("could not get a PostgreSQL connection")
+        })?;
+        self.ready
+            .get_or_try_init(|| schema::prepare(&client, &self.names, self.create))
+            .await?;
+        Ok(client)
+    }
+
+    /// Runs `sql` (one of [`Statements`]) with `params`, prepared once per connection, and
+    /// gives its one row. `writes`: whether a call that failed may have written.
+    async fn call(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        writes: bool,
+    ) -> Result<tokio_postgres::Row, StoreError> {
+        let client = self.client().await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| error(e, false))?;
+        client
+            .query_one(&statement, params)
+            .await
+            .map_err(|e| error(e, writes))
+    }
+
+    /// Frees keys for others with `sql` (release, withdraw, force_release), whose last
+    /// argument is the release message: wakes this process's waiters at once, and gives
+    /// how many keys the call changed.
+    async fn free(
+        &self,
+        sql: &str,
+        keys: &Keys,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<usize, StoreError> {
+        let slots = slots_of(keys);
+        let message = release_message(&slots, self.wakeups.tag());
+        let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params.to_vec();
+        all.push(&message);
+        let row = self.call(sql, &all, true).await?;
+        let (count, heads): (i32, Vec<String>) = (row.get(0), row.get(1));
+        self.wakeups.wake_slots(slots);
+        self.wakeups
+            .wake_tickets(heads.iter().filter_map(|head| head.parse::<u128>().ok()));
+        Ok(usize::try_from(count).unwrap_or(0))
+    }
+}
+
+/// A hold id as the table keeps it: the same 64 bits, as PostgreSQL's signed `bigint`.
+fn hold_id(holder: Holder) -> i64 {
+    i64::from_ne_bytes(holder.hold.to_ne_bytes())
+}
+
+/// Milliseconds, at least 1, as PostgreSQL's `bigint`.
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+/// Where a caller stands in line, as the functions read it (see `keeps_out`).
+fn ticket_arg(line: Line) -> Option<String> {
+    match line {
+        Line::Outside => None,
+        Line::At(ticket) | Line::Holder(ticket) => Some(ticket.as_arg()),
+    }
+}
+
+/// The store's error for a failed call. An error the server answered rolled the call's
+/// statement back, so it left nothing; any other (a connection lost while it ran) may
+/// have applied when `writes`.
+fn error(error: tokio_postgres::Error, writes: bool) -> StoreError {
+    // tokio-postgres shows a server's error as "db error" alone: the code and message say
+    // what it was.
+    match error.as_db_error() {
+        Some(db) => StoreError::left_nothing(format!(
+            "PostgreSQL answered {}: {}",
+            db.code().code(),
+            db.message()
+        )),
+        None if writes => StoreError::unknown(error),
+        None => StoreError::left_nothing(error),
+    }
+}
+
+impl LockStore for PostgresStore {
+    fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            let keys: &[String] = &request.keys;
+            let reserve = match request.line {
+                Line::At(_) => millis(request.reserve),
+                Line::Outside | Line::Holder(_) => 0,
+            };
+            let report = i32::try_from(request.report).unwrap_or(i32::MAX);
+            let row = self
+                .call(
+                    &self.statements.acquire,
+                    &[
+                        &keys,
+                        &request.modes.script_arg(),
+                        &request.holder.owner.as_hex(),
+                        &hold_id(request.holder),
+                        &millis(request.ttl),
+                        &report,
+                        &ticket_arg(request.line),
+                        &reserve,
+                        &millis(ROW_WAIT),
+                    ],
+                    true,
+                )
+                .await?;
+            if let Some(token) = row.get::<_, Option<i64>>(0) {
+                let token = u64::try_from(token).map_err(|_| {
+                    StoreError::unknown(format!("the fencing sequence gave {token}"))
+                })?;
+                return Ok(Acquire::Granted(FencingToken::new(token)));
+            }
+            let conflicts: i32 = row.get(1);
+            let earliest: Option<i64> = row.get(2);
+            Ok(Acquire::Held(Contention {
+                keys: row.get(3),
+                total: usize::try_from(conflicts).unwrap_or(1),
+                earliest_expiry: earliest
+                    .and_then(|ms| u64::try_from(ms).ok())
+                    .map(Duration::from_millis),
+                upgrade: row.get(4),
+            }))
+        })
+    }
+
+    /// A probe reads the rows of the keys that blocked a waiter, and stops at the first
+    /// that still does: a woken waiter of 2,000 keys blocked by one retail order reads one
+    /// row, where an attempt writes 2,000.
+    fn probes(&self) -> bool {
+        true
+    }
+
+    fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let keys: &[String] = &request.keys;
+            let row = self
+                .call(
+                    &self.statements.probe,
+                    &[
+                        &keys,
+                        &request.modes.script_arg(),
+                        &request.holder.owner.as_hex(),
+                        &ticket_arg(request.line),
+                    ],
+                    false,
+                )
+                .await?;
+            Ok(usize::try_from(row.get::<_, i32>(0)).unwrap_or(0))
+        })
+    }
+
+    fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
+        Box::pin(async move {
+            let keys: &[String] = keys;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
+                &keys,
+                &holder.owner.as_hex(),
+                &hold_id(holder),
+                &millis(ttl),
+            ];
+            let row = self.call(&self.statements.extend, &params, true).await?;
+            Ok(row.get(0))
+        })
+    }
+
+    fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let list: &[String] = keys;
+            let (owner, hold) = (holder.owner.as_hex(), hold_id(holder));
+            self.free(&self.statements.release, keys, &[&list, &owner, &hold])
+                .await
+        })
+    }
+
+    fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let list: &[String] = keys;
+            let ticket = ticket.as_arg();
+            self.free(&self.statements.withdraw, keys, &[&list, &ticket])
+                .await
+        })
+    }
+
+    fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
+        Box::pin(async move {
+            let list: &[String] = keys;
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.statements.inspect)
+                .await
+                .map_err(|e| error(e, false))?;
+            let rows = client
+                .query(&statement, &[&list])
+                .await
+                .map_err(|e| error(e, false))?;
+            let count = |n: i32| usize::try_from(n).unwrap_or(0);
+            Ok(rows
+                .iter()
+                .map(|row| KeyView {
+                    status: match row.get::<_, i32>(0) {
+                        1 => KeyStatus::Held,
+                        3 => KeyStatus::Shared,
+                        _ => KeyStatus::Free,
+                    },
+                    ttl: row
+                        .get::<_, Option<i64>>(1)
+                        .and_then(|ms| u64::try_from(ms).ok())
+                        .map(Duration::from_millis),
+                    holds: count(row.get(2)),
+                    waiters: count(row.get(3)),
+                })
+                .collect())
+        })
+    }
+
+    fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
+        Box::pin(async move {
+            let list: &[String] = keys;
+            self.free(&self.statements.force_release, keys, &[&list])
+                .await
+        })
+    }
+
+    /// PostgreSQL 12 or later, and the schema in this version (made if allowed).
+    fn check(&self) -> Reply<'_, ()> {
+        Box::pin(async move { self.client().await.map(drop) })
+    }
+
+    fn wakeups(&self) -> &Wakeups {
+        self.start();
+        &self.wakeups
+    }
+}
+
+#[cfg(feature = "idempotency")]
+impl AnswerStore for PostgresStore {
+    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
+        Box::pin(async move {
+            let row = self
+                .call(&self.statements.load_answer, &[&key], false)
+                .await?;
+            Ok(row.get::<_, Option<Vec<u8>>>(0).map(Bytes::from))
+        })
+    }
+
+    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
+        Box::pin(async move {
+            let (key, bytes): (&str, &[u8]) = (&answer.key, &answer.bytes);
+            let row = self
+                .call(
+                    &self.statements.store_answer,
+                    &[&key, &bytes, &millis(answer.retention)],
+                    true,
+                )
+                .await?;
+            Ok(row.get::<_, Option<bool>>(0).unwrap_or(false))
+        })
+    }
+}

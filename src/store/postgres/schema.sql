@@ -1,0 +1,500 @@
+-- The PostgreSQL store's schema: a table of lock rows, a sequence of fencing tokens, a
+-- table of the idempotency layer's answers, and the functions that the store calls, one
+-- statement a call. `{S}` is the schema, `{T}` the table (`schema.table`), `{C}` the
+-- channel of release notifications; the store puts in the names it was given. Version 1
+-- ({T}_version): a later release that changes any of this raises it, and ships the
+-- migration.
+--
+-- One row a lock key, written only by these functions:
+--   owner, holds, modes, ends: one owner's exclusive holds (re-entry adds hold ids), which
+--     end together at `ends`; `modes` has a letter a hold: 'x', or 's' for a shared hold
+--     the owner took under its exclusive ones (the key turns shared again, with those, when
+--     the last 'x' hold ends);
+--   readers: shared holds, each (owner, hold, ends): a reader that dies takes only its own
+--     hold with it;
+--   line: waiters' reservations (ticket, ends), in ticket order: a waiter's place in line,
+--     until its own deadline, whatever happens to the holds.
+-- Every time is the database's clock (clock_timestamp()), never a client's. A row none of
+-- whose holds and reservations has an end in the future is free, whatever it holds; the
+-- next call on the key overwrites it, and `{T}_sweep` deletes the ones nobody calls on.
+--
+-- Keys are always taken in the order the caller gives (sorted, as the crate sends them), by
+-- one statement, so two batches never wait for each other's rows crosswise: no deadlock.
+
+CREATE SCHEMA IF NOT EXISTS {S};
+
+DO $$ BEGIN
+  CREATE TYPE {T}_reader AS (owner uuid, hold bigint, ends timestamptz);
+EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+
+DO $$ BEGIN
+  CREATE TYPE {T}_place AS (ticket numeric, ends timestamptz);
+EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+
+CREATE TABLE IF NOT EXISTS {T} (
+  key text COLLATE "C" PRIMARY KEY,
+  owner uuid,
+  holds bigint[],
+  modes text,
+  ends timestamptz,
+  readers {T}_reader[],
+  line {T}_place[]
+);
+
+-- Fencing tokens: a sequence never goes backwards, across restarts and crashes (a crash
+-- may skip values, never repeat one).
+CREATE SEQUENCE IF NOT EXISTS {T}_fence;
+
+CREATE TABLE IF NOT EXISTS {T}_answers (
+  key text COLLATE "C" PRIMARY KEY,
+  answer bytea NOT NULL,
+  ends timestamptz NOT NULL
+);
+
+CREATE OR REPLACE FUNCTION {T}_version() RETURNS int
+LANGUAGE sql IMMUTABLE AS 'SELECT 1';
+
+-- The live reservations of `line` other than `ticket`'s, with `ticket`'s until `till` when
+-- `till` is given, in ticket order; NULL when none.
+CREATE OR REPLACE FUNCTION {T}_requeue(
+  p_line {T}_place[], p_ticket numeric, p_till timestamptz, p_now timestamptz
+) RETURNS {T}_place[]
+LANGUAGE sql IMMUTABLE AS $$
+  SELECT array_agg(ROW(p.ticket, p.ends)::{T}_place ORDER BY p.ticket)
+  FROM (
+    SELECT q.ticket, q.ends FROM unnest(p_line) q
+    WHERE q.ends > p_now AND q.ticket IS DISTINCT FROM p_ticket
+    UNION ALL
+    SELECT p_ticket, p_till WHERE p_till IS NOT NULL
+  ) p
+$$;
+
+-- The ticket first in line, among the live reservations.
+CREATE OR REPLACE FUNCTION {T}_head(p_line {T}_place[], p_now timestamptz) RETURNS numeric
+LANGUAGE sql IMMUTABLE AS $$
+  SELECT min(q.ticket) FROM unnest(p_line) q WHERE q.ends > p_now
+$$;
+
+-- Whether the row `r` (NULL: no row) keeps out `owner`, asking for it shared or not, in
+-- line with `ticket` (NULL: in no line, kept out by every live reservation): 0 no, 1 yes,
+-- 2 yes, by an upgrade (the owner reads the key beside other readers, and asks for it
+-- exclusively). An owner is never kept out of its own keys: it passes the reservations on
+-- the keys it holds, and only on those.
+CREATE OR REPLACE FUNCTION {T}_keeps_out(
+  r {T}, p_owner uuid, p_shared boolean, p_ticket numeric, p_now timestamptz
+) RETURNS int
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+  mine boolean;
+  others boolean;
+  reserved boolean;
+BEGIN
+  IF r.key IS NULL THEN RETURN 0; END IF;
+  IF r.owner IS NOT NULL AND r.ends > p_now THEN
+    RETURN (r.owner <> p_owner)::int;
+  END IF;
+  SELECT coalesce(bool_or(x.owner = p_owner), false),
+         coalesce(bool_or(x.owner <> p_owner), false)
+    INTO mine, others
+    FROM unnest(r.readers) x WHERE x.ends > p_now;
+  reserved := EXISTS (
+    SELECT 1 FROM unnest(r.line) q
+    WHERE q.ends > p_now AND (p_ticket IS NULL OR q.ticket < p_ticket));
+  IF mine THEN
+    RETURN CASE WHEN p_shared OR NOT others THEN 0 ELSE 2 END;
+  END IF;
+  IF others AND NOT p_shared THEN RETURN 1; END IF;
+  RETURN reserved::int;
+END $$;
+
+-- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
+-- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
+-- `ticket`: the caller's place in line (NULL: in no line); `reserve_ms` > 0: a waiter in
+-- line, which reserves the whole batch when it is kept out. Returns the fencing token when
+-- granted; otherwise how many keys kept it out, the ms until the earliest of the held ones
+-- ends (NULL: unknown), up to `report` of them, and whether one is an upgrade.
+CREATE OR REPLACE FUNCTION {T}_acquire(
+  p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_ttl_ms bigint, p_report int,
+  p_ticket numeric, p_reserve_ms bigint, p_wait_ms bigint
+) RETURNS TABLE (token bigint, conflicts int, earliest_ms bigint, named text[], upgrade boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  till timestamptz := now + p_ttl_ms * interval '1 ms';
+  taken text[];
+  r record;
+  blocked int;
+  left_ms bigint;
+  live {T}_reader[];
+  heads text[] := '{}';
+  shared boolean;
+  cur {T};
+BEGIN
+  -- Another call's rows are waited for at most this long (it runs one statement; a
+  -- user's transaction that guards its writes with {T}_holds may hold them longer).
+  PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+  conflicts := 0; named := '{}'; upgrade := false;
+  -- Free keys are taken at once; the rows of the others are locked, in key order.
+  WITH inserted AS (
+    INSERT INTO {T} AS l (key, owner, holds, modes, ends, readers)
+    SELECT u.k,
+           CASE WHEN m.s THEN NULL ELSE p_owner END,
+           CASE WHEN m.s THEN NULL ELSE ARRAY[p_hold] END,
+           CASE WHEN m.s THEN NULL ELSE 'x' END,
+           CASE WHEN m.s THEN NULL ELSE till END,
+           CASE WHEN m.s THEN ARRAY[ROW(p_owner, p_hold, till)::{T}_reader] END
+    FROM unnest(p_keys) WITH ORDINALITY u(k, i),
+         LATERAL (SELECT (CASE WHEN length(p_modes) = 1 THEN p_modes
+                               ELSE substr(p_modes, u.i::int, 1) END) = 's' AS s) m
+    ORDER BY u.i
+    ON CONFLICT (key) DO UPDATE SET key = excluded.key WHERE false
+    RETURNING l.key
+  ) SELECT coalesce(array_agg(inserted.key), '{}') INTO taken FROM inserted;
+  IF cardinality(taken) = cardinality(p_keys) THEN
+    token := nextval('{T}_fence');
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
+  FOR r IN
+    SELECT l, u.i FROM {T} l JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
+    WHERE NOT l.key = ANY(taken) ORDER BY u.i
+  LOOP
+    shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
+    blocked := {T}_keeps_out(r.l, p_owner, shared, p_ticket, now);
+    IF blocked > 0 THEN
+      conflicts := conflicts + 1;
+      upgrade := upgrade OR blocked = 2;
+      IF cardinality(named) < p_report THEN named := named || (r.l).key; END IF;
+      IF (r.l).owner IS NOT NULL AND (r.l).ends > now THEN
+        left_ms := floor(extract(epoch FROM (r.l).ends - now) * 1000);
+      ELSE
+        SELECT floor(extract(epoch FROM max(x.ends) - now) * 1000) INTO left_ms
+          FROM unnest((r.l).readers) x WHERE x.ends > now;
+      END IF;
+      IF left_ms IS NOT NULL AND (earliest_ms IS NULL OR left_ms < earliest_ms) THEN
+        earliest_ms := left_ms;
+      END IF;
+    END IF;
+  END LOOP;
+
+  IF conflicts > 0 THEN
+    IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
+      -- A waiter in line reserves its whole batch against later arrivals. A reservation
+      -- with more than half its time left stays as it is.
+      UPDATE {T} SET owner = NULL, holds = NULL, modes = NULL, ends = NULL, readers = NULL,
+        line = ARRAY[ROW(p_ticket, now + p_reserve_ms * interval '1 ms')::{T}_place]
+        WHERE key = ANY(taken);
+      UPDATE {T} l SET line = {T}_requeue(l.line, p_ticket, now + p_reserve_ms * interval '1 ms', now)
+        WHERE l.key = ANY(p_keys) AND NOT l.key = ANY(taken)
+          AND NOT EXISTS (SELECT 1 FROM unnest(l.line) q WHERE q.ticket = p_ticket
+                          AND q.ends > now + p_reserve_ms * interval '0.5 ms');
+    ELSE
+      DELETE FROM {T} WHERE key = ANY(taken);
+    END IF;
+    RETURN NEXT;
+    RETURN;
+  END IF;
+
+  -- Granted: the keys that were there gain this hold.
+  FOR r IN
+    SELECT l, u.i FROM {T} l JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
+    WHERE NOT l.key = ANY(taken) ORDER BY u.i
+  LOOP
+    shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
+    cur := r.l;
+      cur.line := {T}_requeue(cur.line, p_ticket, NULL, now);
+      SELECT array_agg(ROW(x.owner, x.hold, x.ends)::{T}_reader) INTO live
+        FROM unnest(cur.readers) x WHERE x.ends > now;
+      IF cur.owner IS NOT NULL AND cur.ends > now THEN
+        -- The owner's own exclusive holds: entered again, in either mode.
+        IF NOT p_hold = ANY(cur.holds) THEN
+          cur.holds := cur.holds || p_hold;
+          cur.modes := cur.modes || CASE WHEN shared THEN 's' ELSE 'x' END;
+        END IF;
+        cur.ends := greatest(cur.ends, till);
+      ELSIF live IS NOT NULL AND shared THEN
+        IF NOT EXISTS (SELECT 1 FROM unnest(live) x WHERE x.owner = p_owner AND x.hold = p_hold) THEN
+          live := live || ROW(p_owner, p_hold, till)::{T}_reader;
+        END IF;
+        cur.readers := live;
+      ELSIF live IS NOT NULL THEN
+        -- An upgrade: the owner's shared holds, alone on the key, are carried under this
+        -- exclusive one until it ends.
+        cur.owner := p_owner;
+        SELECT array_agg(x.hold) || p_hold, repeat('s', count(*)::int) || 'x',
+               greatest(max(x.ends), till)
+          INTO cur.holds, cur.modes, cur.ends
+          FROM unnest(live) x WHERE x.hold <> p_hold;
+        cur.readers := NULL;
+      ELSIF shared THEN
+        cur.owner := NULL; cur.holds := NULL; cur.modes := NULL; cur.ends := NULL;
+        cur.readers := ARRAY[ROW(p_owner, p_hold, till)::{T}_reader];
+      ELSE
+        cur.owner := p_owner; cur.holds := ARRAY[p_hold]; cur.modes := 'x';
+        cur.ends := till; cur.readers := NULL;
+      END IF;
+      UPDATE {T} l SET owner = cur.owner, holds = cur.holds, modes = cur.modes,
+        ends = cur.ends, readers = cur.readers, line = cur.line
+        WHERE l.key = cur.key;
+      -- The waiter first in line on a key granted shared may be a reader too.
+      IF shared AND {T}_head(cur.line, now) IS NOT NULL THEN
+        heads := heads || ('#' || {T}_head(cur.line, now)::text);
+      END IF;
+  END LOOP;
+  IF cardinality(heads) > 0 THEN
+    PERFORM pg_notify('{C}', left(',' || array_to_string(heads, ','), 7900));
+  END IF;
+  token := nextval('{T}_fence');
+  RETURN NEXT;
+END $$;
+
+-- How many keys of `keys`, from the first, would not keep `owner` out now (see
+-- {T}_keeps_out); it stops at the first that would. Writes nothing.
+CREATE OR REPLACE FUNCTION {T}_probe(
+  p_keys text[], p_modes text, p_owner uuid, p_ticket numeric
+) RETURNS int
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  r record;
+  free int := 0;
+BEGIN
+  FOR r IN
+    SELECT l, u.i FROM unnest(p_keys) WITH ORDINALITY u(k, i) LEFT JOIN {T} l ON l.key = u.k
+    ORDER BY u.i
+  LOOP
+    IF {T}_keeps_out(r.l, p_owner,
+        (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's',
+        p_ticket, now) > 0 THEN
+      RETURN free;
+    END IF;
+    free := free + 1;
+  END LOOP;
+  RETURN free;
+END $$;
+
+-- Extends the hold on every key to at least `ttl_ms` from now if every key still has it;
+-- otherwise changes nothing and returns false. On a shared key only this hold moves.
+CREATE OR REPLACE FUNCTION {T}_extend(
+  p_keys text[], p_owner uuid, p_hold bigint, p_ttl_ms bigint
+) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  till timestamptz := now + p_ttl_ms * interval '1 ms';
+  held int;
+BEGIN
+  SELECT count(*) INTO held FROM (
+    SELECT 1 FROM {T} l WHERE l.key = ANY(p_keys)
+      AND ((l.owner = p_owner AND p_hold = ANY(l.holds) AND l.ends > now)
+           OR EXISTS (SELECT 1 FROM unnest(l.readers) x
+                      WHERE x.owner = p_owner AND x.hold = p_hold AND x.ends > now))
+    ORDER BY l.key FOR UPDATE
+  ) h;
+  IF held < cardinality(p_keys) THEN RETURN false; END IF;
+  UPDATE {T} l SET
+    ends = CASE WHEN l.owner IS NOT NULL THEN greatest(l.ends, till) END,
+    readers = (SELECT array_agg(ROW(x.owner, x.hold, CASE
+                 WHEN x.owner = p_owner AND x.hold = p_hold THEN greatest(x.ends, till)
+                 ELSE x.ends END)::{T}_reader) FROM unnest(l.readers) x)
+    WHERE l.key = ANY(p_keys);
+  RETURN true;
+END $$;
+
+-- Ends the hold `hold` of `owner` on the keys that still have it; a key goes with its last
+-- hold, and stays for the waiters that reserved it. Notifies `{C}` with `message` (the
+-- wake-up slots) and the waiters first in line on the keys it freed. Returns how many
+-- keys had the hold, and those waiters' tickets.
+CREATE OR REPLACE FUNCTION {T}_release(
+  p_keys text[], p_owner uuid, p_hold bigint, p_message text
+) RETURNS TABLE (released int, heads text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  r {T};
+  at int;
+  head numeric;
+BEGIN
+  heads := '{}';
+  -- The common case, a key with this hold alone and no line, goes at once.
+  -- Rows are locked in key order, as every call takes them.
+  WITH gone AS (
+    DELETE FROM {T} l WHERE l.key IN (
+      SELECT d.key FROM {T} d WHERE d.key = ANY(p_keys) AND d.line IS NULL AND (
+        (d.owner = p_owner AND d.holds = ARRAY[p_hold] AND d.ends > now)
+        OR (d.owner IS NULL AND cardinality(d.readers) = 1
+            AND (d.readers[1]).owner = p_owner AND (d.readers[1]).hold = p_hold))
+      ORDER BY d.key FOR UPDATE)
+    RETURNING 1
+  ) SELECT count(*) INTO released FROM gone;
+  IF released < cardinality(p_keys) THEN
+    FOR r IN
+      SELECT * FROM {T} l WHERE l.key = ANY(p_keys) AND (
+        (l.owner = p_owner AND p_hold = ANY(l.holds) AND l.ends > now)
+        OR EXISTS (SELECT 1 FROM unnest(l.readers) x
+                   WHERE x.owner = p_owner AND x.hold = p_hold))
+      ORDER BY l.key FOR UPDATE
+    LOOP
+      IF r.owner IS NOT NULL AND r.ends > now THEN
+        at := array_position(r.holds, p_hold);
+        r.holds := r.holds[:at - 1] || r.holds[at + 1:];
+        r.modes := substr(r.modes, 1, at - 1) || substr(r.modes, at + 1);
+        IF cardinality(r.holds) = 0 THEN
+          r.owner := NULL; r.holds := NULL; r.modes := NULL; r.ends := NULL;
+        ELSIF position('x' IN r.modes) = 0 THEN
+          -- Its last exclusive hold ended: the owner's shared holds under it are shared
+          -- ones again, until the key's end, and other readers may come in.
+          SELECT array_agg(ROW(r.owner, h, r.ends)::{T}_reader) INTO r.readers
+            FROM unnest(r.holds) h;
+          r.owner := NULL; r.holds := NULL; r.modes := NULL; r.ends := NULL;
+        END IF;
+      ELSE
+        SELECT array_agg(ROW(x.owner, x.hold, x.ends)::{T}_reader) INTO r.readers
+          FROM unnest(r.readers) x WHERE x.ends > now AND NOT (x.owner = p_owner AND x.hold = p_hold);
+      END IF;
+      released := released + 1;
+      r.line := {T}_requeue(r.line, NULL, NULL, now);
+      IF r.owner IS NULL THEN
+        head := {T}_head(r.line, now);
+        IF head IS NOT NULL THEN heads := heads || head::text; END IF;
+      END IF;
+      IF r.owner IS NULL AND r.readers IS NULL AND r.line IS NULL THEN
+        DELETE FROM {T} l WHERE l.key = r.key;
+      ELSE
+        UPDATE {T} l SET owner = r.owner, holds = r.holds, modes = r.modes, ends = r.ends,
+          readers = r.readers, line = r.line WHERE l.key = r.key;
+      END IF;
+    END LOOP;
+  END IF;
+  IF released > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  RETURN NEXT;
+END $$;
+
+-- Tells the waiters of every process which slots were freed, and which waiters are now
+-- first in line (a payload has at most 8,000 bytes: past that, every waiter wakes).
+CREATE OR REPLACE FUNCTION {T}_announce(p_message text, p_heads text[]) RETURNS void
+LANGUAGE sql AS $$
+  SELECT pg_notify('{C}', CASE
+    WHEN length(p_message) + 38 * cardinality(p_heads) < 7900
+      THEN p_message || coalesce((SELECT string_agg(',#' || h, '') FROM unnest(p_heads) h), '')
+    ELSE '*' END)
+$$;
+
+-- Takes the reservations of the waiter with `ticket` off the keys (a key nobody holds or
+-- reserves any more goes), and wakes the waiters now first in line on a key not held
+-- exclusively. Returns how many keys had one, and those waiters' tickets.
+CREATE OR REPLACE FUNCTION {T}_withdraw(
+  p_keys text[], p_ticket numeric, p_message text
+) RETURNS TABLE (withdrawn int, heads text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  changed_keys text[];
+BEGIN
+  WITH changed AS (
+    UPDATE {T} l SET line = {T}_requeue(l.line, p_ticket, NULL, now)
+    FROM (SELECT l2.key FROM {T} l2 WHERE l2.key = ANY(p_keys)
+            AND EXISTS (SELECT 1 FROM unnest(l2.line) q WHERE q.ticket = p_ticket)
+          ORDER BY l2.key FOR UPDATE) w
+    WHERE l.key = w.key
+    RETURNING l.key, CASE WHEN NOT (l.owner IS NOT NULL AND l.ends > now)
+                     THEN {T}_head(l.line, now) END AS head
+  ) SELECT count(*), coalesce(array_agg(c.head::text) FILTER (WHERE c.head IS NOT NULL), '{}'),
+           coalesce(array_agg(c.key), '{}')
+    INTO withdrawn, heads, changed_keys FROM changed c;
+  -- Only the rows changed here, which this call has locked already.
+  DELETE FROM {T} l WHERE l.key = ANY(changed_keys) AND l.line IS NULL
+    AND NOT (l.owner IS NOT NULL AND l.ends > now)
+    AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now);
+  IF withdrawn > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  RETURN NEXT;
+END $$;
+
+-- Ends every hold on the keys, whoever has it; the reservations stay. Returns how many
+-- keys were held, and the tickets of the waiters now first in line.
+CREATE OR REPLACE FUNCTION {T}_force_release(p_keys text[], p_message text)
+RETURNS TABLE (released int, heads text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  changed_keys text[];
+BEGIN
+  WITH changed AS (
+    UPDATE {T} l SET owner = NULL, holds = NULL, modes = NULL, ends = NULL, readers = NULL,
+      line = {T}_requeue(l.line, NULL, NULL, now)
+    FROM (SELECT l2.key FROM {T} l2 WHERE l2.key = ANY(p_keys)
+            AND ((l2.owner IS NOT NULL AND l2.ends > now)
+                 OR EXISTS (SELECT 1 FROM unnest(l2.readers) x WHERE x.ends > now))
+          ORDER BY l2.key FOR UPDATE) f
+    WHERE l.key = f.key
+    RETURNING l.key, {T}_head(l.line, now) AS head
+  ) SELECT count(*), coalesce(array_agg(c.head::text) FILTER (WHERE c.head IS NOT NULL), '{}'),
+           coalesce(array_agg(c.key), '{}')
+    INTO released, heads, changed_keys FROM changed c;
+  DELETE FROM {T} l WHERE l.key = ANY(changed_keys) AND l.line IS NULL;
+  IF released > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  RETURN NEXT;
+END $$;
+
+-- What each key looks like, in the order given: its state (0 free, 1 held exclusively,
+-- 3 held shared), the ms left on its holds (NULL when free), how many holds it has, and
+-- how many live reservations. Never an owner or a hold id.
+CREATE OR REPLACE FUNCTION {T}_inspect(p_keys text[])
+RETURNS TABLE (state int, left_ms bigint, holds int, waiters int)
+LANGUAGE sql STABLE AS $$
+  WITH now AS (SELECT clock_timestamp() AS at)
+  SELECT CASE WHEN l.owner IS NOT NULL AND l.ends > now.at THEN 1
+              WHEN r.live > 0 THEN 3 ELSE 0 END,
+         CASE WHEN l.owner IS NOT NULL AND l.ends > now.at
+                THEN floor(extract(epoch FROM l.ends - now.at) * 1000)::bigint
+              WHEN r.live > 0 THEN floor(extract(epoch FROM r.latest - now.at) * 1000)::bigint END,
+         CASE WHEN l.owner IS NOT NULL AND l.ends > now.at THEN cardinality(l.holds)
+              ELSE coalesce(r.live, 0) END::int,
+         (SELECT count(*) FROM unnest(l.line) q WHERE q.ends > now.at)::int
+  FROM now, unnest(p_keys) WITH ORDINALITY u(k, i)
+  LEFT JOIN {T} l ON l.key = u.k
+  LEFT JOIN LATERAL (SELECT count(*) AS live, max(x.ends) AS latest
+                     FROM unnest(l.readers) x, now n WHERE x.ends > n.at) r ON true
+  ORDER BY u.i
+$$;
+
+-- Deletes up to `batch` rows that hold and reserve nothing any more (their holder and
+-- waiters crashed, or their release was lost), and expired answers; rows in use by a call
+-- are skipped, not waited for. Returns how many rows went.
+CREATE OR REPLACE FUNCTION {T}_sweep(p_batch int) RETURNS int
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  gone int;
+  answers int;
+BEGIN
+  DELETE FROM {T} l WHERE l.key IN (
+    SELECT d.key FROM {T} d
+    WHERE NOT (d.owner IS NOT NULL AND d.ends > now)
+      AND NOT EXISTS (SELECT 1 FROM unnest(d.readers) x WHERE x.ends > now)
+      AND NOT EXISTS (SELECT 1 FROM unnest(d.line) q WHERE q.ends > now)
+    LIMIT p_batch FOR UPDATE SKIP LOCKED);
+  GET DIAGNOSTICS gone = ROW_COUNT;
+  DELETE FROM {T}_answers a WHERE a.key IN (
+    SELECT e.key FROM {T}_answers e WHERE e.ends <= now LIMIT p_batch FOR UPDATE SKIP LOCKED);
+  GET DIAGNOSTICS answers = ROW_COUNT;
+  RETURN gone + answers;
+END $$;
+
+-- The idempotency layer's answers: the first stays until its end.
+CREATE OR REPLACE FUNCTION {T}_load_answer(p_key text) RETURNS bytea
+LANGUAGE sql STABLE AS $$
+  SELECT a.answer FROM {T}_answers a WHERE a.key = p_key AND a.ends > clock_timestamp()
+$$;
+
+CREATE OR REPLACE FUNCTION {T}_store_answer(p_key text, p_answer bytea, p_retention_ms bigint)
+RETURNS boolean
+LANGUAGE sql AS $$
+  INSERT INTO {T}_answers AS a (key, answer, ends)
+  VALUES (p_key, p_answer, clock_timestamp() + p_retention_ms * interval '1 ms')
+  ON CONFLICT (key) DO UPDATE
+    SET answer = excluded.answer, ends = excluded.ends
+    WHERE a.ends <= clock_timestamp()
+  RETURNING true
+$$;

@@ -1,0 +1,236 @@
+//! The PostgreSQL store, driven through the layer: two `Locks` on one database are two
+//! processes. Each test has a database of its own on the local server, dropped at its end
+//! (`support::postgres`); the semantics every store shares are checked by `spec`.
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use futures_util::StreamExt;
+use http::StatusCode;
+use tower_batch_lock::{
+    store::Postgres,
+    tokio_postgres::{self, AsyncMessage, NoTls},
+    KeyStatus, Locks, Wait,
+};
+
+use crate::support::{
+    handlers::{counting_handler, gated_handler, Gate},
+    http::{batch, batch_router, send},
+    postgres::Database,
+};
+
+fn locks(db: &Database) -> Locks {
+    Locks::new(Postgres::url(db.url()).build().unwrap()).ttl(Duration::from_secs(10))
+}
+
+/// The lock rows of the default table, as `key` sorted.
+fn rows(db: &Database) -> Vec<String> {
+    let keys = db.query("SELECT key FROM tower_batch_lock.locks ORDER BY key");
+    keys.lines().map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_intersecting_batch_of_another_process_is_refused_and_writes_nothing() {
+    let db = Database::create();
+    let (one, other) = (locks(&db), locks(&db));
+    one.check().await.expect("the store makes its schema");
+    let gate = Gate::new();
+    let holder = batch_router(&one, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["x", "y"])).await });
+    gate.wait_entered().await;
+    assert_eq!(rows(&db), ["lock:x", "lock:y"]);
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let contender = batch_router(&other, counting_handler(&runs));
+    let refused = send(&contender, batch(&["y", "z"])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["y"])
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(rows(&db), ["lock:x", "lock:y"], "no row for lock:z");
+    // Disjoint keys go at once.
+    assert_eq!(
+        send(&contender, batch(&["p", "q"])).await.status,
+        StatusCode::OK
+    );
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(
+        send(&contender, batch(&["y", "z"])).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
+/// A release in one process notifies the channel, and the waiter of another process,
+/// first in line, is woken by it and granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_in_another_process_is_woken_by_the_release_notification() {
+    let db = Database::create();
+    let (first, second) = (
+        locks(&db),
+        locks(&db).wait(Wait::up_to(Duration::from_secs(5))),
+    );
+    first.check().await.unwrap();
+    // The test's own listener, to see what the release sends.
+    let config: tokio_postgres::Config = db.url().parse().unwrap();
+    let (client, mut connection) = config.connect(NoTls).await.unwrap();
+    let (sender, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = message {
+                let _ = sender.send(n.payload().to_owned());
+            }
+        }
+    });
+    client
+        .batch_execute("LISTEN \"tower_batch_lock.locks\"")
+        .await
+        .unwrap();
+
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["a", "b"])).await });
+    gate.wait_entered().await;
+    let waiter = batch_router(&second, counting_handler(&Arc::default()));
+    let waiting = tokio::spawn(async move {
+        let reply = send(&waiter, batch(&["b", "c"])).await;
+        (reply, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the waiter waits for `b`");
+    let waiters =
+        db.query("SELECT count(*) FROM tower_batch_lock.locks, unnest(line) WHERE key = 'lock:b'");
+    assert_eq!(waiters, "1", "the waiter reserved `b`");
+    let released = Instant::now();
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let (reply, granted) = waiting.await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    eprintln!("granted {:?} after the release", granted - released);
+    let message = tokio::time::timeout(Duration::from_secs(2), heard.recv())
+        .await
+        .expect("the release notified the channel")
+        .unwrap();
+    assert!(
+        message.contains(",#"),
+        "the release names the waiter first in line: {message}"
+    );
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
+/// The operator's view and `force_release`, and the idempotency answers, on the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_sees_a_held_batch_and_frees_it() {
+    let db = Database::create();
+    let locks = locks(&db);
+    let gate = Gate::new();
+    let holder = batch_router(&locks, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["m", "n"])).await });
+    gate.wait_entered().await;
+    let seen = locks.inspect(["m", "n", "o"]).await.unwrap();
+    let statuses: Vec<KeyStatus> = seen.iter().map(|k| k.status()).collect();
+    assert_eq!(
+        statuses,
+        [KeyStatus::Held, KeyStatus::Held, KeyStatus::Free]
+    );
+    assert!(seen[0]
+        .ttl()
+        .is_some_and(|ttl| ttl <= Duration::from_secs(10)));
+    assert_eq!(locks.force_release(["m", "n"], "test").await.unwrap(), 2);
+    assert!(rows(&db).is_empty());
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+}
+
+/// The schema goes where it is told, once, with a version; a store that may not make it
+/// says what is missing; a table of another version is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_schema_is_made_once_where_configured_and_its_version_is_checked() {
+    let db = Database::create();
+    let forbidden = Locks::new(
+        Postgres::url(db.url())
+            .schema("app_locks")
+            .create_schema(false)
+            .build()
+            .unwrap(),
+    );
+    let missing = forbidden.check().await.unwrap_err().to_string();
+    assert!(missing.contains("app_locks.locks is missing"), "{missing}");
+
+    // Several processes at once make it once.
+    let stores: Vec<Locks> = (0..4)
+        .map(|_| {
+            Locks::new(
+                Postgres::url(db.url())
+                    .schema("app_locks")
+                    .table("batch_locks")
+                    .build()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let checks = futures_util::future::join_all(stores.iter().map(Locks::check)).await;
+    assert!(checks.iter().all(Result::is_ok), "{checks:?}");
+    assert_eq!(
+        db.query("SELECT app_locks.batch_locks_version()"),
+        "1",
+        "the schema has its version"
+    );
+    let app = batch_router(&stores[0], counting_handler(&Arc::default()));
+    assert_eq!(send(&app, batch(&["k"])).await.status, StatusCode::OK);
+
+    // The SQL for migrations is what the store runs: running it again changes nothing.
+    let sql = Postgres::url(db.url())
+        .schema("app_locks")
+        .table("batch_locks")
+        .schema_sql();
+    db.query(&sql);
+    db.query(
+        "CREATE OR REPLACE FUNCTION app_locks.batch_locks_version() RETURNS int \
+         LANGUAGE sql AS 'SELECT 2'",
+    );
+    let newer = Locks::new(
+        Postgres::url(db.url())
+            .schema("app_locks")
+            .table("batch_locks")
+            .build()
+            .unwrap(),
+    );
+    let refused = newer.check().await.unwrap_err().to_string();
+    assert!(refused.contains("schema version 2"), "{refused}");
+}
+
+/// Rows nobody holds or reserves any more (a holder that died) keep nobody out, and go
+/// with the sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rows_of_a_dead_holder_keep_nobody_out_and_are_swept() {
+    let db = Database::create();
+    let locks = locks(&db);
+    locks.check().await.unwrap();
+    // As a crashed process leaves them: held until a moment ago, never released.
+    db.query(
+        "INSERT INTO tower_batch_lock.locks (key, owner, holds, modes, ends) \
+         SELECT 'lock:' || i, gen_random_uuid(), ARRAY[1::bigint], 'x', \
+                clock_timestamp() - interval '1 ms' FROM generate_series(1, 1500) i",
+    );
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    assert_eq!(send(&app, batch(&["1", "2"])).await.status, StatusCode::OK);
+    assert_eq!(
+        db.query("SELECT tower_batch_lock.locks_sweep(1000)"),
+        "1000",
+        "a sweep takes a batch at a time"
+    );
+    assert_eq!(db.query("SELECT tower_batch_lock.locks_sweep(1000)"), "498");
+    assert!(rows(&db).is_empty());
+}
