@@ -24,7 +24,9 @@
 //! A process that pauses past its lease (a stall, `SIGSTOP`) cannot overwrite the sale of
 //! the instance that was granted the SKUs after it: in one Redis (`REDIS_URL`,
 //! `REDIS_URLS`), stock and orders are written with the request's fencing token
-//! ([`tower_batch_lock::fenced::set`]), and a write older than the last one is refused:
+//! ([`tower_batch_lock::fenced::set`]), and a write older than the last one is refused; in
+//! PostgreSQL (`DATABASE_URL`), the transaction that writes them first checks, with the
+//! store's guard, that the request still holds its locks, and fails if not. Either way
 //! that order gets 409 and takes nothing. (On a cluster, whose keys span slots, and in
 //! memory, the writes are plain.)
 //!
@@ -44,8 +46,11 @@
 //!   the data in the first of them.
 //! - `REDIS_CLUSTER_URLS`: instead, keep the locks and the data on a Redis Cluster, given
 //!   by any of its nodes, comma-separated (`redis://10.0.0.1:7000/,redis://10.0.0.2:7000/`);
-//!   needs the `cluster` feature. Set one of `REDIS_URL`, `REDIS_URLS` and
-//!   `REDIS_CLUSTER_URLS`.
+//!   needs the `cluster` feature.
+//! - `DATABASE_URL`: instead, keep the locks, the data (tables `orders.stock` and
+//!   `orders.orders`, made at start) and the idempotency answers in this PostgreSQL
+//!   database (`postgres://user@127.0.0.1/shop`); needs the `postgres` feature. Set one of
+//!   `REDIS_URL`, `REDIS_URLS`, `REDIS_CLUSTER_URLS` and `DATABASE_URL`.
 //! - `WORK_DELAY_MS`: how long the slow work of an order or a quote takes inside its
 //!   locks, default 0.
 //! - `LOCK_TTL_MS`: the lease on the locks, default 30000; renewed every third of it while
@@ -67,6 +72,7 @@
 //!     cargo run --example orders
 //! REDIS_CLUSTER_URLS=redis://127.0.0.1:7000/,redis://127.0.0.1:7001/ \
 //!     cargo run --example orders --features cluster
+//! DATABASE_URL=postgres://postgres@127.0.0.1/shop cargo run --example orders --features postgres
 //! curl -X PUT localhost:3000/stock/apple -H 'content-type: application/json' -d '{"qty": 10}'
 //! curl -X POST localhost:3000/orders -H 'content-type: application/json' \
 //!      -d '{"order_id": "o-1", "items": [{"sku": "apple", "qty": 3}]}'
@@ -92,6 +98,8 @@ use axum::{
 };
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+#[cfg(feature = "postgres")]
+use tower_batch_lock::tokio_postgres;
 use tower_batch_lock::{keys, FencingToken, Lease, Locks, Rejection, Wait};
 
 /// The body of `POST /orders` (`Id` a `String`) and of `POST /quotes`, where `order_id`
@@ -220,10 +228,9 @@ async fn set_stock(
     lease: Option<Lease>,
     JsonBody(level): JsonBody<StockLevel>,
 ) -> Result<Json<Item>, Rejection> {
-    let fence = lease.map(|lease| lease.fencing_token());
     let written = app
         .store
-        .set_stock(&sku, level.qty, fence)
+        .set_stock(&sku, level.qty, lease.as_ref())
         .await
         .map_err(store_failed)?;
     if !written {
@@ -314,10 +321,9 @@ async fn place_order(
             .collect(),
         fence: lease.as_ref().map(|lease| lease.fencing_token().get()),
     };
-    let fence = lease.map(|lease| lease.fencing_token());
     let written = app
         .store
-        .commit(&remaining, &placed, fence)
+        .commit(&remaining, &placed, lease.as_ref())
         .await
         .map_err(store_failed)?;
     if !written {
@@ -443,6 +449,15 @@ pub enum Store {
     /// `orders:order:{order_id}`: never under the locks' `lock:` prefix.
     #[cfg(feature = "redis")]
     Redis(Remote),
+    /// In PostgreSQL, in the tables `orders.stock` and `orders.orders`, written in
+    /// transactions that the locks' guard checks.
+    #[cfg(feature = "postgres")]
+    Postgres {
+        /// The data's connections.
+        pool: tower_batch_lock::deadpool_postgres::Pool,
+        /// The guard's call.
+        guard: String,
+    },
 }
 
 /// Where a Redis store sends its commands.
@@ -528,9 +543,44 @@ impl Store {
         Self::Redis(Remote::Cluster(cluster))
     }
 
+    /// A store in the PostgreSQL database behind `pool`, whose writes check the locks
+    /// with `guard` ([`tower_batch_lock::store::Postgres::guard_sql`]): makes its tables.
+    #[cfg(feature = "postgres")]
+    pub async fn postgres(
+        pool: tower_batch_lock::deadpool_postgres::Pool,
+        guard: String,
+    ) -> Result<Self, StoreError> {
+        pool.get()
+            .await?
+            .batch_execute(
+                "CREATE SCHEMA IF NOT EXISTS orders;
+                 CREATE TABLE IF NOT EXISTS orders.stock (sku text PRIMARY KEY, qty bigint NOT NULL);
+                 CREATE TABLE IF NOT EXISTS orders.orders (order_id text PRIMARY KEY, body text NOT NULL);",
+            )
+            .await?;
+        Ok(Self::Postgres { pool, guard })
+    }
+
     /// The stock levels of `skus`, in one read.
     async fn stock(&self, skus: &[&str]) -> Result<Vec<Option<u64>>, StoreError> {
         match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let rows = pool
+                    .get()
+                    .await?
+                    .query(
+                        "SELECT s.qty FROM unnest($1::text[]) WITH ORDINALITY k(sku, i) \
+                         LEFT JOIN orders.stock s ON s.sku = k.sku ORDER BY k.i",
+                        &[&skus],
+                    )
+                    .await?;
+                let level = |row: &tokio_postgres::Row| row.get::<_, Option<i64>>(0);
+                Ok(rows
+                    .iter()
+                    .map(|row| level(row).and_then(|qty| u64::try_from(qty).ok()))
+                    .collect())
+            }
             Self::Memory(tables) => {
                 let tables = tables.lock().unwrap();
                 Ok(skus
@@ -552,15 +602,21 @@ impl Store {
         &self,
         sku: &str,
         qty: u64,
-        fence: Option<FencingToken>,
+        lease: Option<&Lease>,
     ) -> Result<bool, StoreError> {
         match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, guard } => {
+                let order = None;
+                guarded_write(pool, guard, lease, &[(sku, qty)], order).await
+            }
             Self::Memory(tables) => {
                 tables.lock().unwrap().stock.insert(sku.to_owned(), qty);
                 Ok(true)
             }
             #[cfg(feature = "redis")]
             Self::Redis(remote) => {
+                let fence = lease.map(Lease::fencing_token);
                 remote
                     .write(&[(stock_key(sku), qty.to_string())], fence)
                     .await
@@ -570,6 +626,14 @@ impl Store {
 
     async fn order(&self, order_id: &str) -> Result<Option<Order>, StoreError> {
         match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let client = pool.get().await?;
+                let query = "SELECT body FROM orders.orders WHERE order_id = $1";
+                let row = client.query_opt(query, &[&order_id]).await?;
+                let json = row.map(|row| row.get::<_, String>(0));
+                Ok(json.map(|json| serde_json::from_str(&json)).transpose()?)
+            }
             Self::Memory(tables) => Ok(tables.lock().unwrap().orders.get(order_id).cloned()),
             #[cfg(feature = "redis")]
             Self::Redis(remote) => {
@@ -583,16 +647,22 @@ impl Store {
 
     /// Writes the new stock levels and the order, in one write: in one Redis, fenced by
     /// the order's token (`false`, and nothing written, when a later holder of one of the
-    /// SKUs wrote it first). In memory, the process that holds the locks holds the data.
-    /// On a cluster, the keys span slots, which one fenced write cannot: a plain write.
+    /// SKUs wrote it first); in PostgreSQL, in one transaction that the locks' guard
+    /// checks first (`false`, and nothing written, when the order's lease ran out). In
+    /// memory, the process that holds the locks holds the data. On a cluster, the keys span
+    /// slots, which one fenced write cannot: a plain write.
     #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
     async fn commit(
         &self,
         stock: &[(&str, u64)],
         order: &Order,
-        fence: Option<FencingToken>,
+        lease: Option<&Lease>,
     ) -> Result<bool, StoreError> {
         match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, guard } => {
+                guarded_write(pool, guard, lease, stock, Some(order)).await
+            }
             Self::Memory(tables) => {
                 let mut tables = tables.lock().unwrap();
                 for &(sku, qty) in stock {
@@ -608,10 +678,56 @@ impl Store {
                     .map(|&(sku, qty)| (stock_key(sku), qty.to_string()))
                     .collect();
                 writes.push((order_key(&order.order_id), serde_json::to_string(order)?));
-                remote.write(&writes, fence).await
+                remote.write(&writes, lease.map(Lease::fencing_token)).await
             }
         }
     }
+}
+
+/// Writes stock levels (and an order) in one transaction that first checks, with the
+/// locks' guard, that the request still holds `lease`'s keys, and keeps them held until
+/// it commits: `false`, and nothing written, when the lease ran out (without a lock, a
+/// plain transaction).
+#[cfg(feature = "postgres")]
+async fn guarded_write(
+    pool: &tower_batch_lock::deadpool_postgres::Pool,
+    guard: &str,
+    lease: Option<&Lease>,
+    stock: &[(&str, u64)],
+    order: Option<&Order>,
+) -> Result<bool, StoreError> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    if let Some(lease) = lease {
+        let held = lease.postgres_guard();
+        if let Err(error) = tx.execute(guard, &[&held.keys, &held.owner]).await {
+            if error.code().map(|code| code.code()) == Some("TBL01") {
+                return Ok(false);
+            }
+            return Err(error.into());
+        }
+    }
+    let skus: Vec<&str> = stock.iter().map(|&(sku, _)| sku).collect();
+    let levels: Vec<i64> = stock
+        .iter()
+        .map(|&(_, qty)| i64::try_from(qty))
+        .collect::<Result<_, _>>()?;
+    tx.execute(
+        "INSERT INTO orders.stock (sku, qty) SELECT * FROM unnest($1::text[], $2::bigint[]) \
+         ON CONFLICT (sku) DO UPDATE SET qty = excluded.qty",
+        &[&skus, &levels],
+    )
+    .await?;
+    if let Some(order) = order {
+        let body = serde_json::to_string(order)?;
+        tx.execute(
+            "INSERT INTO orders.orders (order_id, body) VALUES ($1, $2)",
+            &[&order.order_id, &body],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
 }
 
 #[cfg(feature = "redis")]
@@ -686,7 +802,12 @@ async fn main() -> Result<(), StoreError> {
     let lock_ttl = Duration::from_millis(env_ms("LOCK_TTL_MS", 30_000)?);
     let lock_wait = Duration::from_millis(env_ms("LOCK_WAIT_MS", 0)?);
     let fair = env::var("LOCK_FAIR").map_or(true, |v| v.trim() != "0");
-    let stores = ["REDIS_URL", "REDIS_URLS", "REDIS_CLUSTER_URLS"];
+    let stores = [
+        "REDIS_URL",
+        "REDIS_URLS",
+        "REDIS_CLUSTER_URLS",
+        "DATABASE_URL",
+    ];
     let chosen: Vec<&str> = stores.into_iter().filter(|v| env::var(v).is_ok()).collect();
     if chosen.len() > 1 {
         return Err(format!(
@@ -734,10 +855,27 @@ async fn main() -> Result<(), StoreError> {
             let serving = "locks and data on a Redis Cluster".to_owned();
             (Store::redis_cluster(data), locks, serving)
         }
+        #[cfg(feature = "postgres")]
+        Some("DATABASE_URL") => {
+            let url = env::var("DATABASE_URL")?;
+            let locks = tower_batch_lock::store::Postgres::url(&url);
+            let guard = locks.guard_sql();
+            // The locks get a pool of their own, and a connection that listens for
+            // releases; the data a pool of its own too, checked now, as for Redis.
+            let config: tokio_postgres::Config = url.parse()?;
+            let manager =
+                tower_batch_lock::deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+            let pool = tower_batch_lock::deadpool_postgres::Pool::builder(manager).build()?;
+            let store = Store::postgres(pool, guard).await?;
+            let locks = Locks::new(locks.build()?);
+            locks.check().await?;
+            (store, locks, "locks and data in PostgreSQL".to_owned())
+        }
         Some(other) => {
             return Err(format!(
                 "{other} is set, but this build has no store for it: add `--features redis` \
-                 (`--features cluster` for REDIS_CLUSTER_URLS)"
+                 (`--features cluster` for REDIS_CLUSTER_URLS, `--features postgres` for \
+                 DATABASE_URL)"
             )
             .into())
         }

@@ -225,6 +225,17 @@ impl Lease {
         Some(self.modes.at(index))
     }
 
+    /// What a transaction in the locks' PostgreSQL database needs to check, where it
+    /// writes, that this request still holds this layer's keys
+    /// ([`PostgresGuard`](crate::store::PostgresGuard) says how).
+    #[cfg(feature = "postgres")]
+    pub fn postgres_guard(&self) -> crate::store::PostgresGuard {
+        crate::store::PostgresGuard {
+            keys: self.keys.to_vec(),
+            owner: self.owner.token.as_hex(),
+        }
+    }
+
     /// The fencing token of this layer's grant. The layers around it were granted before,
     /// from the same counter where they share its store and prefix: this token is then
     /// larger than theirs, and than every earlier grant's on any of the [keys](Self::keys).

@@ -59,7 +59,7 @@ pub use cluster::RedisCluster;
 pub use error::StoreError;
 pub use handle::Store;
 #[cfg(feature = "postgres")]
-pub use postgres::builder::Postgres;
+pub use postgres::{builder::Postgres, guard::PostgresGuard};
 #[cfg(feature = "redis")]
 pub use redis::builder::Redis;
 #[cfg(feature = "redis")]

@@ -1219,8 +1219,14 @@ mod binary {
             Some("release") => vec!["--release".into()],
             Some(other) => vec!["--profile".into(), other.into()],
         };
+        // With PostgreSQL where this build has it, for `DATABASE_URL`.
+        let features = if cfg!(feature = "postgres") {
+            "redis,admin,postgres"
+        } else {
+            "redis,admin"
+        };
         let build = Command::new(env!("CARGO"))
-            .args(["build", "--example", "orders", "--features", "redis,admin"])
+            .args(["build", "--example", "orders", "--features", features])
             .args(["--message-format", "json-render-diagnostics"])
             .args(profile)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -1295,6 +1301,7 @@ mod binary {
             for variable in [
                 "REDIS_URL",
                 "REDIS_URLS",
+                "DATABASE_URL",
                 "WORK_DELAY_MS",
                 "LOCK_TTL_MS",
                 "LOCK_WAIT_MS",
@@ -1399,7 +1406,7 @@ mod binary {
     /// (With a plain write, both answered 201 and the stock read 9.)
     async fn a_stopped_holder_cannot_overwrite_the_next_sale(
         env: &[(&str, &str)],
-        lock_servers: &[RedisServer],
+        holds_the_sku: impl FnMut() -> bool,
     ) {
         let a_env = [env, &[("LOCK_TTL_MS", "400"), ("WORK_DELAY_MS", "1500")]].concat();
         let (a, a_addr, _) = Example::start(&a_env).await;
@@ -1417,10 +1424,7 @@ mod binary {
         let held = crate::support::http::poll_every(
             Duration::from_millis(10),
             Duration::from_secs(5),
-            || {
-                let on = |server: &RedisServer| !server.keys("lock:sku:pz1").is_empty();
-                lock_servers.iter().all(on)
-            },
+            holds_the_sku,
         )
         .await;
         assert!(held.is_some(), "A was never granted the SKU");
@@ -1454,7 +1458,8 @@ mod binary {
         let server = RedisServer::start();
         let url = server.url();
         let env = [("REDIS_URL", url.as_str())];
-        a_stopped_holder_cannot_overwrite_the_next_sale(&env, std::slice::from_ref(&server)).await;
+        let held = || !server.keys("lock:sku:pz1").is_empty();
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, held).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1463,7 +1468,55 @@ mod binary {
         let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
         let urls = urls.join(",");
         let env = [("REDIS_URLS", urls.as_str())];
-        a_stopped_holder_cannot_overwrite_the_next_sale(&env, &masters).await;
+        let held = || masters.iter().all(|m| !m.keys("lock:sku:pz1").is_empty());
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, held).await;
+    }
+
+    /// In PostgreSQL, the guard of A's transaction finds its lease gone, and fails it.
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_postgres() {
+        let db = crate::support::postgres::Database::create();
+        let url = db.url();
+        let held = || {
+            let rows = db.query(
+                "SELECT count(*) FROM tower_batch_lock.locks \
+                 WHERE key = 'lock:sku:pz1' AND ends > clock_timestamp()",
+            );
+            rows == "1"
+        };
+        a_stopped_holder_cannot_overwrite_the_next_sale(&[("DATABASE_URL", &url)], held).await;
+    }
+
+    /// `DATABASE_URL`: the locks, the data and the idempotency answers in one PostgreSQL
+    /// database, shared by two instances.
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_binary_serves_orders_on_postgres() {
+        let db = crate::support::postgres::Database::create();
+        let env = [("DATABASE_URL", db.url())];
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let (_one, one, first_line) = Example::start(&env).await;
+        let (_two, two, _) = Example::start(&env).await;
+        assert!(first_line.contains("PostgreSQL"), "{first_line:?}");
+        assert_eq!(
+            http(one, "PUT", "/stock/apple", r#"{"qty": 3}"#).await.0,
+            200
+        );
+        let order = r#"{"order_id": "pg-1", "items": [{"sku": "apple", "qty": 2}]}"#;
+        let (status, body) = http(two, "POST", "/orders", order).await;
+        assert_eq!(status, 201, "{body}");
+        assert!(body.contains(r#""fence":"#), "{body}");
+        // Placed before: answered again, nothing taken twice.
+        assert_eq!(http(one, "POST", "/orders", order).await.0, 200);
+        assert_eq!(
+            db.query("SELECT sku || '=' || qty FROM orders.stock"),
+            "apple=1"
+        );
+        assert_eq!(db.query("SELECT count(*) FROM orders.orders"), "1");
+        let live =
+            db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE ends > clock_timestamp()");
+        assert_eq!(live, "0", "every lock released");
     }
 
     /// `REDIS_URLS`: the locks on three Redlock masters, the data in the first.

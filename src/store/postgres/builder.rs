@@ -191,6 +191,14 @@ impl Postgres {
         self.names.sql()
     }
 
+    /// The call of the schema's guard function, for your transactions that write the data
+    /// the locks protect: `SELECT tower_batch_lock.locks_guard($1::text[], $2::text::uuid)`
+    /// with the keys and the owner of a [`PostgresGuard`](crate::store::PostgresGuard).
+    pub fn guard_sql(&self) -> String {
+        let table = self.names.qualified();
+        format!("SELECT {table}_guard($1::text[], $2::text::uuid)")
+    }
+
     /// The store. The listener starts at once when this is called inside a Tokio
     /// runtime, and otherwise when the first request waits.
     ///

@@ -28,6 +28,7 @@ use super::{
 use schema::Names;
 
 pub(super) mod builder;
+pub(super) mod guard;
 mod listen;
 mod schema;
 

@@ -1,9 +1,7 @@
 -- The PostgreSQL store's schema: a table of lock rows, a sequence of fencing tokens, a
--- table of the idempotency layer's answers, and the functions that the store calls, one
--- statement a call. `{S}` is the schema, `{T}` the table (`schema.table`), `{C}` the
--- channel of release notifications; the store puts in the names it was given. Version 1
--- ({T}_version): a later release that changes any of this raises it, and ships the
--- migration.
+-- table of the idempotency layer's answers, the functions that the store calls (one
+-- statement a call), and the guard for your own transactions. Version 1 (the `_version`
+-- function): a later release that changes any of this raises it, and ships the migration.
 --
 -- One row a lock key, written only by these functions:
 --   owner, holds, modes, ends: one owner's exclusive holds (re-entry adds hold ids), which
@@ -498,3 +496,29 @@ LANGUAGE sql AS $$
     WHERE a.ends <= clock_timestamp()
   RETURNING true
 $$;
+
+-- Holds, until the calling transaction ends, the rows of `p_keys` (as the store keeps them,
+-- prefix included) that `p_owner` (the request's owner token) holds now, in any mode; and
+-- fails the transaction (SQLSTATE TBL01) unless it holds them all. A transaction that
+-- writes the data the locks protect calls it first: a request whose lease ran out, whose
+-- keys another request may hold now, cannot commit; and while the transaction runs, no one
+-- else is granted the keys (a grant waits for the rows), so no later holder's write comes
+-- between this check and the commit.
+CREATE OR REPLACE FUNCTION {T}_guard(p_keys text[], p_owner uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  held int;
+BEGIN
+  SELECT count(*) INTO held FROM (
+    SELECT 1 FROM {T} l WHERE l.key = ANY(p_keys)
+      AND ((l.owner = p_owner AND l.ends > now)
+           OR EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.owner = p_owner AND x.ends > now))
+    ORDER BY l.key FOR SHARE
+  ) h;
+  IF held < cardinality(p_keys) THEN
+    RAISE EXCEPTION USING ERRCODE = 'TBL01',
+      MESSAGE = format('the lease on %s of %s keys is lost: another request may hold them',
+                       cardinality(p_keys) - held, cardinality(p_keys));
+  END IF;
+END $$;
