@@ -25,9 +25,11 @@ use super::{
     message::release_message,
     wake::{slots_of, Wakeups},
 };
+use failure::failed;
 use schema::Names;
 
 pub(super) mod builder;
+mod failure;
 pub(super) mod guard;
 mod listen;
 mod schema;
@@ -184,11 +186,11 @@ impl PostgresStore {
         let statement = client
             .prepare_cached(sql)
             .await
-            .map_err(|e| error(e, false))?;
+            .map_err(|e| failed(e, false))?;
         client
             .query_one(&statement, params)
             .await
-            .map_err(|e| error(e, writes))
+            .map_err(|e| failed(e, writes))
     }
 
     /// Frees keys for others with `sql` (release, withdraw, force_release), whose last
@@ -230,23 +232,6 @@ fn ticket_arg(line: Line) -> Option<String> {
     match line {
         Line::Outside => None,
         Line::At(ticket) | Line::Holder(ticket) => Some(ticket.as_arg()),
-    }
-}
-
-/// The store's error for a failed call. An error the server answered rolled the call's
-/// statement back, so it left nothing; any other (a connection lost while it ran) may
-/// have applied when `writes`.
-fn error(error: tokio_postgres::Error, writes: bool) -> StoreError {
-    // tokio-postgres shows a server's error as "db error" alone: the code and message say
-    // what it was.
-    match error.as_db_error() {
-        Some(db) => StoreError::left_nothing(format!(
-            "PostgreSQL answered {}: {}",
-            db.code().code(),
-            db.message()
-        )),
-        None if writes => StoreError::unknown(error),
-        None => StoreError::left_nothing(error),
     }
 }
 
@@ -360,11 +345,11 @@ impl LockStore for PostgresStore {
             let statement = client
                 .prepare_cached(&self.statements.inspect)
                 .await
-                .map_err(|e| error(e, false))?;
+                .map_err(|e| failed(e, false))?;
             let rows = client
                 .query(&statement, &[&list])
                 .await
-                .map_err(|e| error(e, false))?;
+                .map_err(|e| failed(e, false))?;
             let count = |n: i32| usize::try_from(n).unwrap_or(0);
             Ok(rows
                 .iter()

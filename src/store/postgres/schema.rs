@@ -4,6 +4,7 @@
 use deadpool_postgres::Client;
 use tokio_postgres::error::SqlState;
 
+use super::failure::failed;
 use crate::store::error::StoreError;
 
 /// The version of `schema.sql` this crate calls (its `_version()` function answers it).
@@ -70,7 +71,7 @@ pub(super) async fn prepare(
     let server: i32 = client
         .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await
-        .map_err(|e| super::error(e, false))?
+        .map_err(|e| failed(e, false))?
         .get(0);
     if server < OLDEST_SERVER {
         return Err(StoreError::left_nothing(format!(
@@ -88,7 +89,7 @@ pub(super) async fn prepare(
         {
             None
         }
-        Err(error) => return Err(super::error(error, false)),
+        Err(error) => return Err(failed(error, false)),
     };
     match found {
         Some(VERSION) => Ok(()),
@@ -108,7 +109,7 @@ pub(super) async fn prepare(
             client
                 .batch_execute(&install)
                 .await
-                .map_err(|e| super::error(e, false))
+                .map_err(|e| failed(e, false))
         }
         None => Err(StoreError::left_nothing(format!(
             "the lock table {} is missing, and the store may not make it: run the SQL of \
