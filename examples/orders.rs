@@ -100,7 +100,9 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 #[cfg(feature = "postgres")]
 use tower_batch_lock::tokio_postgres;
-use tower_batch_lock::{keys, FencingToken, Lease, Locks, Rejection, Wait};
+#[cfg(feature = "redis")]
+use tower_batch_lock::FencingToken;
+use tower_batch_lock::{keys, Lease, Locks, Rejection, Wait};
 
 /// The body of `POST /orders` (`Id` a `String`) and of `POST /quotes`, where `order_id`
 /// may be left out (`Id` an `Option<String>`): one type, so that both routes read and

@@ -11,6 +11,8 @@ pub(crate) mod handlers;
 pub(crate) mod http;
 pub(crate) mod logs;
 #[cfg(feature = "postgres")]
+pub(crate) mod pg_server;
+#[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod proxy;

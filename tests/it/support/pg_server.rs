@@ -1,0 +1,146 @@
+//! A PostgreSQL server of a test's (or the bench's) own, on a free loopback port, in a
+//! temporary directory: for what the machine's shared server must not undergo (a kill, a
+//! restart). `initdb` and `pg_ctl` run as the `postgres` user when this runs as root (the
+//! server refuses root), and as the current user otherwise.
+
+use std::{
+    net::TcpListener,
+    path::PathBuf,
+    process::{Command, Output},
+    sync::atomic::{AtomicUsize, Ordering},
+};
+
+pub(crate) struct PgServer {
+    dir: PathBuf,
+    port: u16,
+}
+
+impl PgServer {
+    /// Makes a cluster and starts it; waits until it accepts connections.
+    ///
+    /// # Panics
+    ///
+    /// When `initdb` or `pg_ctl` is missing or fails, with their output.
+    pub(crate) fn start() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tower-batch-lock-pg-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        if as_root() {
+            check(
+                Command::new("chown").arg("postgres").arg(&dir).output(),
+                "chown",
+            );
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let server = Self { dir, port };
+        let data = server.data();
+        check(
+            server
+                .as_owner("initdb")
+                .args(["-D", &data, "-U", "postgres", "-A", "trust", "--no-sync"])
+                .output(),
+            "initdb (apt-get install postgresql, and put initdb and pg_ctl in PATH)",
+        );
+        server.run();
+        server
+    }
+
+    /// The URL of its `postgres` database.
+    pub(crate) fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Runs `sql` in its `postgres` database with psql, and gives what it printed
+    /// (unaligned, tuples only).
+    pub(crate) fn query(&self, sql: &str) -> String {
+        let output = Command::new("psql")
+            .args([&self.url(), "-v", "ON_ERROR_STOP=1", "-qAtc", sql])
+            .output();
+        let output = output.expect("psql");
+        assert!(
+            output.status.success(),
+            "psql: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    }
+
+    /// Kills the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, the
+    /// next start replays the WAL).
+    pub(crate) fn kill(&self) {
+        let data = self.data();
+        check(
+            self.as_owner("pg_ctl")
+                .args(["stop", "-D", &data, "-m", "immediate", "-w"])
+                .output(),
+            "pg_ctl stop",
+        );
+    }
+
+    /// Starts it again, on the same port, with its data.
+    pub(crate) fn run(&self) {
+        let (data, log) = (self.data(), self.dir.join("log").display().to_string());
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections=200",
+            self.port,
+            self.dir.display()
+        );
+        check(
+            self.as_owner("pg_ctl")
+                .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
+                .output(),
+            "pg_ctl start",
+        );
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").display().to_string()
+    }
+
+    /// `program` as the owner of the cluster.
+    fn as_owner(&self, program: &str) -> Command {
+        if as_root() {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--", program]);
+            command
+        } else {
+            Command::new(program)
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let data = self.data();
+        let _ = self
+            .as_owner("pg_ctl")
+            .args(["stop", "-D", &data, "-m", "immediate", "-w"])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| out.stdout.starts_with(b"0\n"))
+}
+
+fn check(output: std::io::Result<Output>, what: &str) {
+    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
