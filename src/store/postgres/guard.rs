@@ -4,9 +4,9 @@
 use std::fmt;
 
 /// What a transaction in the locks' database needs to state "this request still holds
-/// these keys" before it writes the data they protect: the keys of a [`Lease`] as the
+/// these keys" before it writes the data they protect: the keys of a [`Lease`](crate::Lease) as the
 /// store keeps them (prefix included) and the request's owner token, for the schema's
-/// guard function, whose call [`Postgres::guard_sql`](super::Postgres::guard_sql) gives
+/// guard function, whose call [`Postgres::guard_sql`](crate::store::Postgres::guard_sql) gives
 /// ([`Lease::postgres_guard`](crate::Lease::postgres_guard) makes one).
 ///
 /// The guard fails the transaction (SQLSTATE `TBL01`) unless the request holds every key
