@@ -39,7 +39,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_batch_lock::{
     keys,
-    store::{Redis, RedisCluster, Redlock},
+    store::{Postgres, Redis, RedisCluster, Redlock},
     Locks, Wait,
 };
 
@@ -47,6 +47,7 @@ use crate::{
     cluster::{CLUSTER, ONE_REDIS},
     cluster_support::Cluster,
     load::{self, Load, Outcome, Requests},
+    postgres::pg_error,
     progress,
     redis_info::{command_stats, connect, main_thread_cpu, redis_error, reset_stats, sum},
     stats::{self, percentile},
@@ -220,6 +221,7 @@ impl Plan {
 
 const MEMORY: &str = "memory";
 const REDLOCK: &str = "Redlock, 3 masters";
+const POSTGRES: &str = "PostgreSQL";
 
 /// A store under test, named by the Redis servers behind it.
 struct Store {
@@ -245,6 +247,21 @@ impl Store {
             let memory = tower_batch_lock::store::Store::isolated_memory();
             return Ok(vec![configure(Locks::new(memory))]);
         }
+        if self.name == POSTGRES {
+            let handles: Vec<Locks> = (0..2)
+                .map(|_| Postgres::url(&self.urls[0]).build())
+                .map(|store| store.map(|store| configure(Locks::new(store))))
+                .collect::<Result<_, _>>()
+                .map_err(pg_error)?;
+            handles[0].check().await.map_err(|e| e.to_string())?;
+            // Empty, as the Redis servers are flushed.
+            let client = crate::postgres::connect(&self.urls[0]).await?;
+            client
+                .batch_execute("TRUNCATE tower_batch_lock.locks")
+                .await
+                .map_err(pg_error)?;
+            return Ok(handles);
+        }
         (0..2)
             .map(|_| {
                 let store = match self.name {
@@ -261,7 +278,12 @@ impl Store {
     }
 }
 
-pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, String> {
+/// `postgres`: the URL of the bench's PostgreSQL.
+pub(crate) async fn run(
+    server: &RedisServer,
+    postgres: &str,
+    quick: bool,
+) -> Result<Value, String> {
     let plan = Plan::new(quick);
     progress::note(
         "starting three Redis masters and a Redis Cluster of three on free loopback ports",
@@ -299,6 +321,11 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
             masters,
             urls: cluster.urls(),
         },
+        Store {
+            name: POSTGRES,
+            masters: vec![],
+            urls: vec![postgres.to_owned()],
+        },
     ];
 
     let mut singles = Vec::new();
@@ -332,7 +359,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
     let targets = targets(&stores, &cases);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters and a Redis Cluster of 3 masters without replicas (node timeout {} ms for both): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server; ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost uncontended",
+            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters, a Redis Cluster of 3 masters without replicas (node timeout {} ms for both) and PostgreSQL (Postgres::url, a server of the bench's own, the lock table truncated before each level): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server; ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost uncontended",
             WORK.as_millis(),
             WAIT_BOUND.as_secs(),
             TTL.as_secs(),
@@ -827,7 +854,12 @@ fn worst(cases: &[Value], store: &str, levels: &[&str], field: &str) -> Option<f
 fn targets(stores: &[Store], cases: &[Value]) -> Vec<Target> {
     let mut targets = Vec::new();
     let figure = |store: &str, level: &str, field: &str| find(cases, store, level)?[field].as_f64();
-    for (store, at_least) in [(ONE_REDIS, 0.5), (REDLOCK, 0.4), (CLUSTER, 0.4)] {
+    for (store, at_least) in [
+        (ONE_REDIS, 0.5),
+        (REDLOCK, 0.4),
+        (CLUSTER, 0.4),
+        (POSTGRES, 0.4),
+    ] {
         for (side, field) in [
             ("retail", "retail_per_second"),
             ("purchase", "purchase_per_second"),

@@ -3,11 +3,13 @@
 //!
 //! ```sh
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
-//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared contention
+//! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared contention fenced postgres
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
 //! ```
 //!
-//! It starts its own `redis-server` processes on free loopback ports, writes
+//! It starts its own `redis-server` processes (and, for the PostgreSQL figures, a
+//! PostgreSQL server: `initdb` and `pg_ctl`, as the `postgres` user when run as root) on
+//! free loopback ports, writes
 //! `docs/bench/results.json` and `docs/bench/cost-per-key.svg`, rewrites the tables between
 //! the bench markers of `docs/bench/README.md`, shows its progress on stderr, and prints the tables
 //! with every target and its measured ratio on stdout. Sections not run keep their figures
@@ -20,6 +22,12 @@
 #[path = "../../tests/it/support/server.rs"]
 #[rustfmt::skip]
 mod support;
+
+// The tests' PostgreSQL server of its own (initdb, pg_ctl), shared the same way.
+#[allow(dead_code)]
+#[path = "../../tests/it/support/pg_server.rs"]
+#[rustfmt::skip]
+mod pg_support;
 
 // The tests' Redis Cluster (three masters, here without replicas), shared the same way.
 #[allow(dead_code)]
@@ -36,6 +44,7 @@ mod http;
 mod load;
 mod mixed;
 mod plot;
+mod postgres;
 mod progress;
 mod redis_info;
 mod report;
@@ -54,7 +63,7 @@ use serde_json::{json, Map, Value};
 
 /// The sections, in the order of the results. They run in this order, except http, which
 /// runs last (see [`run_sections`]).
-const SECTIONS: [&str; 9] = [
+const SECTIONS: [&str; 10] = [
     "batch",
     "field",
     "http",
@@ -64,6 +73,7 @@ const SECTIONS: [&str; 9] = [
     "shared",
     "contention",
     "fenced",
+    "postgres",
 ];
 
 const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
@@ -126,8 +136,16 @@ fn main() -> ExitCode {
 
     progress::note("starting redis-server on a free loopback port");
     let server = support::RedisServer::start();
+    let postgres = ["postgres", "contention"]
+        .iter()
+        .any(|s| options.sections.contains(s))
+        .then(|| {
+            progress::note("starting PostgreSQL on a free loopback port");
+            pg_support::PgServer::start()
+        });
     let runtime = tokio::runtime::Runtime::new().expect("a Tokio runtime");
-    let (sections, failures) = runtime.block_on(run_sections(&server, &options));
+    let pg_url = postgres.as_ref().map(pg_support::PgServer::url);
+    let (sections, failures) = runtime.block_on(run_sections(&server, pg_url.as_deref(), &options));
     drop(runtime);
 
     let mut results = previous(&results_path, &options);
@@ -185,10 +203,13 @@ fn main() -> ExitCode {
     }
 }
 
+/// `postgres`: the URL of the bench's PostgreSQL, started when a section needs it.
 async fn run_sections(
     server: &support::RedisServer,
+    postgres: Option<&str>,
     options: &Options,
 ) -> (Vec<(&'static str, Value)>, Vec<String>) {
+    let postgres = postgres.unwrap_or_default();
     let pool = pool(&server.url());
     let mut done = Vec::new();
     let mut failures = Vec::new();
@@ -207,8 +228,9 @@ async fn run_sections(
             "mixed" => mixed::run(server, options.quick).await,
             "cluster" => cluster::run(server, &pool, options.quick).await,
             "shared" => shared::run(server, options.quick).await,
-            "contention" => contention::run(server, options.quick).await,
+            "contention" => contention::run(server, postgres, options.quick).await,
             "fenced" => fenced::run(&pool, options.quick).await,
+            "postgres" => postgres::run(postgres, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
         };
         match result {

@@ -296,7 +296,7 @@ async fn a_server_killed_under_load_answers_503_then_grants_again_with_larger_to
         Duration::from_millis(50),
         Duration::from_secs(10),
         || {
-            let answers = std::mem::take(&mut *answers.lock().unwrap());
+            let answers = answers.lock().unwrap();
             answers
                 .iter()
                 .any(|(status, _, sent, _)| *status == StatusCode::OK && *sent > restarted)
