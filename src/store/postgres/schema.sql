@@ -307,7 +307,13 @@ END $$;
 CREATE OR REPLACE FUNCTION {T}_release(
   p_keys text[], p_owner uuid, p_hold bigint, p_message text
 ) RETURNS TABLE (released int, heads text[])
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- An index scan of `key = ANY(…)` takes the rows in key order, as every call takes them (a
+-- sequential scan would take them in the table's order, and could deadlock with a batch
+-- that waits for one of them while it holds another): the plain DELETE below then needs
+-- no ordered `FOR UPDATE` first, which would write each row twice.
+SET enable_seqscan = off SET enable_bitmapscan = off
+AS $$
 DECLARE
   now timestamptz := clock_timestamp();
   r {T};
@@ -316,16 +322,11 @@ DECLARE
 BEGIN
   heads := '{}';
   -- The common case, a key with this hold alone and no line, goes at once.
-  -- Rows are locked in key order, as every call takes them.
-  WITH gone AS (
-    DELETE FROM {T} l WHERE l.key IN (
-      SELECT d.key FROM {T} d WHERE d.key = ANY(p_keys) AND d.line IS NULL AND (
-        (d.owner = p_owner AND d.holds = ARRAY[p_hold] AND d.ends > now)
-        OR (d.owner IS NULL AND cardinality(d.readers) = 1
-            AND (d.readers[1]).owner = p_owner AND (d.readers[1]).hold = p_hold))
-      ORDER BY d.key FOR UPDATE)
-    RETURNING 1
-  ) SELECT count(*) INTO released FROM gone;
+  DELETE FROM {T} l WHERE l.key = ANY(p_keys) AND l.line IS NULL AND (
+    (l.owner = p_owner AND l.holds = ARRAY[p_hold] AND l.ends > now)
+    OR (l.owner IS NULL AND cardinality(l.readers) = 1
+        AND (l.readers[1]).owner = p_owner AND (l.readers[1]).hold = p_hold));
+  GET DIAGNOSTICS released = ROW_COUNT;
   IF released < cardinality(p_keys) THEN
     FOR r IN
       SELECT * FROM {T} l WHERE l.key = ANY(p_keys) AND (
@@ -365,12 +366,15 @@ BEGIN
       END IF;
     END LOOP;
   END IF;
-  IF released > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
   RETURN NEXT;
 END $$;
 
 -- Tells the waiters of every process which slots were freed, and which waiters are now
--- first in line (a payload has at most 8,000 bytes: past that, every waiter wakes).
+-- first in line (a payload has at most 8,000 bytes: past that, every waiter wakes). Only
+-- calls that let a waiter in line in notify: a notification serializes the commits of every
+-- transaction that sends one (a lock on the database's queue), which the uncontended path
+-- must not pay for; waiters in no line poll for other processes' releases.
 CREATE OR REPLACE FUNCTION {T}_announce(p_message text, p_heads text[]) RETURNS void
 LANGUAGE sql AS $$
   SELECT pg_notify('{C}', CASE
@@ -405,7 +409,7 @@ BEGIN
   DELETE FROM {T} l WHERE l.key = ANY(changed_keys) AND l.line IS NULL
     AND NOT (l.owner IS NOT NULL AND l.ends > now)
     AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now);
-  IF withdrawn > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
   RETURN NEXT;
 END $$;
 
@@ -431,7 +435,7 @@ BEGIN
            coalesce(array_agg(c.key), '{}')
     INTO released, heads, changed_keys FROM changed c;
   DELETE FROM {T} l WHERE l.key = ANY(changed_keys) AND l.line IS NULL;
-  IF released > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+  IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
   RETURN NEXT;
 END $$;
 
