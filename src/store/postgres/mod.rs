@@ -34,11 +34,6 @@ pub(super) mod guard;
 mod listen;
 mod schema;
 
-/// How long a call waits for rows that another call (or a transaction that guards its
-/// writes with the lock rows) has locked, before it fails: far longer than any call takes,
-/// so that only a stuck transaction reaches it.
-const ROW_WAIT: Duration = Duration::from_secs(2);
-
 /// The statements of the store, built once from its names.
 #[derive(Debug)]
 struct Statements {
@@ -62,7 +57,7 @@ impl Statements {
                 "token, conflicts, earliest_ms, named, upgrade",
                 "acquire",
                 "$1::text[], $2::text, $3::text::uuid, $4::bigint, $5::bigint, $6::int, \
-                 $7::text::numeric, $8::bigint, $9::bigint",
+                 $7::text::numeric, $8::bigint",
             ),
             probe: names.call(
                 "*",
@@ -256,7 +251,6 @@ impl LockStore for PostgresStore {
                         &report,
                         &ticket_arg(request.line),
                         &reserve,
-                        &millis(ROW_WAIT),
                     ],
                     true,
                 )

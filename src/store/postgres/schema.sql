@@ -113,9 +113,14 @@ END $$;
 -- ends (NULL: unknown), up to `report` of them, and whether one is an upgrade.
 CREATE OR REPLACE FUNCTION {T}_acquire(
   p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_ttl_ms bigint, p_report int,
-  p_ticket numeric, p_reserve_ms bigint, p_wait_ms bigint
+  p_ticket numeric, p_reserve_ms bigint
 ) RETURNS TABLE (token bigint, conflicts int, earliest_ms bigint, named text[], upgrade boolean)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Another call's rows are waited for at most this long: a call runs one statement, and
+-- only a stuck transaction (or a user's that guards its writes with `_guard` for longer)
+-- holds them for this long; the request then gets 503, not a wait without end.
+SET lock_timeout = '2s'
+AS $$
 DECLARE
   now timestamptz := clock_timestamp();
   till timestamptz := now + p_ttl_ms * interval '1 ms';
@@ -128,9 +133,6 @@ DECLARE
   shared boolean;
   cur {T};
 BEGIN
-  -- Another call's rows are waited for at most this long (it runs one statement; a
-  -- user's transaction that guards its writes with {T}_holds may hold them longer).
-  PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
   conflicts := 0; named := '{}'; upgrade := false;
   -- Free keys are taken at once; the rows of the others are locked, in key order.
   WITH inserted AS (
