@@ -184,8 +184,15 @@
 //!
 //! - **Data in Redis:** [`fenced::set`] writes keys with the lease's token, all or none,
 //!   and refuses them when a later token wrote one (feature `redis`).
-//! - **Data in SQL:** keep the token in a column and make it part of the write:
-//!   `UPDATE stock SET qty = $1, fence = $2 WHERE sku = $3 AND fence <= $2`; no row
+//! - **Data in the locks' PostgreSQL database** (`store::Postgres`, feature `postgres`):
+//!   begin the transaction that writes with the schema's guard,
+//!   `SELECT tower_batch_lock.locks_guard($1, $2)` with the keys and owner of
+//!   `Lease::postgres_guard`. It fails the transaction (SQLSTATE `TBL01`) unless the
+//!   request still holds its keys, and holds their rows until the commit, so that no later
+//!   holder is granted them in between: a stale write cannot commit (`PostgresGuard` shows
+//!   it with tokio-postgres and sqlx). The `orders` example does this with `DATABASE_URL`.
+//! - **Data in another SQL database:** keep the token in a column and make it part of the
+//!   write: `UPDATE stock SET qty = $1, fence = $2 WHERE sku = $3 AND fence <= $2`; no row
 //!   updated means a later holder wrote: roll back and answer 409.
 //! - **What you must do:** guard each piece of data with one lock key that every writer of
 //!   it takes (`sku:{sku}` for the stock of `sku`): tokens compare only between grants

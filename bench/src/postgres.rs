@@ -4,9 +4,13 @@
 //! (b) session advisory locks over the same keys (`pg_try_advisory_lock` a key, then
 //! `pg_advisory_unlock`), which have no lease, no fencing and no queue; (c) one statement a
 //! key, as ShedLock and Spring's `JdbcLockRegistry` take them. For 1, 100 and 3,000 keys,
-//! in rounds that alternate the four, on a server the bench starts itself.
+//! in rounds that alternate the four, on a server the bench starts itself. And what the
+//! guard of a write in that database costs (issue 38): a transaction with and without it.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use axum::{body::Body, routing::post, Router};
 use http::{request::Parts, Request};
@@ -15,7 +19,7 @@ use tower::ServiceExt;
 use tower_batch_lock::{
     store::Postgres,
     tokio_postgres::{self, Client, NoTls},
-    Locks, Rejection,
+    Lease, Locks, Rejection,
 };
 
 use crate::{
@@ -101,7 +105,9 @@ pub(crate) async fn run(url: &str, quick: bool) -> Result<Value, String> {
             "over_statement_per_key": stats::round(ratio(&per_key), 4),
         }));
     }
+    let guard = guarded_write_cost(&locks, url, quick).await?;
     Ok(json!({
+        "guarded_write": guard,
         "method": "one client connection for the baselines and the crate's own pool (Postgres::url), on a PostgreSQL the bench starts (initdb, default settings, fsync on) on a free loopback port; each round runs the four one after another on the same keys, free at the start, every statement prepared beforehand (as the store prepares its calls once a connection): the crate's cycle is a POST through LockLayer (keys from a closure) to a handler that returns at once, acquire + release; minimal: INSERT INTO bench_minimal SELECT unnest($1), $2 ON CONFLICT DO NOTHING, then DELETE WHERE key = ANY($1) AND owner = $2 (a logged table with a primary key, as the store's); advisory: SELECT pg_try_advisory_lock(hashtext(k)) over unnest($1), then pg_advisory_unlock; a statement a key: the minimal INSERT and DELETE once per key, each its own round trip (fewer rounds at 100 keys and more); times are the medians",
         "server_version": client
             .query_one("SHOW server_version", &[])
@@ -110,6 +116,69 @@ pub(crate) async fn run(url: &str, quick: bool) -> Result<Value, String> {
             .get::<_, String>(0),
         "cases": cases,
         "targets": targets.iter().map(Target::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// What the guard adds to a write in the locks' database: a handler under a one-key lease
+/// runs `BEGIN; UPDATE …; COMMIT` plainly, or with the guard's `SELECT` first, in rounds
+/// that alternate the two; measured is the transaction's time inside the handler.
+async fn guarded_write_cost(locks: &Locks, url: &str, quick: bool) -> Result<Value, String> {
+    let client = Arc::new(connect(url).await?);
+    client
+        .batch_execute(
+            "DROP TABLE IF EXISTS bench_stock;
+             CREATE TABLE bench_stock (sku text PRIMARY KEY, qty bigint NOT NULL);
+             INSERT INTO bench_stock VALUES ('apple', 0);",
+        )
+        .await
+        .map_err(pg_error)?;
+    let guard_sql = Arc::new(Postgres::url(url).guard_sql());
+    let times: Arc<Mutex<[Vec<Duration>; 2]>> = Arc::default();
+    let app = |guarded: bool| {
+        let (client, guard_sql, times) = (client.clone(), guard_sql.clone(), times.clone());
+        let write = move |lease: Lease| async move {
+            let started = Instant::now();
+            let written: Result<(), tokio_postgres::Error> = async {
+                client.batch_execute("BEGIN").await?;
+                if guarded {
+                    let held = lease.postgres_guard();
+                    client
+                        .execute(&*guard_sql, &[&held.keys, &held.owner])
+                        .await?;
+                }
+                client
+                    .execute(
+                        "UPDATE bench_stock SET qty = qty + 1 WHERE sku = 'apple'",
+                        &[],
+                    )
+                    .await?;
+                client.batch_execute("COMMIT").await
+            }
+            .await;
+            times.lock().unwrap()[usize::from(guarded)].push(started.elapsed());
+            written.map_err(|e| (http::StatusCode::INTERNAL_SERVER_ERROR, pg_error(e)))
+        };
+        let extract = |_: &Parts| Ok::<_, Rejection>(["bench:apple"]);
+        Router::new().route("/", post(write).layer(locks.layer(extract)))
+    };
+    let (plain, guarded) = (app(false), app(true));
+    let rounds = if quick { 20 } else { 300 };
+    for _ in 0..rounds {
+        crate_cycle(&plain).await?;
+        crate_cycle(&guarded).await?;
+    }
+    let [plain, guarded] = std::mem::take(&mut *times.lock().unwrap()).map(Summary::of);
+    let ratio = stats::ms(guarded.median) / stats::ms(plain.median);
+    progress::note(&format!(
+        "postgres: a guarded write {:.3} ms vs a plain one {:.3} ms (x{ratio:.2})",
+        stats::ms(guarded.median),
+        stats::ms(plain.median)
+    ));
+    Ok(json!({
+        "statements": {"plain": 3, "guarded": 4},
+        "plain": plain.to_json(),
+        "guarded": guarded.to_json(),
+        "median_ratio": stats::round(ratio, 3),
     }))
 }
 

@@ -70,14 +70,16 @@ const POOL_SIZE: usize = 16;
 /// - **Rights.** To make the schema: `CREATE` on the database (or make it yourself with
 ///   [`schema_sql`](Self::schema_sql) and `create_schema(false)`); then `USAGE` on the
 ///   schema, `EXECUTE` on its functions, which write the table and the sequence.
-/// - **Connection poolers.** Every call is one statement in its own transaction, and the
-///   store keeps no session state on its pooled connections: it works behind PgBouncer in
-///   transaction pooling, as behind any pooler, given PgBouncer 1.21 or later
-///   (`max_prepared_statements`, since the store prepares its statements) or a pool of
-///   yours whose connections do not prepare. The listener needs a session of its own
-///   (`LISTEN` does not work through transaction pooling): point
-///   [`wakeups`](Self::wakeups) at the server itself, or at a session-pooled entry; without
-///   it, waiters poll.
+/// - **Connection poolers.** Every call is one statement in a transaction of its own, and
+///   the store keeps no session state (its settings are the functions' own), so transaction
+///   pooling suits it, with one condition: the store prepares its statements once a
+///   connection (a named prepared statement each), which PgBouncer supports in transaction
+///   mode from 1.21 (`max_prepared_statements`); behind an older PgBouncer in transaction
+///   mode, use session mode. (Not tested behind PgBouncer here: Debian 12's is 1.18.) The
+///   listener needs a session of its own (`LISTEN` does not survive transaction pooling):
+///   point [`wakeups`](Self::wakeups) at the server itself or at a session-pooled entry;
+///   without it, waiters poll. Advisory locks, the usual alternative, break behind
+///   transaction pooling: they belong to a session.
 /// - **Failover.** A lock lives in the database: it survives a restart and a crash (it is
 ///   written to the WAL like any row), and a failover to a synchronous replica. A failover
 ///   to an asynchronous replica that had not received a grant loses that grant: another
