@@ -39,6 +39,7 @@ pub(crate) fn markdown(document: &Value) -> String {
     cluster(&mut out, &document["cluster"]);
     shared(&mut out, &document["shared"]);
     contention(&mut out, &document["contention"]);
+    postgres(&mut out, &document["postgres"]);
     out
 }
 
@@ -477,6 +478,50 @@ fn field(out: &mut String, field: &Value) {
             case["nodes"],
             case["median_ms"].as_f64().map_or("–".to_owned(), duration),
             case["p99_ms"].as_f64().map_or("–".to_owned(), duration),
+        );
+    }
+}
+
+fn postgres(out: &mut String, postgres: &Value) {
+    let Some(cases) = postgres["cases"].as_array() else {
+        return;
+    };
+    let _ = writeln!(
+        out,
+        "\nPostgreSQL {}: acquire + release of a batch, median times (`store::Postgres` through the layer; the field's ways in the same database):\n",
+        text(&postgres["server_version"])
+    );
+    let _ = writeln!(
+        out,
+        "| keys | store::Postgres | minimal lock-table batch | ÷ | advisory locks | a statement a key | ÷ |"
+    );
+    let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let median = |case: &Value, field: &str| {
+        case[field]["median_ms"]
+            .as_f64()
+            .map_or("–".to_owned(), duration)
+    };
+    for case in cases {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            case["keys"],
+            median(case, "crate"),
+            median(case, "minimal_batch"),
+            ratio(&case["over_minimal"]),
+            median(case, "advisory_locks"),
+            median(case, "statement_per_key"),
+            ratio(&case["over_statement_per_key"]),
+        );
+    }
+    let guard = &postgres["guarded_write"];
+    if guard.is_object() {
+        let _ = writeln!(
+            out,
+            "\nA write in that database guarded by the locks (`locks_guard` first in its transaction, 4 statements) takes {}, a plain one (3) {}: {}.",
+            median(guard, "guarded"),
+            median(guard, "plain"),
+            ratio(&guard["median_ratio"]),
         );
     }
 }
