@@ -81,29 +81,22 @@ $$;
 CREATE OR REPLACE FUNCTION {T}_keeps_out(
   r {T}, p_owner uuid, p_shared boolean, p_ticket numeric, p_now timestamptz
 ) RETURNS int
-LANGUAGE plpgsql STABLE AS $$
-DECLARE
-  mine boolean;
-  others boolean;
-  reserved boolean;
-BEGIN
-  IF r.key IS NULL THEN RETURN 0; END IF;
-  IF r.owner IS NOT NULL AND r.ends > p_now THEN
-    RETURN (r.owner <> p_owner)::int;
-  END IF;
-  SELECT coalesce(bool_or(x.owner = p_owner), false),
-         coalesce(bool_or(x.owner <> p_owner), false)
-    INTO mine, others
-    FROM unnest(r.readers) x WHERE x.ends > p_now;
-  reserved := EXISTS (
-    SELECT 1 FROM unnest(r.line) q
-    WHERE q.ends > p_now AND (p_ticket IS NULL OR q.ticket < p_ticket));
-  IF mine THEN
-    RETURN CASE WHEN p_shared OR NOT others THEN 0 ELSE 2 END;
-  END IF;
-  IF others AND NOT p_shared THEN RETURN 1; END IF;
-  RETURN reserved::int;
-END $$;
+LANGUAGE sql STABLE AS $$
+  SELECT CASE
+    WHEN r.key IS NULL THEN 0
+    WHEN r.owner IS NOT NULL AND r.ends > p_now THEN (r.owner <> p_owner)::int
+    ELSE (
+      SELECT CASE
+        WHEN s.mine THEN CASE WHEN p_shared OR NOT s.others THEN 0 ELSE 2 END
+        WHEN s.others AND NOT p_shared THEN 1
+        ELSE EXISTS (SELECT 1 FROM unnest(r.line) q
+                     WHERE q.ends > p_now AND (p_ticket IS NULL OR q.ticket < p_ticket))::int
+      END
+      FROM (SELECT coalesce(bool_or(x.owner = p_owner), false) AS mine,
+                   coalesce(bool_or(x.owner <> p_owner), false) AS others
+            FROM unnest(r.readers) x WHERE x.ends > p_now) s)
+  END
+$$;
 
 -- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
 -- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
@@ -126,8 +119,6 @@ DECLARE
   till timestamptz := now + p_ttl_ms * interval '1 ms';
   taken text[];
   r record;
-  blocked int;
-  left_ms bigint;
   live {T}_reader[];
   heads text[] := '{}';
   shared boolean;
@@ -156,27 +147,27 @@ BEGIN
     RETURN;
   END IF;
 
-  FOR r IN
-    SELECT l, u.i FROM {T} l JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
-    WHERE NOT l.key = ANY(taken) ORDER BY u.i
-  LOOP
-    shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
-    blocked := {T}_keeps_out(r.l, p_owner, shared, p_ticket, now);
-    IF blocked > 0 THEN
-      conflicts := conflicts + 1;
-      upgrade := upgrade OR blocked = 2;
-      IF cardinality(named) < p_report THEN named := named || (r.l).key; END IF;
-      IF (r.l).owner IS NOT NULL AND (r.l).ends > now THEN
-        left_ms := floor(extract(epoch FROM (r.l).ends - now) * 1000);
-      ELSE
-        SELECT floor(extract(epoch FROM max(x.ends) - now) * 1000) INTO left_ms
-          FROM unnest((r.l).readers) x WHERE x.ends > now;
-      END IF;
-      IF left_ms IS NOT NULL AND (earliest_ms IS NULL OR left_ms < earliest_ms) THEN
-        earliest_ms := left_ms;
-      END IF;
-    END IF;
-  END LOOP;
+  -- The rows that were there, all at once (a waiter's batch finds its own reservations on
+  -- every key): which keep it out, and until when the earliest of those is held.
+  SELECT count(*)::int,
+         coalesce((array_agg(c.key ORDER BY c.i))[:p_report], '{}'),
+         coalesce(bool_or(c.blocked = 2), false),
+         min(c.left_ms)
+    INTO conflicts, named, upgrade, earliest_ms
+    FROM (
+      SELECT l.key, u.i, b.blocked,
+             CASE WHEN l.owner IS NOT NULL AND l.ends > now
+                    THEN floor(extract(epoch FROM l.ends - now) * 1000)::bigint
+                  ELSE (SELECT floor(extract(epoch FROM max(x.ends) - now) * 1000)::bigint
+                        FROM unnest(l.readers) x WHERE x.ends > now) END AS left_ms
+      FROM {T} l
+      JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k,
+      LATERAL (SELECT {T}_keeps_out(l, p_owner,
+                 (CASE WHEN length(p_modes) = 1 THEN p_modes
+                       ELSE substr(p_modes, u.i::int, 1) END) = 's',
+                 p_ticket, now) AS blocked) b
+      WHERE NOT l.key = ANY(taken) AND b.blocked > 0
+    ) c;
 
   IF conflicts > 0 THEN
     IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
@@ -196,10 +187,22 @@ BEGIN
     RETURN;
   END IF;
 
-  -- Granted: the keys that were there gain this hold.
+  -- Granted. An exclusive batch takes the rows that were there but hold nothing live (its
+  -- own reservations, dead rows) in one statement: a waiter's are all of its batch.
+  IF p_modes = 'x' THEN
+    UPDATE {T} l SET owner = p_owner, holds = ARRAY[p_hold], modes = 'x', ends = till,
+        readers = NULL, line = {T}_requeue(l.line, p_ticket, NULL, now)
+      WHERE l.key = ANY(p_keys) AND NOT l.key = ANY(taken)
+        AND NOT (l.owner IS NOT NULL AND l.ends > now)
+        AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now);
+  END IF;
+  -- The others gain this hold beside the holds there (re-entry, readers, an upgrade).
   FOR r IN
     SELECT l, u.i FROM {T} l JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
-    WHERE NOT l.key = ANY(taken) ORDER BY u.i
+    WHERE NOT l.key = ANY(taken)
+      -- (Those the statement above gave this hold: nothing else has this hold id.)
+      AND NOT coalesce(p_modes = 'x' AND l.owner = p_owner AND l.holds = ARRAY[p_hold], false)
+    ORDER BY u.i
   LOOP
     shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
     cur := r.l;
