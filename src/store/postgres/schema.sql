@@ -98,6 +98,57 @@ LANGUAGE sql STABLE AS $$
   END
 $$;
 
+-- What keeps the batch `p_keys` (in `p_modes`) of `p_owner`, in line with `p_ticket`, out
+-- now, among the rows there (those of `p_skip` aside): how many keys, up to `p_report` of
+-- them, whether one is an upgrade, and the ms until the earliest held one ends; and how
+-- many keys lack a live reservation of `p_ticket`. Reads only.
+CREATE OR REPLACE FUNCTION {T}_conflicts(
+  p_keys text[], p_modes text, p_owner uuid, p_ticket numeric, p_now timestamptz,
+  p_report int, p_skip text[],
+  OUT conflicts int, OUT named text[], OUT upgrade boolean, OUT earliest_ms bigint,
+  OUT unreserved int
+)
+LANGUAGE sql STABLE AS $$
+  SELECT count(*) FILTER (WHERE c.blocked > 0)::int,
+         coalesce((array_agg(c.key ORDER BY c.i) FILTER (WHERE c.blocked > 0))[:p_report], '{}'),
+         coalesce(bool_or(c.blocked = 2), false),
+         min(c.left_ms) FILTER (WHERE c.blocked > 0),
+         (cardinality(p_keys) - count(*) FILTER (WHERE c.mine))::int
+  FROM (
+    SELECT l.key, u.i,
+           {T}_keeps_out(l, p_owner,
+             (CASE WHEN length(p_modes) = 1 THEN p_modes
+                   ELSE substr(p_modes, u.i::int, 1) END) = 's',
+             p_ticket, p_now) AS blocked,
+           CASE WHEN l.owner IS NOT NULL AND l.ends > p_now
+                  THEN floor(extract(epoch FROM l.ends - p_now) * 1000)::bigint
+                ELSE (SELECT floor(extract(epoch FROM max(x.ends) - p_now) * 1000)::bigint
+                      FROM unnest(l.readers) x WHERE x.ends > p_now) END AS left_ms,
+           EXISTS (SELECT 1 FROM unnest(l.line) q
+                   WHERE q.ticket = p_ticket AND q.ends > p_now) AS mine
+    FROM {T} l
+    JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
+    WHERE NOT l.key = ANY(p_skip)
+  ) c
+$$;
+
+-- Puts the reservation of the waiter with `p_ticket` on every key of `p_keys`, for
+-- `p_reserve_ms`, in one statement, in key order: a row for each key that has none; a
+-- reservation with more than half its time left stays as it is.
+CREATE OR REPLACE FUNCTION {T}_reserve(
+  p_keys text[], p_ticket numeric, p_now timestamptz, p_reserve_ms bigint
+) RETURNS void
+LANGUAGE sql AS $$
+  INSERT INTO {T} AS l (key, line)
+  SELECT u.k, ARRAY[ROW(p_ticket, p_now + p_reserve_ms * interval '1 ms')::{T}_place]
+  FROM unnest(p_keys) WITH ORDINALITY u(k, i)
+  ORDER BY u.i
+  ON CONFLICT (key) DO UPDATE
+    SET line = {T}_requeue(l.line, p_ticket, p_now + p_reserve_ms * interval '1 ms', p_now)
+    WHERE NOT EXISTS (SELECT 1 FROM unnest(l.line) q WHERE q.ticket = p_ticket
+                      AND q.ends > p_now + p_reserve_ms * interval '0.5 ms')
+$$;
+
 -- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
 -- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
 -- `ticket`: the caller's place in line (NULL: in no line); `reserve_ms` > 0: a waiter in
@@ -123,8 +174,33 @@ DECLARE
   heads text[] := '{}';
   shared boolean;
   cur {T};
+  unreserved int;
 BEGIN
-  conflicts := 0; named := '{}'; upgrade := false;
+  -- A look without locks first: a batch that is kept out is refused without locking, or
+  -- waiting for, any row, so that refusals queue neither behind each other nor behind the
+  -- holders' calls. A waiter in line whose reservations are all there writes nothing.
+  SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
+    INTO conflicts, named, upgrade, earliest_ms, unreserved
+    FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report, '{}') c;
+  IF conflicts > 0 THEN
+    IF p_ticket IS NULL OR p_reserve_ms <= 0 OR unreserved = 0 THEN
+      RETURN NEXT;
+      RETURN;
+    END IF;
+    PERFORM {T}_reserve(p_keys, p_ticket, now, p_reserve_ms);
+    -- A release between the look and the reservation did not see it, and woke nobody:
+    -- look again, and go on if it freed the batch.
+    now := clock_timestamp();
+    till := now + p_ttl_ms * interval '1 ms';
+    SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
+      INTO conflicts, named, upgrade, earliest_ms
+      FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report, '{}') c;
+    IF conflicts > 0 THEN
+      RETURN NEXT;
+      RETURN;
+    END IF;
+  END IF;
+  conflicts := 0; named := '{}'; upgrade := false; earliest_ms := NULL;
   -- Free keys are taken at once; the rows of the others are locked, in key order.
   WITH inserted AS (
     INSERT INTO {T} AS l (key, owner, holds, modes, ends, readers)
@@ -147,27 +223,10 @@ BEGIN
     RETURN;
   END IF;
 
-  -- The rows that were there, all at once (a waiter's batch finds its own reservations on
-  -- every key): which keep it out, and until when the earliest of those is held.
-  SELECT count(*)::int,
-         coalesce((array_agg(c.key ORDER BY c.i))[:p_report], '{}'),
-         coalesce(bool_or(c.blocked = 2), false),
-         min(c.left_ms)
+  -- The rows that were there, now locked: which keep it out.
+  SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
     INTO conflicts, named, upgrade, earliest_ms
-    FROM (
-      SELECT l.key, u.i, b.blocked,
-             CASE WHEN l.owner IS NOT NULL AND l.ends > now
-                    THEN floor(extract(epoch FROM l.ends - now) * 1000)::bigint
-                  ELSE (SELECT floor(extract(epoch FROM max(x.ends) - now) * 1000)::bigint
-                        FROM unnest(l.readers) x WHERE x.ends > now) END AS left_ms
-      FROM {T} l
-      JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k,
-      LATERAL (SELECT {T}_keeps_out(l, p_owner,
-                 (CASE WHEN length(p_modes) = 1 THEN p_modes
-                       ELSE substr(p_modes, u.i::int, 1) END) = 's',
-                 p_ticket, now) AS blocked) b
-      WHERE NOT l.key = ANY(taken) AND b.blocked > 0
-    ) c;
+    FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report, taken) c;
 
   IF conflicts > 0 THEN
     IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
