@@ -47,7 +47,8 @@
 //!    `redlock::the_lease_expires_at_the_validity_deadline_before_any_master_lets_go`,
 //!    `redlock::a_master_kept_out_for_a_ttl_before_rejoining_keeps_exclusion`,
 //!    `cluster::a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it`.
-//! 7. **Fencing**: `waiting::fencing_tokens_strictly_increase_per_key_*` (across processes,
+//! 7. **Fencing**: `postgres::a_server_killed_under_load_*` (the sequence across a crash),
+//!    `waiting::fencing_tokens_strictly_increase_per_key_*` (across processes,
 //!    in memory), `redlock::fencing_tokens_increase_across_grants_even_when_*` (masters'
 //!    counters apart, then all lost), `fencing::*` (one Redis restarted without its data,
 //!    every Redlock master restarted empty, a cluster's counter failed over to a replica
@@ -63,7 +64,10 @@
 //!    `layer::requests_without_keys_are_refused_unless_the_route_lets_them_pass_unlocked`,
 //!    `redis::a_store_outage_is_logged_once_not_once_per_request`.
 //!
-//! `examples::*` runs each small example on the store it is for.
+//! `examples::*` runs each small example on the store it is for. PostgreSQL runs the spec,
+//! `fairness::*` and `idempotency::*` (over `Store::all()`), `shared::shared_holds_on_postgres`
+//! and `postgres::*` (a refused batch writes nothing, wake-ups by `NOTIFY`, the schema and
+//! its version, dead rows swept, a server killed under load).
 //! 10. **Fairness**: `fairness::*`,
 //!     `idempotency::a_request_with_a_key_does_not_jump_the_line_of_an_earlier_waiter`,
 //!     `cluster::a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch`;
@@ -85,6 +89,10 @@
 //!     release wakes the first in line), `waiting::a_woken_waiter_probes_what_blocked_it_not_its_whole_batch`,
 //!     `waiting::beyond_max_waiters_a_request_is_refused_at_once_with_503`; the figures per
 //!     store and load: the bench's `contention` section.
+//! 14. **Guarded writes** (a holder past its lease cannot overwrite the next holder's write
+//!     where the data is guarded): `orders::binary::a_stopped_holder_cannot_overwrite_the_next_sale_on_*`
+//!     (one Redis, Redlock, PostgreSQL: a process stopped with `SIGSTOP` past its lease),
+//!     `fenced::*`.
 
 mod support;
 
