@@ -357,3 +357,41 @@ async fn a_server_killed_under_load_answers_503_then_grants_again_with_larger_to
     .await;
     assert!(settled.is_some(), "a lock outlived its TTL");
 }
+
+/// A big batch (it looks before it locks) with one key held: refused, it writes nothing;
+/// waiting, it reserves every key of its batch at once, is granted when the key is
+/// released, and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batch_with_one_held_key_is_refused_or_waits_in_line_for_it() {
+    let db = Database::create();
+    let (one, other) = (locks(&db), locks(&db));
+    let gate = Gate::new();
+    let holder = batch_router(&one, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["k42"])).await });
+    gate.wait_entered().await;
+    let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+
+    let app = batch_router(&other, counting_handler(&Arc::default()));
+    let refused = send(&app, batch(&keys)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["k42"])
+    );
+    assert_eq!(rows(&db), ["lock:k42"], "the refused batch wrote nothing");
+
+    let waiting = other.clone().wait(Wait::up_to(Duration::from_secs(5)));
+    let app = batch_router(&waiting, counting_handler(&Arc::default()));
+    let request = batch(&keys);
+    let waiter = tokio::spawn(async move { send(&app, request).await });
+    let reserved =
+        crate::support::http::poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+            db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE line IS NOT NULL") == "100"
+        })
+        .await;
+    assert!(reserved.is_some(), "the waiter reserved its whole batch");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
