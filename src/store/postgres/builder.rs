@@ -40,20 +40,25 @@ const POOL_SIZE: usize = 16;
 /// - *acquire* inserts the free keys' rows in one `INSERT … ON CONFLICT DO UPDATE … WHERE
 ///   false`, which also locks the rows that were there, in key order (so two batches never
 ///   wait for each other crosswise: no deadlock); a batch of free keys is granted there.
-///   Otherwise it reads the locked rows, and either adds its hold to each or, refused,
-///   deletes the rows it inserted (a waiter in line turns them into its reservations, and
-///   reserves the others). Nobody sees part of a batch: the statement is one transaction.
-/// - *release* deletes the rows that hold this hold alone, and takes it off the others; a
-///   row stays while a waiter reserves it.
+///   Otherwise it checks the locked rows in one statement, and either gives them its hold
+///   (one `UPDATE` for the rows nobody holds) or, refused, deletes the rows it inserted (a
+///   waiter in line turns them into its reservations, and reserves the others). A batch of
+///   64 keys or more first looks without locking, and is refused without locking any row
+///   when it is kept out. Nobody sees part of a batch: the statement is one transaction.
+/// - *release* deletes the rows that hold this hold alone (an index scan: in key order), and
+///   takes it off the others; a row stays while a waiter reserves it.
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
 ///   every earlier grant that shared a key with it; grants of unrelated keys at the same
 ///   moment take tokens in the order they reached the sequence.
-/// - Releases `NOTIFY` the channel `tower_batch_lock.locks` (the table's name) with the
-///   keys' wake-up slots and the waiters first in line; every process built with a
-///   listener ([`Postgres::url`], [`Postgres::wakeups`]) wakes those. A notification is a
-///   hint: without one, waiters poll.
+/// - A release (or a withdrawal) that lets a waiter in line in `NOTIFY`s the channel
+///   `tower_batch_lock.locks` (the table's name) with the keys' wake-up slots and the
+///   waiters first in line; every process built with a listener ([`Postgres::url`],
+///   [`Postgres::wakeups`]) wakes those. A notification is a hint: without one, waiters
+///   poll. Other releases notify nobody: `NOTIFY` serializes the commits of the
+///   transactions that send one, which the uncontended path must not pay; waiters in no
+///   line (`Wait::fair(false)`) poll for other processes' releases.
 /// - Rows that nobody holds or reserves any more (their holder crashed) keep nobody out,
 ///   are taken over by the next request for their key, and are deleted by a sweep every
 ///   30 s (`SKIP LOCKED`: it never waits for a call), with expired idempotent answers
