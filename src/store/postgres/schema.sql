@@ -243,15 +243,12 @@ BEGIN
 
   IF conflicts > 0 THEN
     IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
-      -- A waiter in line reserves its whole batch against later arrivals. A reservation
-      -- with more than half its time left stays as it is.
-      UPDATE {T} SET owner = NULL, holds = NULL, modes = NULL, ends = NULL, readers = NULL,
-        line = ARRAY[ROW(p_ticket, now + p_reserve_ms * interval '1 ms')::{T}_place]
+      -- A waiter in line reserves its whole batch against later arrivals: the rows it
+      -- inserted hold nothing now, and every row gets its reservation (all are locked
+      -- already: this waits for nobody).
+      UPDATE {T} SET owner = NULL, holds = NULL, modes = NULL, ends = NULL, readers = NULL
         WHERE key = ANY(taken);
-      UPDATE {T} l SET line = {T}_requeue(l.line, p_ticket, now + p_reserve_ms * interval '1 ms', now)
-        WHERE l.key = ANY(p_keys)
-          AND NOT EXISTS (SELECT 1 FROM unnest(l.line) q WHERE q.ticket = p_ticket
-                          AND q.ends > now + p_reserve_ms * interval '0.5 ms');
+      PERFORM {T}_reserve(p_keys, p_ticket, now, p_reserve_ms);
     ELSE
       DELETE FROM {T} WHERE key = ANY(taken);
     END IF;
