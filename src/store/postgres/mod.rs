@@ -1,6 +1,7 @@
 //! PostgreSQL: the store whose locks are rows of a table, written only by the functions of
 //! `schema.sql`, one statement a call; `builder.rs` holds the public
-//! [`Postgres`](builder::Postgres), `schema.rs` the names and the first-use check,
+//! [`Postgres`](builder::Postgres), `guard.rs` the guard for users' own transactions,
+//! `schema.rs` the names and the first-use check, `failure.rs` what a failed call means,
 //! `listen.rs` the wake-ups through `LISTEN`/`NOTIFY` and the sweeping of dead rows.
 
 use std::{

@@ -374,10 +374,14 @@ fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
 }
 
 /// `count` ports below 55,535 whose cluster bus port (+10,000) is free too.
+/// `count` free ports, each with its cluster bus port (10,000 above) free too. Both below
+/// the kernel's ephemeral range (32768 and up by default): a port from that range can be
+/// taken, between this check and the node's start, as the local port of any outgoing
+/// connection of the suite (hundreds of pooled ones), and the node then fails to bind.
 fn free_ports(count: usize) -> Vec<u16> {
     let mut ports = Vec::new();
     while ports.len() < count {
-        let port = fastrand::u16(20_000..45_000);
+        let port = fastrand::u16(20_000..22_760);
         let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
         if !ports.contains(&port) && free(port) && free(port + 10_000) {
             ports.push(port);

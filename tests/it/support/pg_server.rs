@@ -36,11 +36,7 @@ impl PgServer {
                 "chown",
             );
         }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let server = Self { dir, port };
+        let mut server = Self { dir, port: 0 };
         let data = server.data();
         check(
             server
@@ -49,8 +45,24 @@ impl PgServer {
                 .output(),
             "initdb (apt-get install postgresql, and put initdb and pg_ctl in PATH)",
         );
-        server.run();
-        server
+        // A port below the kernel's ephemeral range (32768 and up by default), which the
+        // suite's outgoing connections take their local ports from, and so could take this
+        // one between the check and the start; another server may still take it first:
+        // then try another.
+        for attempt in 1..=5 {
+            server.port = loop {
+                let port = fastrand::u16(12_000..19_990);
+                if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                    break port;
+                }
+            };
+            match server.start_on_port() {
+                Ok(()) => return server,
+                Err(error) if attempt == 5 => panic!("{error}"),
+                Err(_) => {}
+            }
+        }
+        unreachable!("the last attempt panics")
     }
 
     /// The URL of its `postgres` database.
@@ -87,18 +99,31 @@ impl PgServer {
 
     /// Starts it again, on the same port, with its data.
     pub(crate) fn run(&self) {
+        if let Err(error) = self.start_on_port() {
+            panic!("{error}");
+        }
+    }
+
+    fn start_on_port(&self) -> Result<(), String> {
         let (data, log) = (self.data(), self.dir.join("log").display().to_string());
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -k {} -c max_connections=200",
             self.port,
             self.dir.display()
         );
-        check(
-            self.as_owner("pg_ctl")
-                .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
-                .output(),
-            "pg_ctl start",
-        );
+        let output = self
+            .as_owner("pg_ctl")
+            .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
+            .output()
+            .map_err(|e| format!("pg_ctl start: {e}"))?;
+        if output.status.success() {
+            return Ok(());
+        }
+        Err(format!(
+            "pg_ctl start failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
     }
 
     fn data(&self) -> String {
