@@ -14,6 +14,7 @@ use std::{
 use bytes::Bytes;
 use deadpool_postgres::{Object, Pool};
 use tokio::sync::OnceCell;
+use tokio_postgres::Statement;
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -170,19 +171,25 @@ impl PostgresStore {
         Ok(client)
     }
 
-    /// Runs `sql` (one of [`Statements`]) with `params`, prepared once per connection, and
-    /// gives its one row. `writes`: whether a call that failed may have written.
+    /// A connection and `sql` (one of [`Statements`]) prepared on it, once per connection.
+    async fn prepared(&self, sql: &str) -> Result<(Object, Statement), StoreError> {
+        let client = self.client().await?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| failed(e, false))?;
+        Ok((client, statement))
+    }
+
+    /// Runs `sql` with `params` and gives its one row. `writes`: whether a call that failed
+    /// may have written.
     async fn call(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         writes: bool,
     ) -> Result<tokio_postgres::Row, StoreError> {
-        let client = self.client().await?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| failed(e, false))?;
+        let (client, statement) = self.prepared(sql).await?;
         client
             .query_one(&statement, params)
             .await
@@ -221,6 +228,12 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
+}
+
+/// Milliseconds the functions gave (a remaining time), as a duration; none for NULL.
+fn from_millis(ms: Option<i64>) -> Option<Duration> {
+    ms.and_then(|ms| u64::try_from(ms).ok())
+        .map(Duration::from_millis)
 }
 
 /// Where a caller stands in line, as the functions read it (see `keeps_out`).
@@ -263,13 +276,10 @@ impl LockStore for PostgresStore {
                 return Ok(Acquire::Granted(FencingToken::new(token)));
             }
             let conflicts: i32 = row.get(1);
-            let earliest: Option<i64> = row.get(2);
             Ok(Acquire::Held(Contention {
                 keys: row.get(3),
                 total: usize::try_from(conflicts).unwrap_or(1),
-                earliest_expiry: earliest
-                    .and_then(|ms| u64::try_from(ms).ok())
-                    .map(Duration::from_millis),
+                earliest_expiry: from_millis(row.get(2)),
                 upgrade: row.get(4),
             }))
         })
@@ -336,11 +346,7 @@ impl LockStore for PostgresStore {
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
         Box::pin(async move {
             let list: &[String] = keys;
-            let client = self.client().await?;
-            let statement = client
-                .prepare_cached(&self.statements.inspect)
-                .await
-                .map_err(|e| failed(e, false))?;
+            let (client, statement) = self.prepared(&self.statements.inspect).await?;
             let rows = client
                 .query(&statement, &[&list])
                 .await
@@ -354,10 +360,7 @@ impl LockStore for PostgresStore {
                         3 => KeyStatus::Shared,
                         _ => KeyStatus::Free,
                     },
-                    ttl: row
-                        .get::<_, Option<i64>>(1)
-                        .and_then(|ms| u64::try_from(ms).ok())
-                        .map(Duration::from_millis),
+                    ttl: from_millis(row.get(1)),
                     holds: count(row.get(2)),
                     waiters: count(row.get(3)),
                 })

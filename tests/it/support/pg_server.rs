@@ -73,16 +73,7 @@ impl PgServer {
     /// Runs `sql` in its `postgres` database with psql, and gives what it printed
     /// (unaligned, tuples only).
     pub(crate) fn query(&self, sql: &str) -> String {
-        let output = Command::new("psql")
-            .args([&self.url(), "-v", "ON_ERROR_STOP=1", "-qAtc", sql])
-            .output();
-        let output = output.expect("psql");
-        assert!(
-            output.status.success(),
-            "psql: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+        psql(&self.url(), sql)
     }
 
     /// Kills the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, the
@@ -111,19 +102,11 @@ impl PgServer {
             self.port,
             self.dir.display()
         );
-        let output = self
+        let start = self
             .as_owner("pg_ctl")
             .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
-            .output()
-            .map_err(|e| format!("pg_ctl start: {e}"))?;
-        if output.status.success() {
-            return Ok(());
-        }
-        Err(format!(
-            "pg_ctl start failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
+            .output();
+        succeeded(start, "pg_ctl start")
     }
 
     fn data(&self) -> String {
@@ -153,6 +136,28 @@ impl Drop for PgServer {
     }
 }
 
+/// Runs `sql` in the database at `url` with psql, and gives what it printed (unaligned,
+/// tuples only).
+///
+/// # Panics
+///
+/// When psql is missing or the statement fails, with what it said.
+pub(crate) fn psql(url: &str, sql: &str) -> String {
+    let output = Command::new("psql")
+        .args([url, "-v", "ON_ERROR_STOP=1", "-qAtc", sql])
+        .output()
+        .expect(
+            "psql is missing: the PostgreSQL tests need the client and a server on \
+             127.0.0.1:5432 with trust authentication (apt-get install postgresql)",
+        );
+    assert!(
+        output.status.success(),
+        "psql failed on {sql:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
 fn as_root() -> bool {
     Command::new("id")
         .arg("-u")
@@ -161,11 +166,20 @@ fn as_root() -> bool {
 }
 
 fn check(output: std::io::Result<Output>, what: &str) {
-    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        output.status.success(),
+    if let Err(error) = succeeded(output, what) {
+        panic!("{error}");
+    }
+}
+
+/// Whether a program ran and succeeded; what it said otherwise.
+fn succeeded(output: std::io::Result<Output>, what: &str) -> Result<(), String> {
+    let output = output.map_err(|e| format!("{what}: {e}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(format!(
         "{what} failed: {}{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
-    );
+    ))
 }

@@ -2,10 +2,7 @@
 //! (127.0.0.1:5432, trust authentication), dropped when the test ends; never another
 //! database's data.
 
-use std::{
-    process::Command,
-    sync::atomic::{AtomicUsize, Ordering},
-};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The server every test database is made on.
 const SERVER: &str = "postgres://postgres@127.0.0.1:5432";
@@ -64,7 +61,7 @@ impl Database {
 
     /// Runs `sql` in this database, and gives what it printed (unaligned, tuples only).
     pub(crate) fn query(&self, sql: &str) -> String {
-        run_psql(&self.url(), sql)
+        super::pg_server::psql(&self.url(), sql)
     }
 }
 
@@ -79,21 +76,5 @@ impl Drop for Database {
 }
 
 fn psql(sql: &str) {
-    run_psql(&format!("{SERVER}/postgres"), sql);
-}
-
-fn run_psql(url: &str, sql: &str) -> String {
-    let output = Command::new("psql")
-        .args([url, "-v", "ON_ERROR_STOP=1", "-qAtc", sql])
-        .output()
-        .expect(
-            "psql is missing: the PostgreSQL tests need the client and a server on \
-             127.0.0.1:5432 with trust authentication (apt-get install postgresql)",
-        );
-    assert!(
-        output.status.success(),
-        "psql failed on {sql:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    super::pg_server::psql(&format!("{SERVER}/postgres"), sql);
 }
