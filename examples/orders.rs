@@ -22,13 +22,14 @@
 //!   writes nothing, and the idempotency layer leaves it alone.
 //!
 //! A process that pauses past its lease (a stall, `SIGSTOP`) cannot overwrite the sale of
-//! the instance that was granted the SKUs after it: in one Redis (`REDIS_URL`,
-//! `REDIS_URLS`), stock and orders are written with the request's fencing token
-//! ([`tower_batch_lock::fenced::set`]), and a write older than the last one is refused; in
-//! PostgreSQL (`DATABASE_URL`), the transaction that writes them first checks, with the
-//! store's guard, that the request still holds its locks, and fails if not. Either way
-//! that order gets 409 and takes nothing. (On a cluster, whose keys span slots, and in
-//! memory, the writes are plain.)
+//! the instance that was granted the SKUs after it: in Redis (`REDIS_URL`, `REDIS_URLS`),
+//! stock and orders are written with the request's fencing token
+//! ([`tower_batch_lock::fenced::set`]; on a cluster, whose keys span slots,
+//! [`tower_batch_lock::fenced::set_across_slots`]), and a write older than the last one is
+//! refused; in PostgreSQL (`DATABASE_URL`), the transaction that writes them first checks,
+//! with the store's guard, that the request still holds its locks, and fails if not.
+//! Either way that order gets 409 and takes nothing. (In memory, the process that holds
+//! the locks holds the data: the writes are plain.)
 //!
 //! `POST /orders` also takes an optional `Idempotency-Key` header: a retry with the same
 //! key and body gets the first answer again, marked `Idempotent-Replayed: true`; the same
@@ -476,21 +477,37 @@ pub enum Remote {
 
 #[cfg(feature = "redis")]
 impl Remote {
-    /// Writes every `(key, value)` in one command: in one Redis, with the request's
-    /// fencing token, refused (`false`, nothing written) where a later token wrote one of
-    /// the keys; on a cluster, whose keys span slots, or without a lock, as they are.
+    /// Writes every `(key, value)`: with the request's fencing token, refused (`false`,
+    /// nothing written) where a later token wrote one of the keys; without a lock, as they
+    /// are. On a cluster, a write that lost its lease between its slots' calls is an error:
+    /// some of it was written.
     async fn write(
         &self,
         writes: &[(String, String)],
         fence: Option<FencingToken>,
     ) -> Result<bool, StoreError> {
-        if let (Self::Pool(pool), Some(token)) = (self, fence) {
+        if let Some(token) = fence {
             let writes: Vec<(&str, &str)> = writes
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.as_str()))
                 .collect();
-            let mut redis = pool.get().await?;
-            return Ok(tower_batch_lock::fenced::set(&mut *redis, token, &writes).await?);
+            return match self {
+                Self::Pool(pool) => {
+                    let mut redis = pool.get().await?;
+                    Ok(tower_batch_lock::fenced::set(&mut *redis, token, &writes).await?)
+                }
+                #[cfg(feature = "cluster")]
+                Self::Cluster(cluster) => {
+                    use tower_batch_lock::fenced::{set_across_slots, Written};
+                    match set_across_slots(&mut cluster.clone(), token, &writes).await? {
+                        Written::All => Ok(true),
+                        Written::Nothing => Ok(false),
+                        Written::Partly => Err("the lease ran out during a write: \
+                                                some slots were written"
+                            .into()),
+                    }
+                }
+            };
         }
         let mut mset = redis::cmd("MSET");
         for (key, value) in writes {
@@ -647,12 +664,11 @@ impl Store {
         }
     }
 
-    /// Writes the new stock levels and the order, in one write: in one Redis, fenced by
-    /// the order's token (`false`, and nothing written, when a later holder of one of the
-    /// SKUs wrote it first); in PostgreSQL, in one transaction that the locks' guard
-    /// checks first (`false`, and nothing written, when the order's lease ran out). In
-    /// memory, the process that holds the locks holds the data. On a cluster, the keys span
-    /// slots, which one fenced write cannot: a plain write.
+    /// Writes the new stock levels and the order, in one write: in Redis, fenced by the
+    /// order's token (`false`, and nothing written, when a later holder of one of the SKUs
+    /// wrote it first); in PostgreSQL, in one transaction that the locks' guard checks
+    /// first (`false`, and nothing written, when the order's lease ran out). In memory, the
+    /// process that holds the locks holds the data.
     #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
     async fn commit(
         &self,

@@ -183,7 +183,9 @@
 //! (nothing taken), B 201, and the stock reads 9: 10 less the orders answered 201.
 //!
 //! - **Data in Redis:** [`fenced::set`] writes keys with the lease's token, all or none,
-//!   and refuses them when a later token wrote one (feature `redis`).
+//!   and refuses them when a later token wrote one (feature `redis`); on a Redis Cluster,
+//!   `fenced::set_across_slots` does it for keys of many slots (feature `cluster`: each slot
+//!   all or none, and the whole write too unless the lease runs out during it).
 //! - **Data in the locks' PostgreSQL database** (`store::Postgres`, feature `postgres`):
 //!   begin the transaction that writes with the schema's guard,
 //!   `SELECT tower_batch_lock.locks_guard($1, $2)` with the keys and owner of

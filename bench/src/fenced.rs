@@ -4,6 +4,10 @@
 //! order). Both are one call; measured are the client's time a write, in rounds that
 //! alternate the two, and Redis's main-thread CPU a write (`INFO cpu`), which grows with
 //! the keys: the script reads a fence and writes two keys for each.
+//!
+//! On a Redis Cluster of three masters, `fenced::set_across_slots` (one read of every
+//! fence, then one script a slot, all at once) beside the plain `MSET` that redis-rs splits
+//! by slot, for an order's write (4 keys) and 100 keys, each key in a slot of its own.
 
 use std::{
     sync::{Arc, Mutex},
@@ -18,6 +22,7 @@ use tower::ServiceExt;
 use tower_batch_lock::{fenced, store::Store, FencingToken, Lease, Locks, Rejection};
 
 use crate::{
+    cluster_support::Cluster,
     progress,
     redis_info::{main_thread_cpu, redis_error},
     stats::{self, Summary},
@@ -109,5 +114,67 @@ pub(crate) async fn run(pool: &Pool, quick: bool) -> Result<Value, String> {
         .query_async(&mut *redis)
         .await
         .map_err(redis_error)?;
-    Ok(json!({ "cases": cases }))
+    let cluster = across_slots(token, quick).await?;
+    Ok(json!({ "cases": cases, "cluster": cluster }))
+}
+
+/// The cluster's cases: client time a write, fenced across slots and plain.
+async fn across_slots(token: FencingToken, quick: bool) -> Result<Value, String> {
+    progress::note("starting a Redis Cluster of three masters on free loopback ports");
+    let cluster = tokio::task::spawn_blocking(|| Cluster::start_with(0))
+        .await
+        .map_err(|e| format!("the cluster did not start: {e}"))?;
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).map_err(redis_error)?;
+    let mut data = client.get_async_connection().await.map_err(redis_error)?;
+    let mut cases = Vec::new();
+    for keys in [4usize, 100] {
+        let writes: Vec<(String, String)> = (0..keys)
+            .map(|i| (format!("bench:fenced:{i}"), i.to_string()))
+            .collect();
+        let pairs: Vec<(&str, &str)> = writes
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let slots: std::collections::HashSet<_> = writes
+            .iter()
+            .map(|(key, _)| redis::cluster_routing::Slot::for_key(key))
+            .collect();
+        let rounds = if quick { 20 } else { 200 };
+        let (mut plain, mut guarded) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let mut mset = redis::cmd("MSET");
+            for (key, value) in &writes {
+                mset.arg(key).arg(value);
+            }
+            let started = Instant::now();
+            let () = mset.query_async(&mut data).await.map_err(redis_error)?;
+            plain.push(started.elapsed());
+
+            let started = Instant::now();
+            let written = fenced::set_across_slots(&mut data, token, &pairs)
+                .await
+                .map_err(redis_error)?;
+            guarded.push(started.elapsed());
+            if written != fenced::Written::All {
+                return Err(format!("a fenced write with one token wrote {written:?}"));
+            }
+        }
+        let (plain, guarded) = (Summary::of(plain), Summary::of(guarded));
+        let ratio = stats::ms(guarded.median) / stats::ms(plain.median);
+        progress::note(&format!(
+            "fenced on a cluster: {keys} keys in {} slots, set_across_slots {:.3} ms vs MSET {:.3} ms (x{ratio:.2})",
+            slots.len(),
+            stats::ms(guarded.median),
+            stats::ms(plain.median)
+        ));
+        cases.push(json!({
+            "keys": keys,
+            "slots": slots.len(),
+            "calls_per_write": {"mset": "one MSET a slot, sent at once", "set_across_slots": "one MGET a slot, then one script a slot, each sent at once"},
+            "mset": plain.to_json(),
+            "set_across_slots": guarded.to_json(),
+            "median_ratio": stats::round(ratio, 2),
+        }));
+    }
+    Ok(json!({ "masters": cluster.masters().len(), "cases": cases }))
 }

@@ -40,6 +40,7 @@ pub(crate) fn markdown(document: &Value) -> String {
     shared(&mut out, &document["shared"]);
     contention(&mut out, &document["contention"]);
     postgres(&mut out, &document["postgres"]);
+    fenced(&mut out, &document["fenced"]);
     out
 }
 
@@ -522,6 +523,43 @@ fn postgres(out: &mut String, postgres: &Value) {
             median(guard, "guarded"),
             median(guard, "plain"),
             ratio(&guard["median_ratio"]),
+        );
+    }
+}
+
+/// Fenced writes to data in Redis beside the plain `MSET`s they replace.
+fn fenced(out: &mut String, fenced: &Value) {
+    let Some(cases) = fenced["cases"].as_array() else {
+        return;
+    };
+    let median = |case: &Value, field: &str| {
+        duration(case[field]["median_ms"].as_f64().unwrap_or(f64::NAN))
+    };
+    let _ = writeln!(
+        out,
+        "\nFenced writes to data in Redis, median client time a write (one call each on one Redis; on a cluster of three masters, one call a slot):\n"
+    );
+    let _ = writeln!(out, "| where | keys | slots | fenced | plain `MSET` | ÷ |");
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    for case in cases {
+        let _ = writeln!(
+            out,
+            "| one Redis, `fenced::set` | {} | – | {} | {} | {} |",
+            case["keys"],
+            median(case, "fenced_set"),
+            median(case, "mset"),
+            ratio(&case["median_ratio"]),
+        );
+    }
+    for case in fenced["cluster"]["cases"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "| cluster, `fenced::set_across_slots` | {} | {} | {} | {} | {} |",
+            case["keys"],
+            case["slots"],
+            median(case, "set_across_slots"),
+            median(case, "mset"),
+            ratio(&case["median_ratio"]),
         );
     }
 }

@@ -214,3 +214,45 @@ async fn token_of_a_grant(locks: &Locks) -> tower_batch_lock::FencingToken {
     let token = seen.lock().unwrap().take();
     token.unwrap()
 }
+
+/// On a cluster, a write over keys of several slots: written whole with the newest token,
+/// refused whole (nothing written in any slot) when a later token wrote one of its keys.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_write_across_slots_is_refused_whole_when_a_later_token_wrote_one_key() {
+    use fenced::Written;
+    use redis::cluster_routing::Slot;
+
+    let (_serial, cluster) = crate::support::cluster::Cluster::start_in_turn().await;
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+    let mut data = client.get_async_connection().await.unwrap();
+    let keys = ["stock:apple", "stock:pear", "stock:plum", "order:1"];
+    let slots: std::collections::HashSet<Slot> = keys.iter().map(Slot::for_key).collect();
+    assert!(slots.len() > 2, "the keys span slots");
+    let locks = Locks::new(Store::isolated_memory());
+    let (first, second) = (
+        token_of_a_grant(&locks).await,
+        token_of_a_grant(&locks).await,
+    );
+    let writes = |value: &'static str| keys.map(|key| (key, value));
+
+    let written = fenced::set_across_slots(&mut data, first, &writes("1")).await;
+    assert_eq!(written.unwrap(), Written::All);
+    // A later holder writes one key, in its slot alone.
+    let newer = [("stock:plum", "2")];
+    assert!(fenced::set(&mut data, second, &newer).await.unwrap());
+    let stale = fenced::set_across_slots(&mut data, first, &writes("1 late")).await;
+    assert_eq!(stale.unwrap(), Written::Nothing);
+    let values: Vec<String> = redis::cmd("MGET")
+        .arg(&keys)
+        .query_async(&mut data)
+        .await
+        .unwrap();
+    assert_eq!(values, ["1", "1", "2", "1"], "no slot took the stale write");
+    let again = fenced::set_across_slots(&mut data, second, &writes("2 again")).await;
+    assert_eq!(
+        again.unwrap(),
+        Written::All,
+        "the later grant writes every slot"
+    );
+}

@@ -391,14 +391,14 @@ async fn redis_basic_flows() {
             "lock:", // the fencing counter
             "orders:order:o-1",
             "orders:order:o-10",
-            "orders:order:o-10:fence", // the last fencing token that wrote it
-            "orders:order:o-1:fence",
+            "orders:order:o-10:fence{orders:order:o-10}", // the last fencing token that wrote it
+            "orders:order:o-1:fence{orders:order:o-1}",
             "orders:stock:apple",
-            "orders:stock:apple:fence",
+            "orders:stock:apple:fence{orders:stock:apple}",
             "orders:stock:pear",
-            "orders:stock:pear:fence",
+            "orders:stock:pear:fence{orders:stock:pear}",
             "orders:stock:plum",
-            "orders:stock:plum:fence",
+            "orders:stock:plum:fence{orders:stock:plum}",
         ],
         "the data lives under `orders:`, apart from the locks and the stored answers \
          (none for quotes)"
@@ -436,9 +436,14 @@ async fn cluster_basic_flows() {
         [
             "orders:order:o-1",
             "orders:order:o-10",
+            "orders:order:o-10:fence{orders:order:o-10}", // in its key's slot
+            "orders:order:o-1:fence{orders:order:o-1}",
             "orders:stock:apple",
+            "orders:stock:apple:fence{orders:stock:apple}",
             "orders:stock:pear",
+            "orders:stock:pear:fence{orders:stock:pear}",
             "orders:stock:plum",
+            "orders:stock:plum:fence{orders:stock:plum}",
         ]
     );
 }
@@ -1219,14 +1224,19 @@ mod binary {
             Some("release") => vec!["--release".into()],
             Some(other) => vec!["--profile".into(), other.into()],
         };
-        // With PostgreSQL where this build has it, for `DATABASE_URL`.
-        let features = if cfg!(feature = "postgres") {
-            "redis,admin,postgres"
-        } else {
-            "redis,admin"
-        };
+        // With the cluster and PostgreSQL where this build has them, for
+        // `REDIS_CLUSTER_URLS` and `DATABASE_URL`.
+        let mut features = vec!["redis", "admin"];
+        features.extend(cfg!(feature = "cluster").then_some("cluster"));
+        features.extend(cfg!(feature = "postgres").then_some("postgres"));
         let build = Command::new(env!("CARGO"))
-            .args(["build", "--example", "orders", "--features", features])
+            .args([
+                "build",
+                "--example",
+                "orders",
+                "--features",
+                &features.join(","),
+            ])
             .args(["--message-format", "json-render-diagnostics"])
             .args(profile)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -1301,6 +1311,7 @@ mod binary {
             for variable in [
                 "REDIS_URL",
                 "REDIS_URLS",
+                "REDIS_CLUSTER_URLS",
                 "DATABASE_URL",
                 "WORK_DELAY_MS",
                 "LOCK_TTL_MS",
@@ -1391,9 +1402,9 @@ mod binary {
         // `lock:` itself is the namespace's fencing counter, never a lock.
         let fenced = [
             "orders:order:smoke",
-            "orders:order:smoke:fence",
+            "orders:order:smoke:fence{orders:order:smoke}",
             "orders:stock:apple",
-            "orders:stock:apple:fence",
+            "orders:stock:apple:fence{orders:stock:apple}",
         ];
         assert_eq!(data, [&["lock:"][..], &fenced].concat());
     }
@@ -1472,6 +1483,20 @@ mod binary {
         a_stopped_holder_cannot_overwrite_the_next_sale(&env, held).await;
     }
 
+    /// On a cluster, A's write spans slots: its check of every fence finds B's token.
+    #[cfg(feature = "cluster")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopped_holder_cannot_overwrite_the_next_sale_on_cluster() {
+        let (_serial, cluster) = crate::support::cluster::Cluster::start_in_turn().await;
+        let urls = cluster.urls().join(",");
+        let env = [("REDIS_CLUSTER_URLS", urls.as_str())];
+        let held = || {
+            let locks = cluster.locks_on_masters();
+            locks.iter().any(|keys| keys.contains("lock:sku:pz1"))
+        };
+        a_stopped_holder_cannot_overwrite_the_next_sale(&env, held).await;
+    }
+
     /// In PostgreSQL, the guard of A's transaction finds its lease gone, and fails it.
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1547,9 +1572,9 @@ mod binary {
         data.sort();
         let fenced = [
             "orders:order:smoke",
-            "orders:order:smoke:fence",
+            "orders:order:smoke:fence{orders:order:smoke}",
             "orders:stock:apple",
-            "orders:stock:apple:fence",
+            "orders:stock:apple:fence{orders:stock:apple}",
         ];
         assert_eq!(data, fenced);
         for master in &masters[1..] {
