@@ -532,9 +532,8 @@ fn fenced(out: &mut String, fenced: &Value) {
     let Some(cases) = fenced["cases"].as_array() else {
         return;
     };
-    let median = |case: &Value, field: &str| {
-        duration(case[field]["median_ms"].as_f64().unwrap_or(f64::NAN))
-    };
+    let median =
+        |case: &Value, field: &str| duration(case[field]["median_ms"].as_f64().unwrap_or(f64::NAN));
     let _ = writeln!(
         out,
         "\nFenced writes to data in Redis, median client time a write (one call each on one Redis; on a cluster of three masters, one call a slot):\n"
