@@ -36,9 +36,9 @@
 //! ```
 //!
 //! On a Redis Cluster, [`set`] takes the keys of one hash slot (each fence shares its key's
-//! slot), and [`set_across_slots`] takes keys of any slots, with one call a slot: each
-//! slot all or none, and the whole write all or none unless the lease runs out during it
-//! (its page says when a write can land on some slots only).
+//! slot), and `set_across_slots` (feature `cluster`) takes keys of any slots, with one call
+//! a slot: each slot all or none, and the whole write all or none unless the lease runs
+//! out during it (its page says when a write can land on some slots only).
 
 use std::sync::LazyLock;
 
