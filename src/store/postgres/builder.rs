@@ -59,6 +59,11 @@ const POOL_SIZE: usize = 16;
 ///   poll. Other releases notify nobody: `NOTIFY` serializes the commits of the
 ///   transactions that send one, which the uncontended path must not pay; waiters in no
 ///   line (`Wait::fair(false)`) poll for other processes' releases.
+/// - Under contention, a waiting batch rewrites its rows to reserve them and its grant
+///   rewrites them again, as row versions that a big batch's statement holds the locks of
+///   while it runs: the bench's `contention` section (`docs/bench`) measures it beside
+///   memory and Redis. Mixed loads of big and small batches on the same keys cost the
+///   database several times what they cost Redis.
 /// - Rows that nobody holds or reserves any more (their holder crashed) keep nobody out,
 ///   are taken over by the next request for their key, and are deleted by a sweep every
 ///   30 s (`SKIP LOCKED`: it never waits for a call), with expired idempotent answers
