@@ -95,19 +95,19 @@ return 1
 /// assert_eq!(fence_key("stock:{apple}:qty"), "stock:{apple}:qty:fence");
 /// ```
 pub fn fence_key(key: &str) -> String {
-    if hash_tag(key).is_some() {
+    if has_hash_tag(key) {
         format!("{key}:fence")
     } else {
         format!("{key}:fence{{{key}}}")
     }
 }
 
-/// The part of `key` that chooses its hash slot when it is not the whole key: what lies
-/// between the first `{` and the first `}` after it, when that is not empty (Redis's rule).
-fn hash_tag(key: &str) -> Option<&str> {
-    let (_, after) = key.split_once('{')?;
-    let (tag, _) = after.split_once('}')?;
-    (!tag.is_empty()).then_some(tag)
+/// Whether a part of `key` chooses its hash slot rather than the whole key: something
+/// between its first `{` and the first `}` after it (Redis's rule).
+fn has_hash_tag(key: &str) -> bool {
+    key.split_once('{')
+        .and_then(|(_, after)| after.split_once('}'))
+        .is_some_and(|(tag, _)| !tag.is_empty())
 }
 
 /// Sets each `(key, value)` of `writes` under `token`, all or none: `true` when written,
