@@ -19,8 +19,10 @@
 //!    (unfair waiting, an owner that holds keys) watch the keys that kept them out.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
-//!    the first still in the way, and sends its whole batch again only once none is. A big
-//!    batch so makes about two passes to be granted (the refused one that reserves, and the
+//!    the first still in the way, and sends its whole batch again only once none is, or
+//!    at once when one key alone kept it out and its release woke the waiter (where a
+//!    retry is one call: one Redis, PostgreSQL; see [`LockStore::whole_attempts`]). A big batch
+//!    so makes about two passes to be granted (the refused one that reserves, and the
 //!    grant) and one to be released, however long it waits.
 //! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
 //!    less and less often, down to every 1-2 s: for a hold or a place before it that
@@ -362,7 +364,8 @@ impl<'a> Acquisition<'a> {
     ///
     /// On a store that probes ([`LockStore::probe`]), a waiter that wakes first probes the
     /// keys that kept its last attempt out, and tries the whole batch again only once none
-    /// of them does: its retries cost in proportion to what blocked it, not to its batch.
+    /// of them does (or at once, when one key alone kept it out and its release woke it):
+    /// its retries cost in proportion to what blocked it, not to its batch.
     async fn run(
         &self,
         owner: OwnerToken,
@@ -479,10 +482,17 @@ impl<'a> Acquisition<'a> {
                     _ => self.watch(line, &contention.keys),
                 };
                 let wake_at = (now + backoff.pause()).min(deadline);
-                let _ = tokio::time::timeout_at(wake_at.into(), any_released(&mut released)).await;
+                let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
+                    .await
+                    .is_ok();
                 watched = Some(released);
                 attempted = Instant::now();
-                if blockers.is_empty() {
+                // Woken for the one key that still kept it out (first in line on it, or its
+                // watcher), on a store where nothing else wakes it: a probe would find that
+                // key free, and only add a round trip to the grant (a hot key's waiters
+                // made one a grant).
+                let turn = woken && self.store.whole_attempts(self.keys.len());
+                if blockers.is_empty() || (blockers.len() == 1 && turn) {
                     break;
                 }
                 let free = self.probe(owner, line, &blockers).await?;

@@ -566,6 +566,17 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
         false
     }
 
+    /// Whether a waiter's retry of a batch of `keys` keys is one call that, refused,
+    /// takes and releases nothing: then no refusal of its own wakes the waiter, and a
+    /// waiter woken for the one key that kept it out tries its batch at once, without a
+    /// probe first. Where a refused attempt may have been granted in part and rolled back
+    /// (several nodes, several steps), the rollback's release wakes the waiter itself,
+    /// and only a probe tells that wake from its turn.
+    fn whole_attempts(&self, keys: usize) -> bool {
+        let _ = keys;
+        false
+    }
+
     /// How many keys of `request`, from the first, would not keep it out now (every one of
     /// them: try the batch); changes nothing. The keys are those that kept an earlier
     /// attempt out: a waiter probes them when it wakes, and tries its whole batch again

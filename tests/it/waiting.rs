@@ -282,7 +282,8 @@ async fn hot_key_calls_per_grant(
 
 /// A release wakes the waiter first in line, not every waiter: the store's work per grant
 /// does not grow with the line (DESIGN, property 13). Before, each release woke every
-/// waiter, and each tried: 32 waiters took about 10 calls a grant.
+/// waiter, and each tried: 32 waiters took about 10 calls a grant. A waiter woken for its
+/// one key tries it at once: with a probe first, 4.3-4.5 calls a grant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn script_calls_per_grant_do_not_grow_with_the_waiters() {
     let server = RedisServer::start();
@@ -299,7 +300,7 @@ async fn script_calls_per_grant_do_not_grow_with_the_waiters() {
     eprintln!("hot key, script calls per grant: 4 waiters {few:.1}, 32 waiters {many:.1}");
     // A grant after a wait takes a refused attempt, the granted one and the release; a
     // waiter that waits long also polls, seldom.
-    assert!(many <= 5.0, "{many:.1} calls a grant with 32 waiters");
+    assert!(many <= 4.0, "{many:.1} calls a grant with 32 waiters");
     assert!(
         many <= few * 1.5 + 0.5,
         "{few:.1} with 4 waiters, {many:.1} with 32"

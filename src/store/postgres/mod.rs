@@ -292,6 +292,11 @@ impl LockStore for PostgresStore {
         true
     }
 
+    /// Every attempt is one statement.
+    fn whole_attempts(&self, _keys: usize) -> bool {
+        true
+    }
+
     fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
         Box::pin(async move {
             let keys: &[String] = &request.keys;

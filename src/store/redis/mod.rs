@@ -390,6 +390,11 @@ impl LockStore for RedisStore {
         true
     }
 
+    /// A waiter's retry skips the plain pass: one script, unless the batch takes steps.
+    fn whole_attempts(&self, keys: usize) -> bool {
+        keys <= self.step
+    }
+
     fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
         Box::pin(async move {
             let (owner, line) = (request.holder.owner.as_hex(), line_arg(request.line));
