@@ -217,6 +217,12 @@ impl LockStore for ClusterStore {
         true
     }
 
+    /// One key is one master's group: one script, granted or refused whole. A batch of
+    /// more may be granted by one master and rolled back.
+    fn whole_attempts(&self, keys: usize) -> bool {
+        keys == 1
+    }
+
     fn spreads_by_hash_slot(&self) -> bool {
         true
     }
