@@ -395,3 +395,46 @@ async fn a_big_batch_with_one_held_key_is_refused_or_waits_in_line_for_it() {
     assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
     assert!(rows(&db).is_empty(), "{:?}", rows(&db));
 }
+
+/// A transaction that keeps a lock row longer than the acquire function waits for rows (a
+/// user's guarded transaction that runs long) makes a request for that key wait, or get
+/// 409 at once without a wait: never 503. (A row wait used to run into the store timeout,
+/// 2 s, and answer 503.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
+    let db = Database::create();
+    let locks = locks(&db);
+    locks.check().await.expect("the store makes its schema");
+    // A row for the key that holds nothing, kept by a transaction of its own.
+    db.query("INSERT INTO tower_batch_lock.locks (key) VALUES ('lock:k')");
+    let (client, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let keep = "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE";
+    client.batch_execute(keep).await.unwrap();
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let now = batch_router(&locks.clone().wait(Wait::none()), counting_handler(&runs));
+    let started = Instant::now();
+    let refused = send(&now, batch(&["k"])).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        refused.problem()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+
+    let patient = locks.clone().wait(Wait::up_to(Duration::from_secs(8)));
+    let waiting = batch_router(&patient, counting_handler(&runs));
+    let waiter = tokio::spawn(async move { send(&waiting, batch(&["k"])).await });
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(!waiter.is_finished(), "the waiter waits for the row");
+    client.batch_execute("COMMIT").await.unwrap();
+    let granted = waiter.await.unwrap();
+    assert_eq!(granted.status, StatusCode::OK, "{:?}", granted.problem());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -14,7 +14,7 @@ use std::{
 use bytes::Bytes;
 use deadpool_postgres::{Object, Pool};
 use tokio::sync::OnceCell;
-use tokio_postgres::Statement;
+use tokio_postgres::{error::SqlState, Statement};
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -189,11 +189,20 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         writes: bool,
     ) -> Result<tokio_postgres::Row, StoreError> {
-        let (client, statement) = self.prepared(sql).await?;
-        client
-            .query_one(&statement, params)
-            .await
+        self.query(sql, params)
+            .await?
             .map_err(|e| failed(e, writes))
+    }
+
+    /// Runs `sql` with `params`: the store's error when it could not be sent, the
+    /// server's answer otherwise.
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Result<tokio_postgres::Row, tokio_postgres::Error>, StoreError> {
+        let (client, statement) = self.prepared(sql).await?;
+        Ok(client.query_one(&statement, params).await)
     }
 
     /// Frees keys for others with `sql` (release, withdraw, force_release), whose last
@@ -253,8 +262,8 @@ impl LockStore for PostgresStore {
                 Line::Outside | Line::Holder(_) => 0,
             };
             let report = i32::try_from(request.report).unwrap_or(i32::MAX);
-            let row = self
-                .call(
+            let answer = self
+                .query(
                     &self.statements.acquire,
                     &[
                         &keys,
@@ -266,9 +275,25 @@ impl LockStore for PostgresStore {
                         &ticket_arg(request.line),
                         &reserve,
                     ],
-                    true,
                 )
                 .await?;
+            let row = match answer {
+                Ok(row) => row,
+                // Another transaction kept one of the rows past the function's lock
+                // timeout (a big batch's statement, a user's guarded transaction): the
+                // keys are busy, which is contention, not a failed store. The statement
+                // rolled back: nothing taken, and no reservation made that was not there
+                // (a waiter's first attempt makes them when it tries again).
+                Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                    return Ok(Acquire::Held(Contention {
+                        keys: Vec::new(),
+                        total: 1,
+                        earliest_expiry: None,
+                        upgrade: false,
+                    }));
+                }
+                Err(error) => return Err(failed(error, true)),
+            };
             if let Some(token) = row.get::<_, Option<i64>>(0) {
                 let token = u64::try_from(token).map_err(|_| {
                     StoreError::unknown(format!("the fencing sequence gave {token}"))

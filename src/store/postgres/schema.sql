@@ -211,10 +211,12 @@ CREATE OR REPLACE FUNCTION {T}_acquire(
   p_ticket numeric, p_reserve_ms bigint
 ) RETURNS TABLE (token bigint, conflicts int, earliest_ms bigint, named text[], upgrade boolean)
 LANGUAGE plpgsql
--- Another call's rows are waited for at most this long: a call runs one statement, and
--- only a stuck transaction (or a user's that guards its writes with `_guard` for longer)
--- holds them for this long; the request then gets 503, not a wait without end.
-SET lock_timeout = '2s'
+-- Another call's rows are waited for at most this long: a big batch's statement holds
+-- them for tens of milliseconds, a user's transaction that guards its writes with `_guard`
+-- until it ends. Past it the statement fails (SQLSTATE 55P03), which the store answers as
+-- a refusal: the request waits on, or gets 409, well inside the store timeout (2 s by
+-- default), where a longer row wait ended as that timeout, a 503.
+SET lock_timeout = '500ms'
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
