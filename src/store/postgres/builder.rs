@@ -65,6 +65,9 @@ const POOL_SIZE: usize = 16;
 ///   memory and Redis. With 16 clients of 3-key orders and 4 of 2,000-key orders on 3,000
 ///   keys, it granted half of what one Redis granted in the same run, and a fourteenth
 ///   of what the memory store did.
+/// - An acquire waits at most 500 ms for rows that another transaction keeps (a big
+///   batch's statement, or your transaction under its guard, `Lease::postgres_guard`);
+///   then the request is refused as contended: it waits on, or gets 409, never 503.
 /// - Rows that nobody holds or reserves any more (their holder crashed) keep nobody out,
 ///   are taken over by the next request for their key, and are deleted by a sweep every
 ///   30 s (`SKIP LOCKED`: it never waits for a call), with expired idempotent answers
