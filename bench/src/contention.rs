@@ -331,9 +331,7 @@ pub(crate) async fn run(
     let mut singles = Vec::new();
     let mut cases = Vec::new();
     let total = stores.len() * LEVELS.len();
-    let only_store = std::env::var("XP_STORE").ok();
-    let only_level = std::env::var("XP_LEVEL").ok();
-    for store in stores.iter().filter(|s| only_store.as_deref().is_none_or(|o| o == s.name)) {
+    for store in &stores {
         let mut stats = Vec::new();
         for url in &store.masters {
             stats.push(connect(url).await?);
@@ -344,7 +342,7 @@ pub(crate) async fn run(
             uncontended(store, &mut stats, &plan).await?
         };
         singles.extend(uncontended.iter().map(|u| u.to_json(store.name)));
-        for level in LEVELS.iter().filter(|l| only_level.as_deref().is_none_or(|o| l.name.starts_with(o))) {
+        for level in &LEVELS {
             let label = format!(
                 "contention {}/{total} {}, {}",
                 cases.len() + 1,
