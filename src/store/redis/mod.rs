@@ -390,9 +390,10 @@ impl LockStore for RedisStore {
         true
     }
 
-    /// A waiter's retry skips the plain pass: one script, unless the batch takes steps.
+    /// One script: a batch too small for the plain pass (whose refused keys are released,
+    /// and that release announced), in one step.
     fn whole_attempts(&self, keys: usize) -> bool {
-        keys <= self.step
+        keys < steps::PLAIN_FROM && keys <= self.step
     }
 
     fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
