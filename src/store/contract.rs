@@ -460,7 +460,10 @@ pub(crate) enum Acquire {
     /// on them are gone.
     Granted(FencingToken),
     /// At least one key is held by another owner, or reserved by an earlier waiter. No key
-    /// was locked; a caller with a ticket now has its reservation on every key of the batch.
+    /// was locked; a caller with a ticket now has its reservation on every key of the batch,
+    /// unless the refusal names no key: the store could not read the keys in time (on
+    /// PostgreSQL, rows another transaction kept), and changed nothing; the caller's next
+    /// attempt reserves them.
     Held(Contention),
 }
 
