@@ -571,13 +571,16 @@ fn two_waiters_whose_tickets_share_their_time_keep_two_places() {
     // As `Ticket::as_arg` writes them: the time part, then 20 random digits.
     let time = "0061420580338024";
     let (first, second) = (format!("{time}{:020}", 7), format!("{time}{:020}", 9));
-    for ticket in [&first, &second] {
-        let _: i64 = reserve
+    // The positions of the keys that keep each waiter out: none for the first; the
+    // second is behind the first.
+    for (ticket, blockers) in [(&first, vec![]), (&second, vec![1])] {
+        let found: Vec<i64> = reserve
             .key("lock:k")
             .arg(ticket)
             .arg(10_000)
             .invoke(&mut observer.connection())
             .unwrap();
+        assert_eq!(found, blockers);
     }
     let line = |observer: &Observer| observer.lock("lock:k").unwrap().reservations;
     assert_eq!(line(&observer).len(), 2, "{:?}", observer.get("lock:k"));
@@ -723,6 +726,46 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
         (100..=101).contains(&most),
         "the largest call carried {most} keys"
     );
+}
+
+/// A waiter refused at one step of its batch learns what keeps it out in the steps it did
+/// not try too (the reservation of those steps reads them): its next attempt waits for
+/// all of them, rather than take the first steps again only to be refused at a later one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_refused_at_one_step_learns_of_what_keeps_it_out_in_later_steps() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let store = || Redis::pool(server.pool()).step_keys(10).build().unwrap();
+    let locks = Locks::new(store()).ttl(Duration::from_secs(10));
+    let keys: Vec<String> = (0..60).map(|i| format!("s:{i:04}")).collect();
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    // One key held in the first step, one in the last (a batch too small for a plain
+    // pass, which would have read them all).
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, batch(&["s:0005", "s:0055"])).await });
+    gate.wait_entered().await;
+    let waiting = Locks::new(store())
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::up_to(Duration::from_millis(300)));
+    let refused = send(&counting_router(&waiting, &runs), batch(&keys)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["s:0005", "s:0055"])
+    );
+    assert!(
+        refused.problem()["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.starts_with("2 of the 60")),
+        "{}",
+        refused.problem()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
 
 // ---------------------------------------------------------------------------------------

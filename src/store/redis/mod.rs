@@ -210,19 +210,24 @@ impl RedisStore {
     /// Puts the reservation of the waiter with `ticket` on `keys`, for `reserve`
     /// ([`AcquireRequest::reserve`]), a step at a time: the part of a batch that the cluster store
     /// or an earlier step granted, before it is rolled back, when another part kept the
-    /// waiter out.
+    /// waiter out; and the steps after a refused one. Returns the positions in `keys` of
+    /// those that keep the waiter out as far as the script can tell (see `reserve.lua`).
     pub(crate) async fn reserve(
         &self,
         keys: &[String],
         ticket: Ticket,
         reserve: Duration,
-    ) -> Result<(), StoreError> {
-        for step in keys.chunks(self.step) {
+    ) -> Result<Vec<usize>, StoreError> {
+        let mut blockers = Vec::new();
+        for (n, step) in keys.chunks(self.step).enumerate() {
             let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
             script.arg(ticket.as_arg()).arg(millis(reserve));
-            self.invoke::<i64>(&script).await?;
+            let found: Vec<usize> = self.invoke(&script).await?;
+            // The script counts from 1, in its step.
+            let at = |i: usize| i.checked_sub(1).map(|i| n * self.step + i);
+            blockers.extend(found.into_iter().filter_map(at));
         }
-        Ok(())
+        Ok(blockers)
     }
 
     /// Raises the fencing counter of `namespace` to at least `floor`.

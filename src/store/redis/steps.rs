@@ -31,7 +31,11 @@
 //! the last step counts the grant: no fencing token, and so no grant, before every step
 //! succeeded. A step that is refused ends the attempt: the keys taken before it are
 //! released, and a waiter in line first reserves every key of its batch, so that its place
-//! in line holds for the whole batch, as it does for a batch taken in one step. Keys are
+//! in line holds for the whole batch, as it does for a batch taken in one step. Reserving
+//! the steps it did not try reads their keys: the refusal names what keeps the waiter out
+//! there too, so that it [probes](crate::store::contract::LockStore::probe) every blocker
+//! before it tries again, rather than take its first steps again only to be refused at a
+//! later one. Keys are
 //! sorted, so two batches in steps meet in the same order and never hold out for each
 //! other. Two plain passes at once may each take part of what both want: then both are
 //! refused and undone, and waiters in line go in their order.
@@ -197,11 +201,24 @@ impl RedisStore {
                 Ok(Acquire::Granted(_)) => done = step.end,
                 // If the undo fails, the caller releases the whole batch, as after any
                 // failure that may have left keys behind.
-                Ok(Acquire::Held(contention)) => {
-                    self.undo(request, taken, step).await.map_err(|error| {
-                        StoreError::unknown(error)
-                            .context("a step was refused, and undoing the steps before it failed")
-                    })?;
+                Ok(Acquire::Held(mut contention)) => {
+                    let later = self
+                        .undo(request, taken, step.clone())
+                        .await
+                        .map_err(|error| {
+                            StoreError::unknown(error).context(
+                                "a step was refused, and undoing the steps before it failed",
+                            )
+                        })?;
+                    // The waiter learns of what keeps it out in the steps it did not try
+                    // too, so that it probes those before it tries again, rather than
+                    // take the steps before them again only to be refused there.
+                    contention.total += later.len();
+                    let room = request.report.saturating_sub(contention.keys.len());
+                    let named = later.iter().take(room);
+                    contention
+                        .keys
+                        .extend(named.map(|&i| request.keys[step.end + i].clone()));
                     return Ok(Acquire::Held(contention));
                 }
                 Err(error) if done == 0 && taken.is_empty() => return Err(error),
@@ -218,27 +235,30 @@ impl RedisStore {
     /// Undoes what an acquisition took before the step `refused` of `request`: the keys
     /// `taken` before its steps and the steps before `refused`. A waiter in line first
     /// reserves the keys of every other step (the refused step's script reserved its own),
-    /// so that they are never free of both in between.
+    /// so that they are never free of both in between. Returns the positions, after the
+    /// refused step, of the keys that keep the waiter out (see [`reserve`](Self::reserve)).
     async fn undo(
         &self,
         request: &AcquireRequest,
         taken: Taken<'_>,
         refused: Range<usize>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<usize>, StoreError> {
         let held: Keys = taken
             .keys()
             .chain(&request.keys[..refused.start])
             .cloned()
             .collect();
+        let mut later = Vec::new();
         if let Line::At(ticket) = request.line {
             self.reserve(&held, ticket, request.reserve).await?;
-            self.reserve(&request.keys[refused.end..], ticket, request.reserve)
+            later = self
+                .reserve(&request.keys[refused.end..], ticket, request.reserve)
                 .await?;
         }
         if !held.is_empty() {
             self.release(&held, request.holder).await?;
         }
-        Ok(())
+        Ok(later)
     }
 }
 

@@ -1,7 +1,7 @@
 -- KEYS[1]: the namespace's fencing counter (on a cluster, a placeholder: see cluster.lua);
 -- KEYS[2..]: the batch.
 -- ARGV: owner token, hold id, ttl (ms), how many conflicts to name, the caller's ticket
--- (36 digits, see `earlier`; '' when it is in no line, and kept out by every
+-- (36 digits, see `ticket_at`; '' when it is in no line, and kept out by every
 -- reservation; an owner that already holds keys gives its arrival's, and its own keys keep
 -- it out of nothing), reservation ttl (ms; 0: reserve nothing), the
 -- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
@@ -43,8 +43,12 @@ local function reader()
 end
 
 local conflicts, earliest, named, upgrade = 0, -1, {}, 0
--- Keys this script created, and keys that were there and keep nobody out (index -> parts).
-local taken, found = {}, {}
+-- Keys this script created, keys that were there and keep nobody out (index -> parts), and
+-- keys wanted exclusively that nobody holds and whose line the caller heads (index ->
+-- value).
+local taken, found, first = {}, {}, {}
+-- How a value starts whose line the caller heads.
+local heads_line = ticket and '|' .. ticket .. '/'
 for i = 2, #KEYS do
   local shared = shared_at(i)
   local old = redis.pcall('SET', KEYS[i], shared and reader() or mine, 'PX', ttl, 'NX', 'GET')
@@ -56,6 +60,11 @@ for i = 2, #KEYS do
   end
   if not old then
     taken[#taken + 1] = i
+  elseif heads_line and not shared and type(old) == 'string'
+      and string.sub(old, 1, 38) == heads_line and #old % ENTRY_LEN == 0 then
+    -- The common key of a waiter's retry: it keeps the waiter out of nothing, and a grant
+    -- needs no more of it than the line behind the waiter's entry.
+    first[i] = old
   else
     local holds, queue, hold_end = split(old)
     -- The owner's live shared hold ids, when a shared key is asked for exclusively.
@@ -83,6 +92,7 @@ for i = 2, #KEYS do
 end
 
 if conflicts > 0 then
+  for i, value in pairs(first) do found[i] = {'', value} end
   if reserve_ms > 0 then
     -- A waiter in line reserves every key of its batch against later arrivals.
     local till = now() + reserve_ms
@@ -110,6 +120,15 @@ end
 -- The waiters first in line on the keys granted shared: a reader among them may come in
 -- beside this one, and nothing else would wake it.
 local readers_next = {}
+for i, value in pairs(first) do
+  -- Its line, less the caller's entry: ended entries stay until a call that rewrites the
+  -- line drops them, and only live ones count for the key's life.
+  local queue, latest = string.sub(value, ENTRY_LEN + 1), 0
+  for _, u in entries(queue) do
+    if u > now() and u > latest then latest = u end
+  end
+  write(KEYS[i], mine, queue, latest, now() + ttl)
+end
 for i, parts in pairs(found) do
   local holds, queue, ids, hold_end = parts[1], parts[2], parts[3], parts[4]
   local latest = 0

@@ -29,8 +29,8 @@ each_value(1, function(i, value)
         -- Reservations outlive the holds: the value keeps their end.
         if hold_end then left = hold_end - now() end
       end
-      for _, u in string.gmatch(queue, '|(%d+)/(%d+)') do
-        if tonumber(u) > now() then waiters = waiters + 1 end
+      for _, u in entries(queue) do
+        if u > now() then waiters = waiters + 1 end
       end
     end
   end

@@ -17,7 +17,15 @@ each_value(1, function(i, value)
     gone[#gone + 1] = KEYS[i]
     return
   end
-  local holds, queue, hold_end = split(value)
+  local holds, queue, hold_end
+  if type(value) == 'string' and string.sub(value, 1, #exact + 1) == exact .. '|'
+      and string.sub(value, #exact + 2, #exact + 3) ~= '0/' then
+    -- This hold alone, then a line, the hold's end the key's: the value is this crate's (it
+    -- starts with the owner's token), and only the line needs reading.
+    holds, queue = exact, string.sub(value, #exact + 1)
+  else
+    holds, queue, hold_end = split(value)
+  end
   if holds == nil or holds == '' then return end
   if is_shared(holds) then
     local at = string.find(holds, reader, 1, true)

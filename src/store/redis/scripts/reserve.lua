@@ -4,18 +4,30 @@
 -- was refused after part of it was granted (by a cluster group, or an earlier step): the
 -- granted part keeps the waiter's place in line as the refused part does, reserved before
 -- it is rolled back (a release keeps a key's reservations), so that it is never free of
--- both in between; and the steps not tried yet are reserved too.
+-- both in between; and the steps not tried yet are reserved too. A reservation with more
+-- than half its time left stays as it is, as in acquire.
+-- Returns the positions in KEYS of the keys that keep the waiter out as far as a
+-- reservation can tell (held by anyone, foreign, or reserved by an earlier waiter): the
+-- steps after a refused one, which the waiter probes before it tries its batch again.
 local ticket, reserve_ms = ARGV[1], tonumber(ARGV[2])
 local till = now() + reserve_ms
+local mark = '|' .. ticket .. '/'
+local blockers = {}
 each_value(1, function(i, value)
   if not value then
     -- NX: a key of another type also reads as no value, and stays as it is.
-    redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms, 'NX')
+    redis.call('SET', KEYS[i], mark .. string.format('%d', till), 'PX', reserve_ms, 'NX')
     return
   end
   local holds, queue, hold_end = split(value)
-  if holds == nil then return end
+  if holds == nil then
+    blockers[#blockers + 1] = i
+    return
+  end
+  if holds ~= '' or reserved_before(queue, ticket) then blockers[#blockers + 1] = i end
+  local at = string.find(queue, mark, 1, true)
+  if at and tonumber(string.sub(queue, at + 38, at + 50)) > till - reserve_ms / 2 then return end
   local left, latest = requeue(queue, ticket, till)
   write(KEYS[i], holds, left, latest, hold_end)
 end)
-return 1
+return blockers
