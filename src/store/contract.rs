@@ -569,12 +569,11 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
         false
     }
 
-    /// Whether a waiter's retry of a batch of `keys` keys is one call that, refused,
-    /// takes and releases nothing: then no refusal of its own wakes the waiter, and a
-    /// waiter woken for the one key that kept it out tries its batch at once, without a
-    /// probe first. Where a refused attempt may have been granted in part and rolled back
-    /// (several nodes, several steps), the rollback's release wakes the waiter itself,
-    /// and only a probe tells that wake from its turn.
+    /// Whether a waiter woken for the one key that kept its batch of `keys` keys out tries
+    /// the batch at once, without a probe first: where a refused retry costs about what a
+    /// probe does, and no refusal of its own wakes the waiter (a refused attempt granted in
+    /// part and rolled back must not name its waiter in the roll-back's wake-ups, or the
+    /// waiter would take that wake for its turn).
     fn whole_attempts(&self, keys: usize) -> bool {
         let _ = keys;
         false

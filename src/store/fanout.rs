@@ -34,7 +34,7 @@ use redis::ConnectionInfo;
 use super::{
     contract::{Acquire, AcquireRequest, Holder, LockStore},
     error::StoreError,
-    redis::{RedisStore, DEFAULT_STEP},
+    redis::{Freeing, RedisStore, DEFAULT_STEP},
 };
 use crate::{backoff::Backoff, duration::capped, observe, store::late};
 
@@ -302,7 +302,8 @@ impl Fanout {
             let reply = bounded(timeout, node.acquire(&request)).await;
             match &reply {
                 Ok(Acquire::Granted(_)) if released.load(Ordering::SeqCst) => {
-                    let _ = fanout.release_on(node, request.keys, request.holder).await;
+                    let release = Freeing::Release(request.holder);
+                    let _ = fanout.release_on(node, request.keys, release).await;
                 }
                 // The grant may still land. (While the batch holds, with a majority of
                 // Redlock's masters, a grant there is the batch's own: left alone.)
@@ -324,7 +325,7 @@ impl Fanout {
         }
     }
 
-    /// Releases `holder`'s hold on `keys` on `node`, and when the outcome is unknown (the
+    /// Frees `keys` on `node` (a release, or a waiter's roll-back), and when the outcome is unknown (the
     /// node may still run an earlier command of ours, such as the acquisition), keeps
     /// trying in the background until it answers or until no key of ours can be left
     /// there.
@@ -332,17 +333,17 @@ impl Fanout {
         self: &Arc<Self>,
         node: Arc<RedisStore>,
         keys: Arc<[String]>,
-        holder: Holder,
+        how: Freeing,
     ) -> NodeReply<usize> {
         let timeout = self.timeout_for(keys.len(), node.step());
-        let reply = bounded(timeout, node.release(&keys, holder)).await;
+        let reply = bounded(timeout, node.free_count(how, &keys)).await;
         if matches!(&reply, Err(failure) if failure.may_have_applied()) {
             let give_up_at = Instant::now() + self.longest_ttl();
             let store = self.store;
             tokio::spawn(async move {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
                 while backoff.sleep_before(give_up_at).await {
-                    match bounded(timeout, node.release(&keys, holder)).await {
+                    match bounded(timeout, node.free_count(how, &keys)).await {
                         Err(failure) if failure.may_have_applied() => {}
                         // Answered, or the node cannot be reached at all (so it runs
                         // nothing of ours): whatever it holds expires with its TTL.

@@ -164,9 +164,13 @@ impl RedisStore {
             count: 0,
             heads: Vec::new(),
         };
+        let rolled_back = match how {
+            Freeing::RollBack(_, ticket) => Some(ticket.key()),
+            _ => None,
+        };
         for step in keys.chunks(self.step) {
             let mut invocation = match how {
-                Freeing::Release(holder) => {
+                Freeing::Release(holder) | Freeing::RollBack(holder, _) => {
                     let mut call = self.scripts.prepare(&self.scripts.release, None, step);
                     call.arg(holder.owner.as_hex()).arg(holder.hold_hex());
                     call
@@ -201,10 +205,23 @@ impl RedisStore {
             freed.count += count;
             freed.heads.extend(heads);
             self.wakeups.wake_slots(slots);
-            self.wakeups
-                .wake_tickets(freed.heads[first..].iter().copied());
+            self.wakeups.wake_tickets(
+                freed.heads[first..]
+                    .iter()
+                    .copied()
+                    .filter(|&head| Some(head) != rolled_back),
+            );
         }
         Ok(freed)
+    }
+
+    /// [`free`](Self::free)'s count of the keys it changed.
+    pub(crate) async fn free_count(
+        &self,
+        how: Freeing,
+        keys: &[String],
+    ) -> Result<usize, StoreError> {
+        Ok(self.free(how, keys).await?.count)
     }
 
     /// Puts the reservation of the waiter with `ticket` on `keys`, for `reserve`
@@ -246,6 +263,11 @@ impl RedisStore {
 pub(crate) enum Freeing {
     /// Ends a hold on the keys that still have it.
     Release(Holder),
+    /// Ends the hold of a refused attempt of the waiter with this ticket, which reserved
+    /// the keys first: as `Release`, but it does not wake that waiter, which is first in
+    /// line on them and waits for the keys that refused it (woken by its own roll-back, it
+    /// would try again at once, and be refused again).
+    RollBack(Holder, Ticket),
     /// Takes a waiter's reservations off the keys.
     Withdraw(Ticket),
     /// Ends every hold on the keys, whoever has it.
@@ -440,11 +462,11 @@ impl LockStore for RedisStore {
     }
 
     fn release<'a>(&'a self, keys: &'a Keys, holder: Holder) -> Reply<'a, usize> {
-        Box::pin(async move { Ok(self.free(Freeing::Release(holder), keys).await?.count) })
+        Box::pin(self.free_count(Freeing::Release(holder), keys))
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
-        Box::pin(async move { Ok(self.free(Freeing::Withdraw(ticket), keys).await?.count) })
+        Box::pin(self.free_count(Freeing::Withdraw(ticket), keys))
     }
 
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
@@ -467,7 +489,7 @@ impl LockStore for RedisStore {
     }
 
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
-        Box::pin(async move { Ok(self.free(Freeing::Force, keys).await?.count) })
+        Box::pin(self.free_count(Freeing::Force, keys))
     }
 
     /// Redis 7.0 or later (the scripts need it), and the library of scripts loads.

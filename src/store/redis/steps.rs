@@ -50,11 +50,11 @@ use redis::Value;
 
 use super::{
     super::{
-        contract::{Acquire, AcquireRequest, FencingToken, Keys, Line, LockStore},
+        contract::{Acquire, AcquireRequest, FencingToken, Keys, Line},
         error::StoreError,
     },
     connection::Command,
-    millis, RedisStore,
+    millis, Freeing, RedisStore,
 };
 
 /// The smallest batch whose free keys are taken with plain commands. That costs a round
@@ -248,15 +248,16 @@ impl RedisStore {
             .chain(&request.keys[..refused.start])
             .cloned()
             .collect();
-        let mut later = Vec::new();
+        let (mut later, mut how) = (Vec::new(), Freeing::Release(request.holder));
         if let Line::At(ticket) = request.line {
             self.reserve(&held, ticket, request.reserve).await?;
             later = self
                 .reserve(&request.keys[refused.end..], ticket, request.reserve)
                 .await?;
+            how = Freeing::RollBack(request.holder, ticket);
         }
         if !held.is_empty() {
-            self.release(&held, request.holder).await?;
+            self.free(how, &held).await?;
         }
         Ok(later)
     }

@@ -26,7 +26,7 @@ use crate::store::{
     },
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout, NodeFailure, NodeReply},
-    redis::RedisStore,
+    redis::{Freeing, RedisStore},
     wake::Wakeups,
 };
 
@@ -115,11 +115,11 @@ impl RedlockStore {
         &self,
         nodes: impl Iterator<Item = usize>,
         keys: &Arc<[String]>,
-        holder: Holder,
+        how: Freeing,
     ) -> Replies<usize> {
         self.start_on(nodes, |_, node| {
             let (fanout, keys) = (self.fanout.clone(), keys.clone());
-            async move { fanout.release_on(node, keys, holder).await }
+            async move { fanout.release_on(node, keys, how).await }
         })
     }
 
@@ -210,7 +210,9 @@ impl RedlockStore {
         if tally.granted.is_empty() && tally.failed == 0 {
             return;
         }
+        let mut how = Freeing::Release(holder);
         if let (Line::At(ticket), false) = (request.line, tally.granted.is_empty()) {
+            how = Freeing::RollBack(holder, ticket);
             let reserve = request.reserve;
             let mut reserved =
                 self.start_on(tally.granted.iter().map(|&(node, _)| node), |_, node| {
@@ -222,9 +224,9 @@ impl RedlockStore {
                 });
             while reserved.next().await.is_some() {}
         }
-        finish_in_background(self.start_releases(tally.timed_out.iter().copied(), keys, holder));
+        finish_in_background(self.start_releases(tally.timed_out.iter().copied(), keys, how));
         let answered = (0..self.masters.len()).filter(|node| !tally.timed_out.contains(node));
-        let mut releases = self.start_releases(answered, keys, holder);
+        let mut releases = self.start_releases(answered, keys, how);
         while releases.next().await.is_some() {}
     }
 }
@@ -344,7 +346,8 @@ impl LockStore for RedlockStore {
         Box::pin(async move {
             self.fanout.mark_released(holder);
             let started = Instant::now();
-            let mut replies = self.start_releases(0..self.masters.len(), keys, holder);
+            let release = Freeing::Release(holder);
+            let mut replies = self.start_releases(0..self.masters.len(), keys, release);
             let (mut answered, mut deleted, mut unsure) = (0, 0, false);
             while let Some((node, reply)) = replies.next().await {
                 match reply {
@@ -404,6 +407,12 @@ impl LockStore for RedlockStore {
 
     fn probes(&self) -> bool {
         true
+    }
+
+    /// One key: a retry is one script a master, as a probe is, and the roll-back of a
+    /// refused one does not wake its waiter.
+    fn whole_attempts(&self, keys: usize) -> bool {
+        keys == 1
     }
 
     /// Probes every master at once (each bounded by the node timeout): the keys free on a
