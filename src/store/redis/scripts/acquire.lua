@@ -83,6 +83,9 @@ for i = 2, #KEYS do
           left = hold_end - now()
         else
           left = redis.call('PTTL', KEYS[i])
+          -- Exclusive holds end with the key: where the reservation is written below,
+          -- that end needs no second read.
+          if holds ~= nil and left >= 0 then hold_end = now() + left end
         end
         if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
       end

@@ -126,6 +126,11 @@ local function entries(queue)
   end
 end
 
+-- Whether `queue` has an entry's separators where one starts at `at`.
+local function entry_at(queue, at)
+  return string.byte(queue, at) == 124 and string.byte(queue, at + 37) == 47
+end
+
 -- The ticket of the entry at `at` of `queue`. Tickets are strings of digits, too long for
 -- Lua's doubles, all 36 long (leading zeros included): they compare as strings.
 local function ticket_at(queue, at)
@@ -153,12 +158,15 @@ local function split(value)
     queue = string.sub(queue, #marker + 4)
     if holds ~= '' and not is_shared(holds) and hold_end <= now() then holds = '' end
   end
-  -- The line's entries are checked by their separators, not character by character: a hot
-  -- key's line is as long as its waiters, and every call on the key reads the value. The
-  -- holds' form already tells this version's values from another program's.
+  -- The line is checked at its ends: whole entries, the first and the last with their
+  -- separators in place. A hot key's line is as long as its waiters, and every call on
+  -- the key reads the value: checking every entry cost each call about 1.5 us a waiter (a
+  -- probe of a key with 256 waiters in line, 0.4 ms), for a check that the holds' form
+  -- already makes (another program's value does not begin with an owner's holds by
+  -- chance). An entry in between whose end is not a number counts as ended (`entries`).
   if #queue % ENTRY_LEN ~= 0 then return nil end
-  for at = 1, #queue, ENTRY_LEN do
-    if string.byte(queue, at) ~= 124 or string.byte(queue, at + 37) ~= 47 then return nil end
+  if queue ~= '' and not (entry_at(queue, 1) and entry_at(queue, #queue - ENTRY_LEN + 1)) then
+    return nil
   end
   return holds, queue, hold_end
 end
