@@ -558,6 +558,86 @@ async fn an_acquisition_run_twice_is_one_hold() {
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
 }
 
+/// A waiter's retry reads its keys rather than send `SET NX GET` a key (its reservations are
+/// on every one): it finds what that `SET` would have found, and takes a key that reads as
+/// none with `SET NX`, leaving a key of another type alone.
+#[test]
+fn a_retry_that_reads_its_keys_first_decides_as_one_that_sets_them() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let acquire = crate_script(include_str!("../../src/store/redis/scripts/acquire.lua"));
+    let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
+    let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000bb");
+    let ticket = format!("{}{:020}", "0061420580338024", 7);
+    let retry = |keys: &[&str]| -> redis::Value {
+        let mut call = acquire.key("lock:");
+        for key in keys {
+            call.key(*key);
+        }
+        call.arg(owner)
+            .arg(hold)
+            .arg(10_000)
+            .arg(20)
+            .arg(&ticket)
+            .arg(5_000)
+            .arg("x")
+            .arg("1")
+            .arg("tower-batch-lock:released")
+            .arg("1")
+            .invoke(&mut observer.connection())
+            .unwrap()
+    };
+    // Reserved by the waiter, free, another owner's, a hash.
+    let _: Vec<i64> = reserve
+        .key("lock:a")
+        .arg(&ticket)
+        .arg(5_000)
+        .invoke(&mut observer.connection())
+        .unwrap();
+    observer.set(
+        "lock:c",
+        "fedcba9876543210fedcba9876543210:00000000000000cc",
+    );
+    observer.cmd::<()>(redis::cmd("HSET").arg("lock:d").arg("f").arg("v"));
+    let refused = retry(&["lock:a", "lock:b", "lock:c", "lock:d"]);
+    let redis::Value::Array(parts) = refused else {
+        panic!("refused with a list: {refused:?}")
+    };
+    assert_eq!(parts[0], redis::Value::Int(2), "two keys kept it out");
+    let named: Vec<String> = redis::from_redis_value(parts[2].clone()).unwrap();
+    assert_eq!(named, ["lock:c", "lock:d"]);
+    // Nothing taken: the waiter's reservation on every key of ours (the free one too, and
+    // behind the other owner's hold), the hash as it was.
+    for (key, holds) in [
+        ("lock:a", vec![]),
+        ("lock:b", vec![]),
+        ("lock:c", vec!["00000000000000cc"]),
+    ] {
+        let value = observer.lock(key).expect(key);
+        assert_eq!(value.holds, holds, "{key}");
+        assert_eq!(
+            value.reservations,
+            [ticket.parse::<u128>().unwrap()],
+            "{key}"
+        );
+    }
+    let hash: Vec<String> = observer.cmd(redis::cmd("HGETALL").arg("lock:d"));
+    assert_eq!(hash, ["f", "v"]);
+
+    // Without the keys of others: granted, the free key taken, the line's entry gone.
+    observer.cmd::<()>(redis::cmd("DEL").arg("lock:b"));
+    let granted = retry(&["lock:a", "lock:b"]);
+    assert!(
+        matches!(granted, redis::Value::Int(token) if token > 0),
+        "{granted:?}"
+    );
+    for key in ["lock:a", "lock:b"] {
+        let value = observer.lock(key).expect(key);
+        assert_eq!(value.holds, [hold], "{key}");
+        assert!(value.reservations.is_empty(), "{key}: {value:?}");
+    }
+}
+
 /// Two waiters of two processes that drew the same milliseconds and the same bits below
 /// them still have two places in line: the withdrawal of one leaves the other's. (Tickets
 /// were numbers with 10 random bits: two such waiters shared one place, once in 1,024

@@ -369,7 +369,8 @@ impl RedisStore {
             })
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" })
-            .arg(RELEASED_CHANNEL);
+            .arg(RELEASED_CHANNEL)
+            .arg(if request.retry { "1" } else { "0" });
         let reply = match self.replicas {
             None => self.invoke(&script).await?,
             Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,
