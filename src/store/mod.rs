@@ -43,6 +43,7 @@ pub(crate) mod error;
 mod fanout;
 pub(crate) mod handle;
 pub(crate) mod late;
+mod line;
 pub(crate) mod memory;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod message;
