@@ -26,7 +26,8 @@ each_value(1, function(i, value)
   end
   if holds ~= '' or reserved_before(queue, ticket) then blockers[#blockers + 1] = i end
   local at = string.find(queue, mark, 1, true)
-  if at and tonumber(string.sub(queue, at + 38, at + 50)) > till - reserve_ms / 2 then return end
+  local mine = at and tonumber(string.sub(queue, at + 38, at + 50)) or 0
+  if mine > till - reserve_ms / 2 then return end
   local left, latest = requeue(queue, ticket, till)
   write(KEYS[i], holds, left, latest, hold_end)
 end)
