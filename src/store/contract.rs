@@ -570,11 +570,11 @@ pub(crate) struct StoredAnswer {
     pub(crate) retention: Duration,
 }
 
-#[cfg(test)]
+// `Contention::merge` serves the stores over several Redis nodes.
+#[cfg(all(test, feature = "redis"))]
 mod tests {
     use super::*;
 
-    #[cfg(feature = "redis")]
     fn contention(keys: &[&str], total: usize, earliest: Option<u64>) -> Contention {
         Contention {
             keys: keys.iter().map(|&k| k.to_owned()).collect(),
@@ -584,7 +584,6 @@ mod tests {
         }
     }
 
-    #[cfg(feature = "redis")]
     #[test]
     fn refusals_merge_into_one_contention() {
         let refusals = || {
