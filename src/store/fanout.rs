@@ -325,10 +325,10 @@ impl Fanout {
         }
     }
 
-    /// Frees `keys` on `node` (a release, or a waiter's roll-back), and when the outcome is unknown (the
-    /// node may still run an earlier command of ours, such as the acquisition), keeps
-    /// trying in the background until it answers or until no key of ours can be left
-    /// there.
+    /// Frees `keys` on `node` (a release, or a waiter's roll-back), and when the outcome is
+    /// unknown (the node may still run an earlier command of ours, such as the
+    /// acquisition), keeps trying in the background until it answers or until no key of
+    /// ours can be left there.
     pub(super) async fn release_on(
         self: &Arc<Self>,
         node: Arc<RedisStore>,

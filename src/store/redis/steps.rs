@@ -35,10 +35,9 @@
 //! the steps it did not try reads their keys: the refusal names what keeps the waiter out
 //! there too, so that it [probes](crate::store::contract::LockStore::probe) every blocker
 //! before it tries again, rather than take its first steps again only to be refused at a
-//! later one. Keys are
-//! sorted, so two batches in steps meet in the same order and never hold out for each
-//! other. Two plain passes at once may each take part of what both want: then both are
-//! refused and undone, and waiters in line go in their order.
+//! later one. Keys are sorted, so two batches in steps meet in the same order and never
+//! hold out for each other. Two plain passes at once may each take part of what both
+//! want: then both are refused and undone, and waiters in line go in their order.
 
 use std::{
     ops::Range,

@@ -6,9 +6,10 @@
 -- it is rolled back (a release keeps a key's reservations), so that it is never free of
 -- both in between; and the steps not tried yet are reserved too. A reservation with more
 -- than half its time left stays as it is, as in acquire.
--- Returns the positions in KEYS of the keys that keep the waiter out as far as a
--- reservation can tell (held by anyone, foreign, or reserved by an earlier waiter): the
--- steps after a refused one, which the waiter probes before it tries its batch again.
+-- Returns the positions in KEYS of the keys that keep the waiter out whatever its modes
+-- (held exclusively, foreign, or reserved by an earlier waiter; a waiter in line holds no
+-- keys of its own): the steps after a refused one, which the waiter probes before it
+-- tries its batch again. Shared holds, which keep out only some, go unnamed.
 local ticket, reserve_ms = ARGV[1], tonumber(ARGV[2])
 local till = now() + reserve_ms
 local mark = '|' .. ticket .. '/'
@@ -24,7 +25,9 @@ each_value(1, function(i, value)
     blockers[#blockers + 1] = i
     return
   end
-  if holds ~= '' or reserved_before(queue, ticket) then blockers[#blockers + 1] = i end
+  if (holds ~= '' and not is_shared(holds)) or reserved_before(queue, ticket) then
+    blockers[#blockers + 1] = i
+  end
   local at = string.find(queue, mark, 1, true)
   local mine = at and tonumber(string.sub(queue, at + 38, at + 50)) or 0
   if mine > till - reserve_ms / 2 then return end
