@@ -215,9 +215,10 @@ impl RedisStore {
                     contention.total += later.len();
                     let room = request.report.saturating_sub(contention.keys.len());
                     let named = later.iter().take(room);
-                    contention
-                        .keys
-                        .extend(named.map(|&i| request.keys[step.end + i].clone()));
+                    // (A position past the batch, which only a broken reply could give,
+                    // names nothing.)
+                    let key = |&i: &usize| request.keys.get(step.end + i).cloned();
+                    contention.keys.extend(named.filter_map(key));
                     return Ok(Acquire::Held(contention));
                 }
                 Err(error) if done == 0 && taken.is_empty() => return Err(error),
