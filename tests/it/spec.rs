@@ -579,16 +579,33 @@ impl Driver {
                 self.line.insert(number, waiter);
                 Answer::Waiting(number)
             }
+            // A store whose batches span servers (the cluster's groups, Redlock's masters)
+            // shows a waiter's attempt in flight, granted on one server and refused on
+            // another, until it is rolled back: an attempt that a release woke, which the
+            // model does not see. So the view is read again until it agrees, or PROMPTLY
+            // has passed; a state that lasts still fails.
             Op::Inspect => {
-                let states = self.locks.inspect(KEYS).await.map_err(|r| r.to_string())?;
-                Answer::Seen(
-                    states
-                        .iter()
-                        .map(|s| (s.status(), s.holds(), s.waiters()))
-                        .collect(),
-                )
+                let started = std::time::Instant::now();
+                loop {
+                    let seen = self.seen().await?;
+                    if seen == *expected || started.elapsed() >= PROMPTLY {
+                        break seen;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
             }
         })
+    }
+
+    /// The operator's view of every key.
+    async fn seen(&self) -> Result<Answer, String> {
+        let states = self.locks.inspect(KEYS).await.map_err(|r| r.to_string())?;
+        Ok(Answer::Seen(
+            states
+                .iter()
+                .map(|s| (s.status(), s.holds(), s.waiters()))
+                .collect(),
+        ))
     }
 }
 

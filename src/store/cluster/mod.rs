@@ -76,6 +76,11 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 /// TTLs and renewal, fair waiting (each key keeps its waiters' reservations where it lives),
 /// release on drop.
 ///
+/// - **An attempt in flight.** The groups of one attempt are decided by their masters
+///   independently: until a refused attempt's granted groups are released (a round trip
+///   later), their keys are held, so that a request that comes for one of them in that
+///   moment is kept out (a 409, or it waits) and the operator's view shows them held. No
+///   batch is ever granted in part.
 /// - **Fencing tokens.** Masters cannot share a counter, and a counter per master would
 ///   move with its slot during a resharding (or give different masters different counts,
 ///   as Redlock's do). So a grant takes its token from the namespace's one counter (the
