@@ -125,12 +125,8 @@ if conflicts > 0 then
     for _, i in ipairs(taken) do
       redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
     end
-    -- A reservation with more than half its time left stays as it is: a waiter retries
-    -- at every release of a key it wants, and most of its batch need not be rewritten.
-    local fresh_after = till - reserve_ms / 2
     for i, parts in pairs(found) do
-      local mine = string.match(parts[2], '|' .. ticket .. '/(%d+)')
-      if not (mine and tonumber(mine) > fresh_after) then
+      if not fresh(parts[2], ticket, till, reserve_ms) then
         local queue, latest = requeue(parts[2], ticket, till)
         write(KEYS[i], parts[1], queue, latest, parts[4])
       end
@@ -147,12 +143,8 @@ end
 -- beside this one, and nothing else would wake it.
 local readers_next = {}
 for i, value in pairs(first) do
-  -- Its line, less the caller's entry: ended entries stay until a call that rewrites the
-  -- line drops them, and only live ones count for the key's life.
-  local queue, latest = string.sub(value, ENTRY_LEN + 1), 0
-  for _, u in entries(queue) do
-    if u > now() and u > latest then latest = u end
-  end
+  -- Its line, less the caller's entry.
+  local queue, latest = requeue(string.sub(value, ENTRY_LEN + 1))
   write(KEYS[i], mine, queue, latest, now() + ttl)
 end
 for i, parts in pairs(found) do

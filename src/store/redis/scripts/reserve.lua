@@ -28,9 +28,7 @@ each_value(1, function(i, value)
   if (holds ~= '' and not is_shared(holds)) or reserved_before(queue, ticket) then
     blockers[#blockers + 1] = i
   end
-  local at = string.find(queue, mark, 1, true)
-  local mine = at and tonumber(string.sub(queue, at + 38, at + 50)) or 0
-  if mine > till - reserve_ms / 2 then return end
+  if fresh(queue, ticket, till, reserve_ms) then return end
   local left, latest = requeue(queue, ticket, till)
   write(KEYS[i], holds, left, latest, hold_end)
 end)

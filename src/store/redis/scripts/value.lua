@@ -204,6 +204,15 @@ local function requeue(queue, ticket, till)
   return table.concat(out), latest
 end
 
+-- Whether `ticket`'s reservation in `queue` ends after `till` - `reserve_ms` / 2: renewed
+-- until `till`, it would gain less than half its time. Such a reservation stays as it is:
+-- a waiter retries at every release of a key it wants, and most of its batch need not be
+-- rewritten each time.
+local function fresh(queue, ticket, till, reserve_ms)
+  local at = string.find(queue, '|' .. ticket .. '/', 1, true)
+  return at ~= nil and (tonumber(string.sub(queue, at + 38, at + 50)) or 0) > till - reserve_ms / 2
+end
+
 -- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`) under
 -- `key`, living as long as the longest of them: deleted when both are empty. Exclusive
 -- holds end at `hold_end` (Redis ms; nil: where the key's ttl ends now), each shared one
