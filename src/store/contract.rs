@@ -339,7 +339,7 @@ pub(crate) struct AcquireRequest {
     pub(crate) reserve: Duration,
     /// Whether an earlier attempt of this waiter in line was refused: its reservations are
     /// on every key of the batch, so that a store's shortcut for free keys finds none.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) retry: bool,
 }
 

@@ -396,6 +396,37 @@ async fn a_big_batch_with_one_held_key_is_refused_or_waits_in_line_for_it() {
     assert!(rows(&db).is_empty(), "{:?}", rows(&db));
 }
 
+/// Big batches that overlap, from two processes at once, each first trying its keys as new
+/// rows: one that finds a row undoes what it inserted before it waits for anyone, so that
+/// no two wait for each other crosswise (which PostgreSQL would end with a deadlock error,
+/// or the lock timeout): every batch is granted in turn, none answers 503, and no row
+/// stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_big_batches_of_two_processes_are_all_granted_in_turn() {
+    let db = Database::create();
+    let stores = [locks(&db), locks(&db)];
+    stores[0].check().await.expect("the store makes its schema");
+    let mut requests = Vec::new();
+    for round in 0..6 {
+        for (i, store) in stores.iter().enumerate() {
+            let waiting = store.clone().wait(Wait::up_to(Duration::from_secs(20)));
+            let app = batch_router(&waiting, counting_handler(&Arc::default()));
+            // 300 keys of 400, every batch in a different order of the same keys
+            // before the layer sorts them: any two share 200 or more.
+            let keys: Vec<String> = (0..400)
+                .map(|k| (k * 7 + round * 31 + i * 13) % 400)
+                .filter(|k| (k + round + i) % 4 != 0)
+                .map(|k| format!("k{k}"))
+                .collect();
+            requests.push(tokio::spawn(async move { send(&app, batch(&keys)).await }));
+        }
+    }
+    for request in requests {
+        assert_eq!(request.await.unwrap().status, StatusCode::OK);
+    }
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
 /// A transaction that keeps a lock row longer than the acquire function waits for rows (a
 /// user's guarded transaction that runs long) makes a request for that key wait, or get
 /// 409 at once without a wait: never 503. (A row wait used to run into the store timeout,

@@ -43,8 +43,11 @@ const POOL_SIZE: usize = 16;
 ///   Otherwise it checks the locked rows in one statement, and either gives them its hold
 ///   (one `UPDATE` for the rows nobody holds) or, refused, deletes the rows it inserted (a
 ///   waiter in line turns them into its reservations, and reserves the others). A batch of
-///   64 keys or more first looks without locking, and is refused without locking any row
-///   when it is kept out. Nobody sees part of a batch: the statement is one transaction.
+///   64 keys or more first inserts its rows with `ON CONFLICT DO NOTHING`, which locks no
+///   row that is there: granted if every key was free; otherwise it undoes those inserts
+///   (a subtransaction rolled back, so that it keeps no row while it waits for others),
+///   looks without locking, and is refused without locking any row when it is kept out.
+///   Nobody sees part of a batch: the statement is one transaction.
 /// - *release* deletes the rows that hold this hold alone (an index scan: in key order), and
 ///   takes it off the others; a row stays while a waiter reserves it.
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.

@@ -59,7 +59,7 @@ impl Statements {
                 "token, conflicts, earliest_ms, named, upgrade",
                 "acquire",
                 "$1::text[], $2::text, $3::text::uuid, $4::bigint, $5::bigint, $6::int, \
-                 $7::text::numeric, $8::bigint",
+                 $7::text::numeric, $8::bigint, $9::boolean",
             ),
             probe: names.call(
                 "*",
@@ -274,6 +274,7 @@ impl LockStore for PostgresStore {
                         &report,
                         &ticket_arg(request.line),
                         &reserve,
+                        &request.retry,
                     ],
                 )
                 .await?;

@@ -200,15 +200,36 @@ BEGIN
                       AND q.ends > p_now + p_reserve_ms * interval '0.5 ms');
 END $$;
 
+-- The rows that grant the keys `p_keys` (each in its mode of `p_modes`) to the hold
+-- `p_hold` of `p_owner` until `p_till`, in the batch's order: what an acquisition inserts
+-- for the keys that have no row.
+CREATE OR REPLACE FUNCTION {T}_new_rows(
+  p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_till timestamptz
+) RETURNS TABLE (key text, owner uuid, holds bigint[], modes text, ends timestamptz,
+                 readers {T}_reader[])
+LANGUAGE sql IMMUTABLE AS $$
+  SELECT u.k,
+         CASE WHEN m.s THEN NULL ELSE p_owner END,
+         CASE WHEN m.s THEN NULL ELSE ARRAY[p_hold] END,
+         CASE WHEN m.s THEN NULL ELSE 'x' END,
+         CASE WHEN m.s THEN NULL ELSE p_till END,
+         CASE WHEN m.s THEN ARRAY[ROW(p_owner, p_hold, p_till)::{T}_reader] END
+  FROM unnest(p_keys) WITH ORDINALITY u(k, i),
+       LATERAL (SELECT (CASE WHEN length(p_modes) = 1 THEN p_modes
+                             ELSE substr(p_modes, u.i::int, 1) END) = 's' AS s) m
+  ORDER BY u.i
+$$;
+
 -- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
 -- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
 -- `ticket`: the caller's place in line (NULL: in no line); `reserve_ms` > 0: a waiter in
--- line, which reserves the whole batch when it is kept out. Returns the fencing token when
+-- line, which reserves the whole batch when it is kept out; `retry`: a waiter in line
+-- whose reservations are on every key (an earlier attempt was refused). Returns the fencing token when
 -- granted; otherwise how many keys kept it out, the ms until the earliest of the held ones
 -- ends (NULL: unknown), up to `report` of them, and whether one is an upgrade.
 CREATE OR REPLACE FUNCTION {T}_acquire(
   p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_ttl_ms bigint, p_report int,
-  p_ticket numeric, p_reserve_ms bigint
+  p_ticket numeric, p_reserve_ms bigint, p_retry boolean
 ) RETURNS TABLE (token bigint, conflicts int, earliest_ms bigint, named text[], upgrade boolean)
 LANGUAGE plpgsql
 -- Another call's rows are waited for at most this long: a big batch's statement holds
@@ -228,8 +249,32 @@ DECLARE
   shared boolean;
   cur {T};
   unreserved int;
+  inserted int;
 BEGIN
   conflicts := 0;
+  -- A big batch tries its keys as new rows first, with a statement that locks no row
+  -- already there (`DO NOTHING`): one whose keys are all free, the rule when nothing is
+  -- contended, is granted without the look below (which cost a 3,000-key acquisition a
+  -- third of its time). Otherwise the rows it inserted go at once, with the
+  -- subtransaction that inserted them, so that it never keeps rows of its own while it
+  -- waits for another call's (two batches could then wait for each other crosswise), and
+  -- it goes on as any batch. A retry finds its own reservations on every key, and skips
+  -- this.
+  IF cardinality(p_keys) >= 64 AND NOT p_retry THEN
+    BEGIN
+      INSERT INTO {T} (key, owner, holds, modes, ends, readers)
+        SELECT * FROM {T}_new_rows(p_keys, p_modes, p_owner, p_hold, till)
+        ON CONFLICT (key) DO NOTHING;
+      GET DIAGNOSTICS inserted = ROW_COUNT;
+      IF inserted = cardinality(p_keys) THEN
+        token := nextval('{T}_fence');
+        RETURN NEXT;
+        RETURN;
+      END IF;
+      RAISE SQLSTATE 'TBL02'; -- a key had a row: undo the inserts (caught below)
+    EXCEPTION WHEN SQLSTATE 'TBL02' THEN NULL;
+    END;
+  END IF;
   -- A big batch looks without locks first: kept out, it is refused without locking, or
   -- waiting for, any row, so that its refusals queue neither behind other calls nor hold
   -- them up (a refused attempt of 2,000 keys locked 2,000 rows for its statement, and the
@@ -263,18 +308,9 @@ BEGIN
   -- Free keys are taken at once; the rows of the others are locked, in key order.
   WITH inserted AS (
     INSERT INTO {T} AS l (key, owner, holds, modes, ends, readers)
-    SELECT u.k,
-           CASE WHEN m.s THEN NULL ELSE p_owner END,
-           CASE WHEN m.s THEN NULL ELSE ARRAY[p_hold] END,
-           CASE WHEN m.s THEN NULL ELSE 'x' END,
-           CASE WHEN m.s THEN NULL ELSE till END,
-           CASE WHEN m.s THEN ARRAY[ROW(p_owner, p_hold, till)::{T}_reader] END
-    FROM unnest(p_keys) WITH ORDINALITY u(k, i),
-         LATERAL (SELECT (CASE WHEN length(p_modes) = 1 THEN p_modes
-                               ELSE substr(p_modes, u.i::int, 1) END) = 's' AS s) m
-    ORDER BY u.i
-    ON CONFLICT (key) DO UPDATE SET key = excluded.key WHERE false
-    RETURNING l.key
+      SELECT * FROM {T}_new_rows(p_keys, p_modes, p_owner, p_hold, till)
+      ON CONFLICT (key) DO UPDATE SET key = excluded.key WHERE false
+      RETURNING l.key
   ) SELECT coalesce(array_agg(inserted.key), '{}') INTO taken FROM inserted;
   IF cardinality(taken) = cardinality(p_keys) THEN
     token := nextval('{T}_fence');
