@@ -278,11 +278,13 @@ impl Store {
     }
 }
 
-/// `postgres`: the URL of the bench's PostgreSQL.
+/// `postgres`: the URL of the bench's PostgreSQL; `only`: the cases to run, by part of their
+/// "store, level" (none: all).
 pub(crate) async fn run(
     server: &RedisServer,
     postgres: &str,
     quick: bool,
+    only: &[String],
 ) -> Result<Value, String> {
     let plan = Plan::new(quick);
     progress::note(
@@ -328,10 +330,20 @@ pub(crate) async fn run(
         },
     ];
 
+    let chosen = |store: &Store, level: &Level| {
+        let case = format!("{}, {}", store.name, level.name);
+        only.is_empty() || only.iter().any(|text| case.contains(text.as_str()))
+    };
     let mut singles = Vec::new();
     let mut cases = Vec::new();
-    let total = stores.len() * LEVELS.len();
+    let total = stores
+        .iter()
+        .map(|store| LEVELS.iter().filter(|l| chosen(store, l)).count())
+        .sum::<usize>();
     for store in &stores {
+        if !LEVELS.iter().any(|level| chosen(store, level)) {
+            continue;
+        }
         let mut stats = Vec::new();
         for url in &store.masters {
             stats.push(connect(url).await?);
@@ -342,7 +354,7 @@ pub(crate) async fn run(
             uncontended(store, &mut stats, &plan).await?
         };
         singles.extend(uncontended.iter().map(|u| u.to_json(store.name)));
-        for level in &LEVELS {
+        for level in LEVELS.iter().filter(|level| chosen(store, level)) {
             let label = format!(
                 "contention {}/{total} {}, {}",
                 cases.len() + 1,

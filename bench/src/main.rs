@@ -5,6 +5,7 @@
 //! cargo run --release --manifest-path bench/Cargo.toml            # every section
 //! cargo run --release --manifest-path bench/Cargo.toml -- http    # some: batch field http wake mixed cluster shared contention fenced postgres
 //! cargo run --release --manifest-path bench/Cargo.toml -- --quick # a short smoke run
+//! cargo run --release --manifest-path bench/Cargo.toml -- contention --only "PostgreSQL, hot"
 //! ```
 //!
 //! It starts its own `redis-server` processes (and, for the PostgreSQL figures, a
@@ -14,7 +15,10 @@
 //! the bench markers of `docs/bench/README.md`, shows its progress on stderr, and prints the tables
 //! with every target and its measured ratio on stdout. Sections not run keep their figures
 //! from the previous `results.json`. `--quick` writes under `bench/target/quick/` instead
-//! and leaves the tables alone.
+//! and leaves the tables alone. `--only <text>` (once or more) runs the contention cases
+//! whose "store, level" contains one of the texts, at full length, for an A/B of one store
+//! or level: it writes under `bench/target/only/` and leaves the tables alone, as a run
+//! that lacks cases must.
 
 // The test harness's real redis-server processes on free loopback ports. `rustfmt::skip`:
 // the crate's own `cargo fmt` formats that file, not this package's.
@@ -81,17 +85,41 @@ const COMMAND: &str = "cargo run --release --manifest-path bench/Cargo.toml";
 struct Options {
     sections: Vec<&'static str>,
     quick: bool,
+    /// The contention cases to run, by part of their "store, level"; empty: all.
+    only: Vec<String>,
+}
+
+impl Options {
+    /// Where the results go: the committed ones only from a run that has them all.
+    fn out_dir(&self, root: &Path) -> PathBuf {
+        match (self.quick, self.only.is_empty()) {
+            (true, _) => root.join("bench/target/quick"),
+            (false, false) => root.join("bench/target/only"),
+            (false, true) => root.join("docs/bench"),
+        }
+    }
+
+    /// Whether the run writes the committed results and tables.
+    fn committed(&self) -> bool {
+        !self.quick && self.only.is_empty()
+    }
 }
 
 fn options() -> Result<Options, String> {
     let mut sections = Vec::new();
     let mut quick = false;
-    for arg in std::env::args().skip(1) {
+    let mut only = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => quick = true,
+            "--only" => match args.next() {
+                Some(text) => only.push(text),
+                None => return Err("--only needs a text: a part of \"store, level\"".to_owned()),
+            },
             "-h" | "--help" => {
                 return Err(format!(
-                    "usage: {COMMAND} [-- [--quick] [{}]...]",
+                    "usage: {COMMAND} [-- [--quick] [--only <store, level>]... [{}]...]",
                     SECTIONS.join("|")
                 ))
             }
@@ -106,7 +134,11 @@ fn options() -> Result<Options, String> {
     }
     sections.sort_by_key(|s| SECTIONS.iter().position(|x| x == s));
     sections.dedup();
-    Ok(Options { sections, quick })
+    Ok(Options {
+        sections,
+        quick,
+        only,
+    })
 }
 
 fn repo_root() -> PathBuf {
@@ -127,11 +159,7 @@ fn main() -> ExitCode {
     progress::start();
     let started = Instant::now();
     let root = repo_root();
-    let out_dir = if options.quick {
-        root.join("bench/target/quick")
-    } else {
-        root.join("docs/bench")
-    };
+    let out_dir = options.out_dir(&root);
     let results_path = out_dir.join("results.json");
 
     progress::note("starting redis-server on a free loopback port");
@@ -183,7 +211,7 @@ fn main() -> ExitCode {
         .collect();
     document_map.insert("targets".to_owned(), Value::Array(targets));
 
-    if let Err(error) = write_outputs(&document, &out_dir, &root, options.quick) {
+    if let Err(error) = write_outputs(&document, &out_dir, &root, options.committed()) {
         eprintln!("could not write the results: {error}");
         return ExitCode::FAILURE;
     }
@@ -228,7 +256,7 @@ async fn run_sections(
             "mixed" => mixed::run(server, options.quick).await,
             "cluster" => cluster::run(server, &pool, options.quick).await,
             "shared" => shared::run(server, options.quick).await,
-            "contention" => contention::run(server, postgres, options.quick).await,
+            "contention" => contention::run(server, postgres, options.quick, &options.only).await,
             "fenced" => fenced::run(&pool, options.quick).await,
             "postgres" => postgres::run(postgres, options.quick).await,
             _ => unreachable!("sections are checked when parsed"),
@@ -282,14 +310,20 @@ fn previous(path: &Path, options: &Options) -> Map<String, Value> {
         .unwrap_or_default()
 }
 
-fn write_outputs(document: &Value, out_dir: &Path, root: &Path, quick: bool) -> Result<(), String> {
+/// `committed`: whether the run rewrites the README's tables.
+fn write_outputs(
+    document: &Value,
+    out_dir: &Path,
+    root: &Path,
+    committed: bool,
+) -> Result<(), String> {
     std::fs::create_dir_all(out_dir).map_err(|e| e.to_string())?;
     let json = serde_json::to_string_pretty(document).map_err(|e| e.to_string())? + "\n";
     std::fs::write(out_dir.join("results.json"), json).map_err(|e| e.to_string())?;
     if let Some(batch) = document.get("batch") {
         plot::draw(batch, &out_dir.join("cost-per-key.svg"))?;
     }
-    if !quick {
+    if committed {
         report::update_readme(&root.join("docs/bench/README.md"), document)?;
     }
     Ok(())
@@ -297,10 +331,13 @@ fn write_outputs(document: &Value, out_dir: &Path, root: &Path, quick: bool) -> 
 
 fn command_line(options: &Options) -> String {
     let mut command = COMMAND.to_owned();
-    if options.quick || options.sections.len() < SECTIONS.len() {
+    if !options.committed() || options.sections.len() < SECTIONS.len() {
         command.push_str(" --");
         if options.quick {
             command.push_str(" --quick");
+        }
+        for only in &options.only {
+            command.push_str(&format!(" --only {only:?}"));
         }
         if options.sections.len() < SECTIONS.len() {
             for section in &options.sections {
