@@ -39,7 +39,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_batch_lock::{
     keys,
-    store::{Postgres, Redis, RedisCluster, Redlock},
+    store::{Redis, RedisCluster, Redlock},
     Locks, Wait,
 };
 
@@ -47,7 +47,6 @@ use crate::{
     cluster::{CLUSTER, ONE_REDIS},
     cluster_support::Cluster,
     load::{self, Load, Outcome, Requests},
-    postgres::pg_error,
     progress,
     redis_info::{command_stats, connect, main_thread_cpu, redis_error, reset_stats, sum},
     stats::{self, percentile},
@@ -248,19 +247,9 @@ impl Store {
             return Ok(vec![configure(Locks::new(memory))]);
         }
         if self.name == POSTGRES {
-            let handles: Vec<Locks> = (0..2)
-                .map(|_| Postgres::url(&self.urls[0]).build())
-                .map(|store| store.map(|store| configure(Locks::new(store))))
-                .collect::<Result<_, _>>()
-                .map_err(pg_error)?;
-            handles[0].check().await.map_err(|e| e.to_string())?;
             // Empty, as the Redis servers are flushed.
-            let client = crate::postgres::connect(&self.urls[0]).await?;
-            client
-                .batch_execute("TRUNCATE tower_batch_lock.locks")
-                .await
-                .map_err(pg_error)?;
-            return Ok(handles);
+            let handles = crate::postgres::empty_stores(&self.urls[0], 2).await?;
+            return Ok(handles.into_iter().map(configure).collect());
         }
         (0..2)
             .map(|_| {

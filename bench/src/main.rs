@@ -164,7 +164,7 @@ fn main() -> ExitCode {
 
     progress::note("starting redis-server on a free loopback port");
     let server = support::RedisServer::start();
-    let postgres = ["postgres", "contention"]
+    let postgres = ["postgres", "contention", "mixed"]
         .iter()
         .any(|s| options.sections.contains(s))
         .then(|| {
@@ -253,7 +253,7 @@ async fn run_sections(
             "field" => field::run(&pool, server, options.quick).await,
             "http" => http::run(&pool, options.quick).await,
             "wake" => wake::run(server, options.quick).await,
-            "mixed" => mixed::run(server, options.quick).await,
+            "mixed" => mixed::run(server, postgres, options.quick).await,
             "cluster" => cluster::run(server, &pool, options.quick).await,
             "shared" => shared::run(server, options.quick).await,
             "contention" => contention::run(server, postgres, options.quick, &options.only).await,

@@ -12,8 +12,8 @@
 //! order, just before the runs with them: what purchase orders cost the retail p99 is a
 //! ratio against that run, not against a figure from another day.
 //!
-//! Each case gets a server, a store and empty Redis servers of its own, so that no case
-//! inherits another's locks or reservations. The server runs in this process on
+//! Each case gets a server, a store and empty Redis servers (or an empty lock table) of its
+//! own, so that no case inherits another's locks or reservations. The server runs in this process on
 //! 127.0.0.1:0; the clients run on a thread and runtime of their own.
 
 use std::{
@@ -73,19 +73,25 @@ struct Order {
 /// When each purchase order's handler started, by purchase order number.
 type Granted = Arc<Mutex<HashMap<u32, Instant>>>;
 
-/// A store, named by the Redis servers behind it: none is memory, one is Redis, more is
-/// Redlock.
+/// A store, named by the Redis servers behind it (none is memory, one is Redis, more is
+/// Redlock) or by its PostgreSQL.
 struct Store<'a> {
     name: &'static str,
     servers: Vec<&'a RedisServer>,
+    postgres: Option<&'a str>,
     /// Whether the retail load also runs alone, as the baseline of its p99 under purchase
     /// orders. Redlock does without: the target is on Redis, and memory is cheap.
     retail_alone: bool,
 }
 
 impl Store<'_> {
-    /// An empty store: a new memory store, or new handles on flushed Redis servers.
-    fn empty(&self) -> Result<Locks, String> {
+    /// An empty store: a new memory store, or new handles on flushed Redis servers or on
+    /// an emptied lock table.
+    async fn empty(&self) -> Result<Locks, String> {
+        if let Some(url) = self.postgres {
+            let mut stores = crate::postgres::empty_stores(url, 1).await?;
+            return stores.pop().ok_or_else(|| "no store".to_owned());
+        }
         for server in &self.servers {
             redis::cmd("FLUSHALL")
                 .query::<()>(&mut server.connection())
@@ -104,7 +110,12 @@ impl Store<'_> {
     }
 }
 
-pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, String> {
+/// `postgres`: the URL of the bench's PostgreSQL.
+pub(crate) async fn run(
+    server: &RedisServer,
+    postgres: &str,
+    quick: bool,
+) -> Result<Value, String> {
     let (purchases, warmup) = if quick {
         (2, Duration::from_millis(100))
     } else {
@@ -120,16 +131,25 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
         Store {
             name: "memory",
             servers: vec![],
+            postgres: None,
             retail_alone: true,
         },
         Store {
             name: "Redis",
             servers: vec![server],
+            postgres: None,
             retail_alone: true,
         },
         Store {
             name: "Redlock (3 masters)",
             servers: trio.iter().collect(),
+            postgres: None,
+            retail_alone: false,
+        },
+        Store {
+            name: "PostgreSQL",
+            servers: vec![],
+            postgres: Some(postgres),
             retail_alone: false,
         },
     ];
@@ -155,7 +175,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
                     ""
                 }
             );
-            let locks = store.empty()?;
+            let locks = store.empty().await?;
             let figures = case(locks, fair, orders, warmup, length, label)
                 .await
                 .map_err(|error| format!("{}, fair {fair}: {error}", store.name))?;
@@ -178,7 +198,7 @@ pub(crate) async fn run(server: &RedisServer, quick: bool) -> Result<Value, Stri
     let targets = targets(&stores, &cases);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; {RETAIL_CLIENTS} retail clients (keep-alive connections) post orders of 1-{RETAIL_SKUS} random skus of {CATALOGUE} back to back; a purchase order of all {CATALOGUE} every {} s from {} s on, each on a connection of its own; keys from keys::json; every request waits up to {} s (Wait::up_to, fair or not) and holds its keys {} ms (a sleep); the clients on a thread and runtime of their own; time to grant = from sending a purchase order (connection already open) until its handler starts; retail requests/s counts 2xx answers, retail latencies cover every answer; a new store per case, its Redis servers flushed; on memory and Redis the same retail load also runs alone (fair, no purchase order, same length), just before the runs with them: retail p99 ratio = p99 with purchase orders (fair) / p99 of that run",
+            "axum on 127.0.0.1:0 in the bench process; {RETAIL_CLIENTS} retail clients (keep-alive connections) post orders of 1-{RETAIL_SKUS} random skus of {CATALOGUE} back to back; a purchase order of all {CATALOGUE} every {} s from {} s on, each on a connection of its own; keys from keys::json; every request waits up to {} s (Wait::up_to, fair or not) and holds its keys {} ms (a sleep); the clients on a thread and runtime of their own; time to grant = from sending a purchase order (connection already open) until its handler starts; retail requests/s counts 2xx answers, retail latencies cover every answer; a new store per case, its Redis servers flushed (PostgreSQL: Postgres::url on a server of the bench's own, its lock table emptied); on memory and Redis the same retail load also runs alone (fair, no purchase order, same length), just before the runs with them: retail p99 ratio = p99 with purchase orders (fair) / p99 of that run",
             PURCHASE_EVERY.as_secs_f64(),
             FIRST_PURCHASE.as_secs_f64(),
             WAIT_BOUND.as_secs(),

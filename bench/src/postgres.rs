@@ -310,6 +310,24 @@ fn check(taken: u64, released: u64, keys: usize, what: &str) -> Result<(), Strin
     Ok(())
 }
 
+/// `count` stores on the PostgreSQL at `url` (as `count` processes would have), over a lock
+/// table made and emptied: a case inherits no locks or reservations of the one before.
+pub(crate) async fn empty_stores(url: &str, count: usize) -> Result<Vec<Locks>, String> {
+    let stores: Vec<Locks> = (0..count)
+        .map(|_| Postgres::url(url).build().map(Locks::new))
+        .collect::<Result<_, _>>()
+        .map_err(pg_error)?;
+    if let Some(first) = stores.first() {
+        first.check().await.map_err(|e| e.to_string())?;
+    }
+    connect(url)
+        .await?
+        .batch_execute("TRUNCATE tower_batch_lock.locks")
+        .await
+        .map_err(pg_error)?;
+    Ok(stores)
+}
+
 pub(crate) async fn connect(url: &str) -> Result<Client, String> {
     let (client, connection) = tokio_postgres::connect(url, NoTls)
         .await

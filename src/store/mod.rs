@@ -53,6 +53,8 @@ mod postgres;
 mod redis;
 #[cfg(feature = "redis")]
 mod redlock;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod refusals;
 pub(crate) mod wake;
 
 #[cfg(feature = "cluster")]

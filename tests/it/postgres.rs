@@ -21,7 +21,7 @@ use tower_batch_lock::{
 use crate::support::{
     handlers::{counting_handler, gated_handler, Gate},
     http::{batch, batch_router, send},
-    pg_server::PgServer,
+    pg_server::{PgBouncer, PgServer},
     postgres::Database,
 };
 
@@ -152,6 +152,80 @@ async fn an_operator_sees_a_held_batch_and_frees_it() {
     assert!(rows(&db).is_empty());
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
+}
+
+/// Behind PgBouncer in transaction mode, where each transaction may run on another of its
+/// server connections, a store with `transaction_pooling` answers as on the server: a
+/// batch held by one process and refused to the other, waiters granted in turn (one
+/// listening at the server itself, the other polling), the operator's view, and nothing
+/// left. Without the setting, statements prepared on one server
+/// connection meet another: calls fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn behind_pgbouncer_in_transaction_mode_every_call_works() {
+    let db = Database::create();
+    let bouncer = PgBouncer::start();
+    let url = bouncer.url(db.name());
+    let pooled = Postgres::url(&url).transaction_pooling(true);
+    let one = Locks::new(pooled.clone().wakeups(&db.url()).unwrap().build().unwrap());
+    let other = Locks::new(pooled.build().unwrap());
+    one.check()
+        .await
+        .expect("the store makes its schema through the pooler");
+
+    let gate = Gate::new();
+    let holder = batch_router(&one, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["x", "y"])).await });
+    gate.wait_entered().await;
+    let refused = send(
+        &batch_router(&other, counting_handler(&Arc::default())),
+        batch(&["y", "z"]),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(
+        refused.problem()["conflicting_keys"],
+        serde_json::json!(["y"])
+    );
+    let seen = other.inspect(["x", "z"]).await.unwrap();
+    assert_eq!(seen[0].status(), KeyStatus::Held);
+    assert_eq!(seen[1].status(), KeyStatus::Free);
+
+    // Waiters of both processes on the held keys, and more than the pooler's 4 server
+    // connections at once.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut waiters = Vec::new();
+    for i in 0..12 {
+        let store = if i % 2 == 0 { &one } else { &other };
+        let waiting = store.clone().wait(Wait::up_to(Duration::from_secs(10)));
+        let app = batch_router(&waiting, counting_handler(&runs));
+        let keys = [["x", "q"], ["y", "r"], ["x", "y"]][i % 3];
+        waiters.push(tokio::spawn(async move { send(&app, batch(&keys)).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    for waiter in waiters {
+        assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 12);
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+
+    // The same pooler without the setting: a statement prepared on one server connection
+    // is executed on another.
+    let prepared = Locks::new(Postgres::url(&url).build().unwrap());
+    let app = batch_router(&prepared, counting_handler(&Arc::default()));
+    let mut statuses = Vec::new();
+    for round in 0..4 {
+        let sent = (0..8).map(|i| {
+            let app = app.clone();
+            async move { send(&app, batch(&[&format!("p{round}-{i}")])).await.status }
+        });
+        statuses.extend(futures_util::future::join_all(sent).await);
+    }
+    assert!(
+        statuses.contains(&StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
 }
 
 /// The schema goes where it is told, once, with a version; a store that may not make it

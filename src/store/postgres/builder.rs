@@ -89,10 +89,12 @@ const POOL_SIZE: usize = 16;
 ///   schema, `EXECUTE` on its functions, which write the table and the sequence.
 /// - **Connection poolers.** Every call is one statement in a transaction of its own, and
 ///   the store keeps no session state (its settings are the functions' own), so transaction
-///   pooling suits it, with one condition: the store prepares its statements once a
-///   connection (a named prepared statement each), which PgBouncer supports in transaction
-///   mode from 1.21 (`max_prepared_statements`); behind an older PgBouncer in transaction
-///   mode, use session mode. (Not tested behind PgBouncer here: Debian 12's is 1.18.) The
+///   pooling suits it. By default it prepares each statement once a connection (a named
+///   prepared statement), which PgBouncer keeps apart by server connection only from 1.21
+///   (`max_prepared_statements`); behind a pooler in transaction mode, set
+///   [`transaction_pooling`](Self::transaction_pooling), which sends every call unnamed,
+///   with its types, in one round trip (tested behind PgBouncer 1.18 in transaction mode:
+///   `postgres::behind_pgbouncer_*`). The
 ///   listener needs a session of its own (`LISTEN` does not survive transaction pooling):
 ///   point [`wakeups`](Self::wakeups) at the server itself or at a session-pooled entry;
 ///   without it, waiters poll. Advisory locks, the usual alternative, break behind
@@ -112,6 +114,7 @@ pub struct Postgres {
     wakeups: Option<tokio_postgres::Config>,
     names: Names,
     create: bool,
+    transaction_pooling: bool,
 }
 
 #[derive(Clone)]
@@ -132,6 +135,7 @@ impl fmt::Debug for Postgres {
             .field("wakeups", &self.wakeups.is_some())
             .field("table", &self.names.qualified())
             .field("create_schema", &self.create)
+            .field("transaction_pooling", &self.transaction_pooling)
             .finish()
     }
 }
@@ -146,6 +150,7 @@ impl Postgres {
             wakeups: None,
             names: default_names(),
             create: true,
+            transaction_pooling: false,
         }
     }
 
@@ -158,6 +163,7 @@ impl Postgres {
             wakeups: None,
             names: default_names(),
             create: true,
+            transaction_pooling: false,
         }
     }
 
@@ -204,6 +210,20 @@ impl Postgres {
         self
     }
 
+    /// Whether the connections go through a pooler in transaction mode, such as PgBouncer
+    /// with `pool_mode = transaction` (off by default). Then every call goes as an unnamed
+    /// statement with its parameters' types, in one round trip, where the store otherwise
+    /// prepares each of its statements once a connection: a pooler in transaction mode
+    /// may send a named statement's execution to another server connection than the one
+    /// that prepared it (PgBouncer before 1.21, or without `max_prepared_statements`).
+    /// The listener needs a session of its own, which such a pooler does not keep: with a
+    /// URL and no [`wakeups`](Self::wakeups), this store does not listen, and its waiters
+    /// poll for other processes' releases.
+    pub fn transaction_pooling(mut self, pooled: bool) -> Self {
+        self.transaction_pooling = pooled;
+        self
+    }
+
     /// The SQL that makes the store's schema as configured: safe to run again, for your
     /// migrations.
     pub fn schema_sql(&self) -> String {
@@ -241,10 +261,18 @@ impl Postgres {
                     .build()
                     // Only timeouts without a runtime fail to build, and none are set.
                     .expect("a pool without timeouts builds");
-                (pool, Some(self.wakeups.unwrap_or(config)))
+                // Behind a pooler in transaction mode, `LISTEN` would hear nothing.
+                let own = (!self.transaction_pooling).then_some(config);
+                (pool, self.wakeups.or(own))
             }
         };
-        let store = PostgresStore::new(pool, self.names, self.create, listener);
+        let store = PostgresStore::new(
+            pool,
+            self.names,
+            self.create,
+            listener,
+            self.transaction_pooling,
+        );
         Ok(Store::of(Arc::new(store)))
     }
 }

@@ -14,7 +14,7 @@ use std::{
 use bytes::Bytes;
 use deadpool_postgres::{Object, Pool};
 use tokio::sync::OnceCell;
-use tokio_postgres::{error::SqlState, Statement};
+use tokio_postgres::{error::SqlState, types::Type, Row};
 
 #[cfg(feature = "idempotency")]
 use super::contract::{AnswerStore, StoredAnswer};
@@ -25,6 +25,7 @@ use super::{
     },
     error::StoreError,
     message::release_message,
+    refusals::LastRefusal,
     wake::{slots_of, Wakeups},
 };
 use failure::failed;
@@ -36,57 +37,100 @@ pub(super) mod guard;
 mod listen;
 mod schema;
 
+/// A statement of the store: its SQL, and the types of its parameters as the client sends
+/// them (the SQL casts some further: an owner goes as text, and is a `uuid` in the call).
+#[derive(Debug)]
+struct Call {
+    sql: String,
+    types: Vec<Type>,
+}
+
 /// The statements of the store, built once from its names.
 #[derive(Debug)]
 struct Statements {
-    acquire: String,
-    probe: String,
-    extend: String,
-    release: String,
-    withdraw: String,
-    force_release: String,
-    inspect: String,
+    acquire: Call,
+    probe: Call,
+    extend: Call,
+    release: Call,
+    withdraw: Call,
+    force_release: Call,
+    inspect: Call,
     #[cfg(feature = "idempotency")]
-    load_answer: String,
+    load_answer: Call,
     #[cfg(feature = "idempotency")]
-    store_answer: String,
+    store_answer: Call,
 }
 
 impl Statements {
     fn new(names: &Names) -> Self {
+        use Type as T;
+        let call = |columns: &str, name: &str, args: &str, types: &[Type]| Call {
+            sql: names.call(columns, name, args),
+            types: types.to_vec(),
+        };
         Self {
-            acquire: names.call(
+            acquire: call(
                 "token, conflicts, earliest_ms, named, upgrade",
                 "acquire",
                 "$1::text[], $2::text, $3::text::uuid, $4::bigint, $5::bigint, $6::int, \
                  $7::text::numeric, $8::bigint, $9::boolean",
+                &[
+                    T::TEXT_ARRAY,
+                    T::TEXT,
+                    T::TEXT,
+                    T::INT8,
+                    T::INT8,
+                    T::INT4,
+                    T::TEXT,
+                    T::INT8,
+                    T::BOOL,
+                ],
             ),
-            probe: names.call(
+            probe: call(
                 "*",
                 "probe",
                 "$1::text[], $2::text, $3::text::uuid, $4::text::numeric",
+                &[T::TEXT_ARRAY, T::TEXT, T::TEXT, T::TEXT],
             ),
-            extend: names.call(
+            extend: call(
                 "*",
                 "extend",
                 "$1::text[], $2::text::uuid, $3::bigint, $4::bigint",
+                &[T::TEXT_ARRAY, T::TEXT, T::INT8, T::INT8],
             ),
-            release: names.call(
+            release: call(
                 "released, heads",
                 "release",
                 "$1::text[], $2::text::uuid, $3::bigint, $4::text",
+                &[T::TEXT_ARRAY, T::TEXT, T::INT8, T::TEXT],
             ),
-            withdraw: names.call(
+            withdraw: call(
                 "withdrawn, heads",
                 "withdraw",
                 "$1::text[], $2::text::numeric, $3::text",
+                &[T::TEXT_ARRAY, T::TEXT, T::TEXT],
             ),
-            force_release: names.call("released, heads", "force_release", "$1::text[], $2::text"),
-            inspect: names.call("state, left_ms, holds, waiters", "inspect", "$1::text[]"),
+            force_release: call(
+                "released, heads",
+                "force_release",
+                "$1::text[], $2::text",
+                &[T::TEXT_ARRAY, T::TEXT],
+            ),
+            inspect: call(
+                "state, left_ms, holds, waiters",
+                "inspect",
+                "$1::text[]",
+                &[T::TEXT_ARRAY],
+            ),
             #[cfg(feature = "idempotency")]
-            load_answer: names.call("*", "load_answer", "$1::text"),
+            load_answer: call("*", "load_answer", "$1::text", &[T::TEXT]),
             #[cfg(feature = "idempotency")]
-            store_answer: names.call("*", "store_answer", "$1::text, $2::bytea, $3::bigint"),
+            store_answer: call(
+                "*",
+                "store_answer",
+                "$1::text, $2::bytea, $3::bigint",
+                &[T::TEXT, T::BYTEA, T::INT8],
+            ),
         }
     }
 }
@@ -105,6 +149,12 @@ pub(crate) struct PostgresStore {
     listener: Option<tokio_postgres::Config>,
     /// Set once the listener and the sweeper run.
     started: OnceLock<()>,
+    /// When this store last refused a batch: big ones skip their inserts first for a while
+    /// after.
+    last_refusal: LastRefusal,
+    /// Whether the pool's connections go through a pooler in transaction mode: no named
+    /// prepared statements ([`Postgres::transaction_pooling`](builder::Postgres::transaction_pooling)).
+    unprepared: bool,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -114,6 +164,7 @@ impl fmt::Debug for PostgresStore {
             .field("pool", &self.pool.status())
             .field("table", &self.names.qualified())
             .field("listens", &self.listener.is_some())
+            .field("unprepared", &self.unprepared)
             .finish_non_exhaustive()
     }
 }
@@ -124,6 +175,7 @@ impl PostgresStore {
         names: Names,
         create: bool,
         listener: Option<tokio_postgres::Config>,
+        unprepared: bool,
     ) -> Self {
         let store = Self {
             pool,
@@ -134,6 +186,8 @@ impl PostgresStore {
             wakeups: Arc::new(Wakeups::new()),
             listener,
             started: OnceLock::new(),
+            last_refusal: LastRefusal::default(),
+            unprepared,
         };
         // Built inside a runtime (the usual case), listen now, so that the first waiter
         // already hears of releases; otherwise on first use.
@@ -171,38 +225,40 @@ impl PostgresStore {
         Ok(client)
     }
 
-    /// A connection and `sql` (one of [`Statements`]) prepared on it, once per connection.
-    async fn prepared(&self, sql: &str) -> Result<(Object, Statement), StoreError> {
-        let client = self.client().await?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| failed(e, false))?;
-        Ok((client, statement))
-    }
-
-    /// Runs `sql` with `params` and gives its one row. `writes`: whether a call that failed
-    /// may have written.
+    /// Runs `call` with `params` and gives its one row. `writes`: whether a call that
+    /// failed may have written.
     async fn call(
         &self,
-        sql: &str,
+        call: &Call,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         writes: bool,
-    ) -> Result<tokio_postgres::Row, StoreError> {
-        self.query(sql, params)
+    ) -> Result<Row, StoreError> {
+        one(self
+            .query(call, params)
             .await?
-            .map_err(|e| failed(e, writes))
+            .map_err(|e| failed(e, writes))?)
     }
 
-    /// Runs `sql` with `params`: the store's error when it could not be sent, the
-    /// server's answer otherwise.
+    /// Runs `call` with `params`: the store's error when it could not be sent, the
+    /// server's answer otherwise. The statement is prepared once a connection, or, behind
+    /// a pooler in transaction mode, sent with its parameters' types in one round trip
+    /// (an unnamed statement, which is one transaction's: a named one may be sent to
+    /// another server connection than the one that prepared it).
     async fn query(
         &self,
-        sql: &str,
+        call: &Call,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<Result<tokio_postgres::Row, tokio_postgres::Error>, StoreError> {
-        let (client, statement) = self.prepared(sql).await?;
-        Ok(client.query_one(&statement, params).await)
+    ) -> Result<Result<Vec<Row>, tokio_postgres::Error>, StoreError> {
+        let client = self.client().await?;
+        if self.unprepared {
+            let typed: Vec<_> = params.iter().copied().zip(call.types.clone()).collect();
+            return Ok(client.query_typed(&call.sql, &typed).await);
+        }
+        let statement = client
+            .prepare_typed_cached(&call.sql, &call.types)
+            .await
+            .map_err(|e| failed(e, false))?;
+        Ok(client.query(&statement, params).await)
     }
 
     /// Frees keys for others with `sql` (release, withdraw, force_release), whose last
@@ -210,7 +266,7 @@ impl PostgresStore {
     /// how many keys the call changed.
     async fn free(
         &self,
-        sql: &str,
+        call: &Call,
         keys: &Keys,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<usize, StoreError> {
@@ -218,13 +274,79 @@ impl PostgresStore {
         let message = release_message(&slots, self.wakeups.tag());
         let mut all: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params.to_vec();
         all.push(&message);
-        let row = self.call(sql, &all, true).await?;
+        let row = self.call(call, &all, true).await?;
         let (count, heads): (i32, Vec<String>) = (row.get(0), row.get(1));
         self.wakeups.wake_slots(slots);
         self.wakeups
             .wake_tickets(heads.iter().filter_map(|head| head.parse::<u128>().ok()));
         Ok(usize::try_from(count).unwrap_or(0))
     }
+}
+
+impl PostgresStore {
+    /// One attempt of [`LockStore::acquire`]: one call of the schema's acquire function.
+    async fn acquire_call(&self, request: &AcquireRequest) -> Result<Acquire, StoreError> {
+        let keys: &[String] = &request.keys;
+        let reserve = match request.line {
+            Line::At(_) => millis(request.reserve),
+            Line::Outside | Line::Holder(_) => 0,
+        };
+        let report = i32::try_from(request.report).unwrap_or(i32::MAX);
+        let answer = self
+            .query(
+                &self.statements.acquire,
+                &[
+                    &keys,
+                    &request.modes.script_arg(),
+                    &request.holder.owner.as_hex(),
+                    &hold_id(request.holder),
+                    &millis(request.ttl),
+                    &report,
+                    &ticket_arg(request.line),
+                    &reserve,
+                    // A retry in line finds its own reservations on every key.
+                    &(!request.retry && !self.last_refusal.recent()),
+                ],
+            )
+            .await?;
+        let rows = match answer {
+            Ok(rows) => rows,
+            // Another transaction kept one of the rows past the function's lock
+            // timeout (a big batch's statement, a user's guarded transaction): the
+            // keys are busy, which is contention, not a failed store. The statement
+            // rolled back: nothing taken, and no reservation made that was not there
+            // (a waiter's first attempt makes them when it tries again).
+            Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                return Ok(Acquire::Held(Contention {
+                    keys: Vec::new(),
+                    total: 1,
+                    earliest_expiry: None,
+                    upgrade: false,
+                }));
+            }
+            Err(error) => return Err(failed(error, true)),
+        };
+        let row = one(rows)?;
+        if let Some(token) = row.get::<_, Option<i64>>(0) {
+            let token = u64::try_from(token)
+                .map_err(|_| StoreError::unknown(format!("the fencing sequence gave {token}")))?;
+            return Ok(Acquire::Granted(FencingToken::new(token)));
+        }
+        let conflicts: i32 = row.get(1);
+        Ok(Acquire::Held(Contention {
+            keys: row.get(3),
+            total: usize::try_from(conflicts).unwrap_or(1),
+            earliest_expiry: from_millis(row.get(2)),
+            upgrade: row.get(4),
+        }))
+    }
+}
+
+/// The one row of a call's answer.
+fn one(rows: Vec<Row>) -> Result<Row, StoreError> {
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| StoreError::unknown("a call of the lock schema gave no row"))
 }
 
 /// A hold id as the table keeps it: the same 64 bits, as PostgreSQL's signed `bigint`.
@@ -256,58 +378,9 @@ fn ticket_arg(line: Line) -> Option<String> {
 impl LockStore for PostgresStore {
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
-            let keys: &[String] = &request.keys;
-            let reserve = match request.line {
-                Line::At(_) => millis(request.reserve),
-                Line::Outside | Line::Holder(_) => 0,
-            };
-            let report = i32::try_from(request.report).unwrap_or(i32::MAX);
-            let answer = self
-                .query(
-                    &self.statements.acquire,
-                    &[
-                        &keys,
-                        &request.modes.script_arg(),
-                        &request.holder.owner.as_hex(),
-                        &hold_id(request.holder),
-                        &millis(request.ttl),
-                        &report,
-                        &ticket_arg(request.line),
-                        &reserve,
-                        &request.retry,
-                    ],
-                )
-                .await?;
-            let row = match answer {
-                Ok(row) => row,
-                // Another transaction kept one of the rows past the function's lock
-                // timeout (a big batch's statement, a user's guarded transaction): the
-                // keys are busy, which is contention, not a failed store. The statement
-                // rolled back: nothing taken, and no reservation made that was not there
-                // (a waiter's first attempt makes them when it tries again).
-                Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                    return Ok(Acquire::Held(Contention {
-                        keys: Vec::new(),
-                        total: 1,
-                        earliest_expiry: None,
-                        upgrade: false,
-                    }));
-                }
-                Err(error) => return Err(failed(error, true)),
-            };
-            if let Some(token) = row.get::<_, Option<i64>>(0) {
-                let token = u64::try_from(token).map_err(|_| {
-                    StoreError::unknown(format!("the fencing sequence gave {token}"))
-                })?;
-                return Ok(Acquire::Granted(FencingToken::new(token)));
-            }
-            let conflicts: i32 = row.get(1);
-            Ok(Acquire::Held(Contention {
-                keys: row.get(3),
-                total: usize::try_from(conflicts).unwrap_or(1),
-                earliest_expiry: from_millis(row.get(2)),
-                upgrade: row.get(4),
-            }))
+            let answer = self.acquire_call(request).await;
+            self.last_refusal.note(&answer);
+            answer
         })
     }
 
@@ -377,10 +450,9 @@ impl LockStore for PostgresStore {
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
         Box::pin(async move {
             let list: &[String] = keys;
-            let (client, statement) = self.prepared(&self.statements.inspect).await?;
-            let rows = client
-                .query(&statement, &[&list])
-                .await
+            let rows = self
+                .query(&self.statements.inspect, &[&list])
+                .await?
                 .map_err(|e| failed(e, false))?;
             let count = |n: i32| usize::try_from(n).unwrap_or(0);
             Ok(rows

@@ -68,19 +68,18 @@ pub(super) async fn prepare(
     names: &Names,
     create: bool,
 ) -> Result<(), StoreError> {
-    let server: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+    let server = number(client, "SELECT current_setting('server_version_num')::int")
         .await
         .map_err(|e| failed(e, false))?
-        .get(0);
+        .unwrap_or(0);
     if server < OLDEST_SERVER {
         return Err(StoreError::left_nothing(format!(
             "the lock store needs PostgreSQL 12 or later; this server is {server}"
         )));
     }
     let version = format!("SELECT {}_version()", names.qualified());
-    let found = match client.query_one(&version, &[]).await {
-        Ok(row) => Some(row.get::<_, i32>(0)),
+    let found = match number(client, &version).await {
+        Ok(found) => found,
         Err(error)
             if matches!(
                 error.code(),
@@ -117,4 +116,14 @@ pub(super) async fn prepare(
             names.qualified()
         ))),
     }
+}
+
+/// The number `sql` selects, sent unprepared in one round trip, as every statement must be
+/// behind a pooler in transaction mode.
+async fn number(client: &Client, sql: &str) -> Result<Option<i32>, tokio_postgres::Error> {
+    Ok(client
+        .query_typed(sql, &[])
+        .await?
+        .first()
+        .map(|row| row.get(0)))
 }

@@ -223,13 +223,14 @@ $$;
 -- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
 -- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
 -- `ticket`: the caller's place in line (NULL: in no line); `reserve_ms` > 0: a waiter in
--- line, which reserves the whole batch when it is kept out; `retry`: a waiter in line
--- whose reservations are on every key (an earlier attempt was refused). Returns the fencing token when
+-- line, which reserves the whole batch when it is kept out; `free_first`: whether a big
+-- batch tries its keys as new rows first (the store leaves that out under contention, and
+-- for a waiter whose reservations are on every key). Returns the fencing token when
 -- granted; otherwise how many keys kept it out, the ms until the earliest of the held ones
 -- ends (NULL: unknown), up to `report` of them, and whether one is an upgrade.
 CREATE OR REPLACE FUNCTION {T}_acquire(
   p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_ttl_ms bigint, p_report int,
-  p_ticket numeric, p_reserve_ms bigint, p_retry boolean
+  p_ticket numeric, p_reserve_ms bigint, p_free_first boolean
 ) RETURNS TABLE (token bigint, conflicts int, earliest_ms bigint, named text[], upgrade boolean)
 LANGUAGE plpgsql
 -- Another call's rows are waited for at most this long: a big batch's statement holds
@@ -258,9 +259,8 @@ BEGIN
   -- third of its time). Otherwise the rows it inserted go at once, with the
   -- subtransaction that inserted them, so that it never keeps rows of its own while it
   -- waits for another call's (two batches could then wait for each other crosswise), and
-  -- it goes on as any batch. A retry finds its own reservations on every key, and skips
-  -- this.
-  IF cardinality(p_keys) >= 64 AND NOT p_retry THEN
+  -- it goes on as any batch.
+  IF cardinality(p_keys) >= 64 AND p_free_first THEN
     BEGIN
       INSERT INTO {T} (key, owner, holds, modes, ends, readers)
         SELECT * FROM {T}_new_rows(p_keys, p_modes, p_owner, p_hold, till)

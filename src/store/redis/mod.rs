@@ -4,8 +4,8 @@
 
 use std::{
     fmt,
-    sync::{Arc, Mutex, OnceLock},
-    time::{Duration, Instant},
+    sync::{Arc, OnceLock},
+    time::Duration,
 };
 
 #[cfg(feature = "idempotency")]
@@ -22,6 +22,7 @@ use super::{
     },
     error::StoreError,
     message::release_message,
+    refusals::LastRefusal,
     wake::{slots_of, Wakeups},
 };
 use connection::{Command, SharedConnection};
@@ -57,9 +58,8 @@ pub(crate) struct RedisStore {
     replicas: Option<ReplicaAck>,
     /// How many keys one script takes at most (see `steps.rs`).
     step: usize,
-    /// When this store last refused a batch: big ones skip the plain pass for a while after
-    /// (`steps.rs`).
-    last_refusal: Mutex<Option<Instant>>,
+    /// When this store last refused a batch: big ones skip the plain pass for a while after.
+    last_refusal: LastRefusal,
 }
 
 impl fmt::Debug for RedisStore {
@@ -112,7 +112,7 @@ impl RedisStore {
             subscribed: OnceLock::new(),
             replicas: None,
             step: DEFAULT_STEP,
-            last_refusal: Mutex::new(None),
+            last_refusal: LastRefusal::default(),
         };
         // Built inside a runtime (the usual case), subscribe now, so that the first waiter
         // already hears of releases; otherwise on first use.

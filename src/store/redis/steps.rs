@@ -20,8 +20,8 @@
 //! keep meeting each other and retrying, that starved them: with a plain pass on every
 //! attempt, 47-71 of 270 retail orders and 5 of 30 purchase orders got through where the
 //! script alone let every one through (the test
-//! `purchase_orders_amid_retail_orders_all_get_through`). So for [`PLAIN_PAUSE`] after a
-//! store refused a batch, its big batches go to the script alone.
+//! `purchase_orders_amid_retail_orders_all_get_through`). So for a moment after a store
+//! refused a batch, its big batches go to the script alone (`store/refusals.rs`).
 //!
 //! **Steps** (bounded stall, DESIGN.md property 12): the keys left for the script go to
 //! Redis in steps of at most [`RedisStore::with_step`] keys, so that no one script keeps
@@ -39,11 +39,7 @@
 //! hold out for each other. Two plain passes at once may each take part of what both
 //! want: then both are refused and undone, and waiters in line go in their order.
 
-use std::{
-    ops::Range,
-    sync::{MutexGuard, PoisonError},
-    time::{Duration, Instant},
-};
+use std::ops::Range;
 
 use redis::Value;
 
@@ -61,12 +57,6 @@ use super::{
 /// a few dozen keys the round trip costs the request more than Redis saves.
 pub(super) const PLAIN_FROM: usize = 64;
 
-/// How long after a refusal a store sends its big batches straight to the script (see the
-/// module docs): long enough to cover a burst of requests that keep meeting each other and
-/// retry within milliseconds, short enough that a quiet store soon saves Redis its time
-/// again.
-const PLAIN_PAUSE: Duration = Duration::from_secs(1);
-
 impl RedisStore {
     /// Acquires a batch: its free keys first with plain commands where that pays (see the
     /// module docs), then the rest with the script, in steps where they are more than one.
@@ -75,17 +65,8 @@ impl RedisStore {
         request: &AcquireRequest,
     ) -> Result<Acquire, StoreError> {
         let answer = self.acquire_free_first(request).await;
-        if matches!(answer, Ok(Acquire::Held(_))) {
-            *self.last_refusal() = Some(Instant::now());
-        }
+        self.last_refusal.note(&answer);
         answer
-    }
-
-    /// When this store last refused a batch, if ever (see [`PLAIN_PAUSE`]).
-    fn last_refusal(&self) -> MutexGuard<'_, Option<Instant>> {
-        self.last_refusal
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// [`acquire_batch`](Self::acquire_batch)'s work: the plain pass, unless the batch is
@@ -98,9 +79,7 @@ impl RedisStore {
             && request.modes.shared(request.keys.len()) == 0
             // With replicas to wait for, every write of the grant goes through its `WAIT`.
             && self.replicas.is_none()
-            && !self
-                .last_refusal()
-                .is_some_and(|at| at.elapsed() < PLAIN_PAUSE);
+            && !self.last_refusal.recent();
         if !plain {
             return self.acquire_in_steps(request, Taken::NONE).await;
         }

@@ -1,7 +1,8 @@
 //! A PostgreSQL server of a test's (or the bench's) own, on a free loopback port, in a
 //! temporary directory: for what the machine's shared server must not undergo (a kill, a
-//! restart). `initdb` and `pg_ctl` run as the `postgres` user when this runs as root (the
-//! server refuses root), and as the current user otherwise.
+//! restart); and a PgBouncer of a test's own in front of the machine's server. `initdb`,
+//! `pg_ctl` and `pgbouncer` run as the `postgres` user when this runs as root (they refuse
+//! root), and as the current user otherwise.
 
 use std::{
     net::TcpListener,
@@ -22,40 +23,20 @@ impl PgServer {
     ///
     /// When `initdb` or `pg_ctl` is missing or fails, with their output.
     pub(crate) fn start() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "tower-batch-lock-pg-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        if as_root() {
-            check(
-                Command::new("chown").arg("postgres").arg(&dir).output(),
-                "chown",
-            );
-        }
-        let mut server = Self { dir, port: 0 };
+        let mut server = Self {
+            dir: owned_dir("pg"),
+            port: 0,
+        };
         let data = server.data();
         check(
-            server
-                .as_owner("initdb")
+            as_owner("initdb")
                 .args(["-D", &data, "-U", "postgres", "-A", "trust", "--no-sync"])
                 .output(),
             "initdb (apt-get install postgresql, and put initdb and pg_ctl in PATH)",
         );
-        // A port below the kernel's ephemeral range (32768 and up by default), which the
-        // suite's outgoing connections take their local ports from, and so could take this
-        // one between the check and the start; another server may still take it first:
-        // then try another.
+        // Another server may take the port first: then try another.
         for attempt in 1..=5 {
-            server.port = loop {
-                let port = fastrand::u16(12_000..19_990);
-                if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                    break port;
-                }
-            };
+            server.port = free_port();
             match server.start_on_port() {
                 Ok(()) => return server,
                 Err(error) if attempt == 5 => panic!("{error}"),
@@ -81,7 +62,7 @@ impl PgServer {
     pub(crate) fn kill(&self) {
         let data = self.data();
         check(
-            self.as_owner("pg_ctl")
+            as_owner("pg_ctl")
                 .args(["stop", "-D", &data, "-m", "immediate", "-w"])
                 .output(),
             "pg_ctl stop",
@@ -102,8 +83,7 @@ impl PgServer {
             self.port,
             self.dir.display()
         );
-        let start = self
-            .as_owner("pg_ctl")
+        let start = as_owner("pg_ctl")
             .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
             .output();
         succeeded(start, "pg_ctl start")
@@ -112,27 +92,134 @@ impl PgServer {
     fn data(&self) -> String {
         self.dir.join("data").display().to_string()
     }
-
-    /// `program` as the owner of the cluster.
-    fn as_owner(&self, program: &str) -> Command {
-        if as_root() {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--", program]);
-            command
-        } else {
-            Command::new(program)
-        }
-    }
 }
 
 impl Drop for PgServer {
     fn drop(&mut self) {
         let data = self.data();
-        let _ = self
-            .as_owner("pg_ctl")
+        let _ = as_owner("pg_ctl")
             .args(["stop", "-D", &data, "-m", "immediate", "-w"])
             .output();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// PgBouncer in transaction mode (each transaction may run on another server connection)
+/// on a free loopback port, in front of the machine's server at 127.0.0.1:5432, for every
+/// database there, as user `postgres` (trust), with 4 server connections a database.
+pub(crate) struct PgBouncer {
+    dir: PathBuf,
+    port: u16,
+}
+
+impl PgBouncer {
+    /// Starts it, as a daemon; waits until it accepts connections.
+    ///
+    /// # Panics
+    ///
+    /// When `pgbouncer` is missing or does not start, with what it logged.
+    pub(crate) fn start() -> Self {
+        let mut bouncer = Self {
+            dir: owned_dir("pgbouncer"),
+            port: 0,
+        };
+        for attempt in 1..=5 {
+            bouncer.port = free_port();
+            let config = bouncer.dir.join("pgbouncer.ini");
+            let settings = format!(
+                "[databases]\n* = host=127.0.0.1 port=5432 user=postgres\n\
+                 [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {}\nunix_socket_dir =\n\
+                 auth_type = any\npool_mode = transaction\ndefault_pool_size = 4\n\
+                 max_client_conn = 200\nlogfile = {}\npidfile = {}\n",
+                bouncer.port,
+                bouncer.dir.join("log").display(),
+                bouncer.pidfile().display(),
+            );
+            std::fs::write(&config, settings).expect("the configuration written");
+            let started = as_owner("pgbouncer").arg("-d").arg(&config).output();
+            let answered =
+                succeeded(started, "pgbouncer (apt-get install pgbouncer)").and_then(|()| {
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                    while std::time::Instant::now() < deadline {
+                        if std::net::TcpStream::connect(("127.0.0.1", bouncer.port)).is_ok() {
+                            return Ok(());
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    }
+                    let log = std::fs::read_to_string(bouncer.dir.join("log")).unwrap_or_default();
+                    Err(format!("pgbouncer did not answer within 10 s: {log}"))
+                });
+            match answered {
+                Ok(()) => return bouncer,
+                Err(error) if attempt == 5 => panic!("{error}"),
+                Err(_) => bouncer.stop(),
+            }
+        }
+        unreachable!("the last attempt panics")
+    }
+
+    /// The URL of the database `name` through it.
+    pub(crate) fn url(&self, name: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
+    }
+
+    fn pidfile(&self) -> PathBuf {
+        self.dir.join("pid")
+    }
+
+    fn stop(&self) {
+        if let Ok(pid) = std::fs::read_to_string(self.pidfile()) {
+            let _ = Command::new("kill").arg(pid.trim()).output();
+        }
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A new temporary directory that `postgres` owns when this runs as root.
+fn owned_dir(what: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tower-batch-lock-{what}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    if as_root() {
+        check(
+            Command::new("chown").arg("postgres").arg(&dir).output(),
+            "chown",
+        );
+    }
+    dir
+}
+
+/// A free loopback port below the kernel's ephemeral range (32768 and up by default), which
+/// the suite's outgoing connections take their local ports from, and so could take this one
+/// between the check and the start.
+fn free_port() -> u16 {
+    loop {
+        let port = fastrand::u16(12_000..19_990);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            break port;
+        }
+    }
+}
+
+/// `program` as the `postgres` user when this runs as root.
+fn as_owner(program: &str) -> Command {
+    if as_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--", program]);
+        command
+    } else {
+        Command::new(program)
     }
 }
 

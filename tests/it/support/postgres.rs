@@ -28,6 +28,11 @@ impl Database {
         Self { name }
     }
 
+    /// The name of this database.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The URL of this database.
     pub(crate) fn url(&self) -> String {
         format!("{SERVER}/{}", self.name)
