@@ -251,6 +251,7 @@ DECLARE
   cur {T};
   unreserved int;
   inserted int;
+  given int;
 BEGIN
   conflicts := 0;
   -- A big batch tries its keys as new rows first, with a statement that locks no row
@@ -318,10 +319,16 @@ BEGIN
     RETURN;
   END IF;
 
-  -- The rows that were there, now locked: which keep it out.
-  SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
-    INTO conflicts, named, upgrade, earliest_ms
-    FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
+  -- The rows that were there, now locked: which keep it out. The probe, which stops at
+  -- the first, says whether one does; only then are they counted and named. From its
+  -- time on, what it found free stays free (the rows are locked, and ends only pass).
+  IF {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
+    SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
+      INTO conflicts, named, upgrade, earliest_ms
+      FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
+  ELSE
+    now := clock_timestamp();
+  END IF;
 
   IF conflicts > 0 THEN
     IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
@@ -346,6 +353,14 @@ BEGIN
       WHERE l.key = ANY(p_keys)
         AND NOT (l.owner IS NOT NULL AND l.ends > now)
         AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now);
+    GET DIAGNOSTICS given = ROW_COUNT;
+    -- Every key inserted or given this hold: nothing is left for the loop below (a
+    -- waiter's grant from under its reservations, the common one in line).
+    IF given + cardinality(taken) = cardinality(p_keys) THEN
+      token := nextval('{T}_fence');
+      RETURN NEXT;
+      RETURN;
+    END IF;
   END IF;
   -- The others gain this hold beside the holds there (re-entry, readers, an upgrade).
   FOR r IN
