@@ -582,13 +582,14 @@ impl Driver {
             // A store whose batches span servers (the cluster's groups, Redlock's masters)
             // shows a waiter's attempt in flight, granted on one server and refused on
             // another, until it is rolled back: an attempt that a release woke, which the
-            // model does not see. So the view is read again until it agrees, or PROMPTLY
-            // has passed; a state that lasts still fails.
+            // model does not see. So the view is read again until it agrees, for at most
+            // 300 ms: a round trip's state passes by then, and a hold or reservation left
+            // behind (which lives a TTL, 1.5 s at the shortest here) still fails.
             Op::Inspect => {
                 let started = std::time::Instant::now();
                 loop {
                     let seen = self.seen().await?;
-                    if seen == *expected || started.elapsed() >= PROMPTLY {
+                    if seen == *expected || started.elapsed() >= Duration::from_millis(300) {
                         break seen;
                     }
                     tokio::time::sleep(Duration::from_millis(5)).await;
