@@ -40,11 +40,13 @@ const POOL_SIZE: usize = 16;
 /// - *acquire* inserts the free keys' rows in one `INSERT … ON CONFLICT DO UPDATE … WHERE
 ///   false`, which also locks the rows that were there, in key order (so two batches never
 ///   wait for each other crosswise: no deadlock); a batch of free keys is granted there.
-///   Otherwise it checks the locked rows in one statement, and either gives them its hold
+///   Otherwise it asks whether a locked row keeps it out (stopping at the first), counts
+///   and names them only when one does, and either gives them its hold
 ///   (one `UPDATE` for the rows nobody holds) or, refused, deletes the rows it inserted (a
 ///   waiter in line turns them into its reservations, and reserves the others). A batch of
-///   64 keys or more first inserts its rows with `ON CONFLICT DO NOTHING`, which locks no
-///   row that is there: granted if every key was free; otherwise it undoes those inserts
+///   64 keys or more (not a waiter's retry, nor any for a second after the store refused
+///   a batch) first inserts its rows with `ON CONFLICT DO NOTHING`, which locks no row
+///   that is there: granted if every key was free; otherwise it undoes those inserts
 ///   (a subtransaction rolled back, so that it keeps no row while it waits for others),
 ///   looks without locking, and is refused without locking any row when it is kept out.
 ///   Nobody sees part of a batch: the statement is one transaction.
