@@ -251,7 +251,11 @@ impl PostgresStore {
     ) -> Result<Result<Vec<Row>, tokio_postgres::Error>, StoreError> {
         let client = self.client().await?;
         if self.unprepared {
-            let typed: Vec<_> = params.iter().copied().zip(call.types.clone()).collect();
+            let typed: Vec<_> = params
+                .iter()
+                .copied()
+                .zip(call.types.iter().cloned())
+                .collect();
             return Ok(client.query_typed(&call.sql, &typed).await);
         }
         let statement = client
