@@ -132,6 +132,9 @@ fn options() -> Result<Options, String> {
     if sections.is_empty() {
         sections = SECTIONS.to_vec();
     }
+    if !only.is_empty() && !sections.contains(&"contention") {
+        return Err("--only chooses cases of the contention section: name it too".to_owned());
+    }
     sections.sort_by_key(|s| SECTIONS.iter().position(|x| x == s));
     sections.dedup();
     Ok(Options {

@@ -58,48 +58,73 @@ LANGUAGE sql IMMUTABLE AS 'SELECT 1';
 -- spent most of its statement's time in them.
 
 -- The live reservations of `line` (kept in ticket order) other than `ticket`'s, with
--- `ticket`'s until `till` when `till` is given, in ticket order; NULL when none.
+-- `ticket`'s until `till` when `till` is given, in ticket order; NULL when none. A line
+-- none of whose entries has ended, the rule, is cut and joined with slices, once: a hot
+-- key's line is as long as its waiters, and every grant, release and reservation on the
+-- key passes it here, where an entry appended at a time copied the line once an entry (a
+-- line of 64: 29 us a call, against 7 us for a line of 1).
 CREATE OR REPLACE FUNCTION {T}_requeue(
   p_line {T}_place[], p_ticket numeric, p_till timestamptz, p_now timestamptz
 ) RETURNS {T}_place[]
 LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
   q {T}_place;
+  i int := 0;
+  mine int;
+  later int;
   kept {T}_place[] := '{}';
   placed boolean := p_till IS NULL;
 BEGIN
   IF p_line IS NOT NULL THEN
     FOREACH q IN ARRAY p_line LOOP
-      IF q.ends > p_now AND q.ticket IS DISTINCT FROM p_ticket THEN
-        IF NOT placed AND p_ticket < q.ticket THEN
-          kept := kept || ROW(p_ticket, p_till)::{T}_place;
-          placed := true;
-        END IF;
-        kept := kept || q;
-      END IF;
+      i := i + 1;
+      EXIT WHEN q.ends <= p_now;
+      IF q.ticket = p_ticket THEN mine := i; END IF;
+      IF later IS NULL AND p_ticket < q.ticket THEN later := i; END IF;
     END LOOP;
   END IF;
+  IF i = coalesce(cardinality(p_line), 0) AND (p_line IS NULL OR (p_line[i]).ends > p_now) THEN
+    -- Every entry live: `ticket`'s out, then in again before the first later ticket.
+    IF mine IS NOT NULL THEN
+      p_line := p_line[:mine - 1] || p_line[mine + 1:];
+      IF later > mine THEN later := later - 1; END IF;
+    END IF;
+    IF p_till IS NOT NULL THEN
+      later := coalesce(later, coalesce(cardinality(p_line), 0) + 1);
+      p_line := p_line[:later - 1] || ROW(p_ticket, p_till)::{T}_place || p_line[later:];
+    END IF;
+    RETURN CASE WHEN cardinality(p_line) > 0 THEN p_line END;
+  END IF;
+  FOREACH q IN ARRAY p_line LOOP
+    IF q.ends > p_now AND q.ticket IS DISTINCT FROM p_ticket THEN
+      IF NOT placed AND p_ticket < q.ticket THEN
+        kept := kept || ROW(p_ticket, p_till)::{T}_place;
+        placed := true;
+      END IF;
+      kept := kept || q;
+    END IF;
+  END LOOP;
   IF NOT placed THEN
     kept := kept || ROW(p_ticket, p_till)::{T}_place;
   END IF;
   RETURN CASE WHEN cardinality(kept) = 0 THEN NULL ELSE kept END;
 END $$;
 
--- The ticket first in line, among the live reservations.
+-- The ticket first in line, among the live reservations: the first live entry, the line
+-- being in ticket order.
 CREATE OR REPLACE FUNCTION {T}_head(p_line {T}_place[], p_now timestamptz) RETURNS numeric
 LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
   q {T}_place;
-  first numeric;
 BEGIN
   IF p_line IS NOT NULL THEN
     FOREACH q IN ARRAY p_line LOOP
-      IF q.ends > p_now AND (first IS NULL OR q.ticket < first) THEN
-        first := q.ticket;
+      IF q.ends > p_now THEN
+        RETURN q.ticket;
       END IF;
     END LOOP;
   END IF;
-  RETURN first;
+  RETURN NULL;
 END $$;
 
 -- Whether the row `r` (NULL: no row) keeps out `owner`, asking for it shared or not, in
@@ -137,9 +162,10 @@ BEGIN
     RETURN 1;
   END IF;
   IF r.line IS NOT NULL THEN
+    -- The first live entry is the earliest (the line is in ticket order).
     FOREACH q IN ARRAY r.line LOOP
-      IF q.ends > p_now AND (p_ticket IS NULL OR q.ticket < p_ticket) THEN
-        RETURN 1;
+      IF q.ends > p_now THEN
+        RETURN (p_ticket IS NULL OR q.ticket < p_ticket)::int;
       END IF;
     END LOOP;
   END IF;
@@ -275,6 +301,10 @@ BEGIN
       RAISE SQLSTATE 'TBL02'; -- a key had a row: undo the inserts (caught below)
     EXCEPTION WHEN SQLSTATE 'TBL02' THEN NULL;
     END;
+    -- The undone inserts took time (milliseconds for thousands of keys): what follows
+    -- reads the rows, and a grant's ttl counts, from now.
+    now := clock_timestamp();
+    till := now + p_ttl_ms * interval '1 ms';
   END IF;
   -- A big batch looks without locks first: kept out, it is refused without locking, or
   -- waiting for, any row, so that its refusals queue neither behind other calls nor hold

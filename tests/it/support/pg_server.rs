@@ -106,7 +106,9 @@ impl Drop for PgServer {
 
 /// PgBouncer in transaction mode (each transaction may run on another server connection)
 /// on a free loopback port, in front of the machine's server at 127.0.0.1:5432, for every
-/// database there, as user `postgres` (trust), with 4 server connections a database.
+/// database there, as user `postgres` (trust), with 4 server connections a database, and
+/// without tracking prepared statements (`max_prepared_statements = 0`, where the version
+/// has the setting: from 1.21, and on by default from 1.24; 1.18 refuses it as unknown).
 pub(crate) struct PgBouncer {
     dir: PathBuf,
     port: u16,
@@ -130,10 +132,15 @@ impl PgBouncer {
                 "[databases]\n* = host=127.0.0.1 port=5432 user=postgres\n\
                  [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {}\nunix_socket_dir =\n\
                  auth_type = any\npool_mode = transaction\ndefault_pool_size = 4\n\
-                 max_client_conn = 200\nlogfile = {}\npidfile = {}\n",
+                 max_client_conn = 200\nlogfile = {}\npidfile = {}\n{}",
                 bouncer.port,
                 bouncer.dir.join("log").display(),
                 bouncer.pidfile().display(),
+                if tracks_prepared_statements() {
+                    "max_prepared_statements = 0\n"
+                } else {
+                    ""
+                },
             );
             std::fs::write(&config, settings).expect("the configuration written");
             let started = as_owner("pgbouncer").arg("-d").arg(&config).output();
@@ -179,6 +186,22 @@ impl Drop for PgBouncer {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Whether the installed PgBouncer can track prepared statements (1.21 or later), and so
+/// knows `max_prepared_statements`: `pgbouncer --version` starts `PgBouncer 1.18.0`.
+fn tracks_prepared_statements() -> bool {
+    let Ok(out) = Command::new("pgbouncer").arg("--version").output() else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut version = text
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or_default()
+        .split('.')
+        .map(|part| part.parse::<u32>().unwrap_or(0));
+    (version.next().unwrap_or(0), version.next().unwrap_or(0)) >= (1, 21)
 }
 
 /// A new temporary directory that `postgres` owns when this runs as root.
