@@ -16,10 +16,13 @@ use super::{
     topology::{Group, Topology},
 };
 use crate::store::{
-    contract::{Acquire, AcquireRequest, Contention, FencingToken, Holder, Line},
+    contract::{Acquire, AcquireRequest, Contention, FencingToken, Line},
     error::StoreError,
     fanout::NodeFailure,
-    redis::scripts::{COUNT_GRANT, COUNT_GRANT_SOURCE},
+    redis::{
+        scripts::{COUNT_GRANT, COUNT_GRANT_SOURCE},
+        Freeing,
+    },
 };
 
 /// What one attempt at a batch came to.
@@ -96,7 +99,8 @@ impl Nodes {
                 return Attempt::Done(Ok(Acquire::Granted(fence)));
             }
             // Nothing was handed out: release it all, and fail.
-            self.roll_back(keys, holder, &released).await;
+            self.roll_back(keys, Freeing::Release(holder), &released)
+                .await;
             self.fanout.forget(holder);
             let error = counted.err().map(|e| e.to_string()).unwrap_or_default();
             return Attempt::Done(Err(StoreError::left_nothing(format!(
@@ -113,7 +117,9 @@ impl Nodes {
         // place in line on those keys too, as on one Redis (the refused groups' scripts
         // reserved theirs). The reservation goes on before the rollback, so that the keys
         // are never free of both between the two: a release keeps a key's reservations.
+        let mut how = Freeing::Release(holder);
         if let (Line::At(ticket), false, false) = (*line, held.is_empty(), granted.is_empty()) {
+            how = Freeing::RollBack(holder, ticket);
             let subset = keys_of_groups(&groups, &granted, keys);
             let deadline = Instant::now() + self.retry_for;
             let reserved = self
@@ -133,7 +139,7 @@ impl Nodes {
             true
         } else {
             let subset = keys_of_groups(&groups, &granted, keys);
-            self.roll_back(&subset, holder, &released).await
+            self.roll_back(&subset, how, &released).await
         };
         self.fanout.forget(holder);
         if let Some(why) = why_unsure {
@@ -153,19 +159,20 @@ impl Nodes {
         }
     }
 
-    /// Releases `keys` of a refused attempt everywhere. Whether that is certain: it finished
+    /// Releases `keys` of a refused attempt everywhere, as `how` says (a waiter's roll-back
+    /// behind its reservations does not wake it). Whether that is certain: it finished
     /// in time (otherwise it goes on in the background), and no release command of it may
     /// still land later (one that got no answer in time was sent again; the first could
     /// then end a next attempt's grant of the same hold).
     async fn roll_back(
         self: &Arc<Self>,
         keys: &Arc<[String]>,
-        holder: Holder,
+        how: Freeing,
         released: &AtomicBool,
     ) -> bool {
         released.store(true, Ordering::SeqCst);
         let unsure = Arc::new(AtomicBool::new(false));
-        let release = self.start_release(keys.clone(), holder, Some(unsure.clone()));
+        let release = self.start_release(keys.clone(), how, Some(unsure.clone()));
         let finished = matches!(
             tokio::time::timeout(self.retry_for, release).await,
             Ok(Ok(Ok(_)))

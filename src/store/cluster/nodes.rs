@@ -24,7 +24,6 @@ use super::{announce, topology::Topology};
 use crate::{
     backoff::Backoff,
     store::{
-        contract::Holder,
         error::StoreError,
         fanout::{bounded, node_pool, Fanout},
         redis::{replicas::ReplicaAck, Freed, Freeing, RedisStore},
@@ -230,14 +229,15 @@ impl Nodes {
         }
     }
 
-    /// Releases `holder`'s hold on `keys` wherever they are, in a task of its own that
+    /// Ends a hold on `keys` wherever they are, as `how` says (a release, or a refused
+    /// attempt's roll-back, which does not wake its own waiter), in a task of its own that
     /// retries until no key of ours can be left (the longest TTL); wakes this process's
     /// waiters and announces the release to the others. The handle gives how many keys had
     /// the hold.
     pub(super) fn start_release(
         self: &Arc<Self>,
         keys: Arc<[String]>,
-        holder: Holder,
+        how: Freeing,
         unsure: Option<Arc<AtomicBool>>,
     ) -> tokio::task::JoinHandle<Result<usize, StoreError>> {
         let inner = self.clone();
@@ -249,7 +249,7 @@ impl Nodes {
                     &keys,
                     until,
                     unsure.as_deref(),
-                    |node, keys| async move { node.free(Freeing::Release(holder), &keys).await },
+                    |node, keys| async move { node.free(how, &keys).await },
                 )
                 .await?;
             Ok(inner.freed(&keys, &released).await)

@@ -191,7 +191,7 @@ impl LockStore for ClusterStore {
             self.inner.fanout.mark_released(holder);
             // In a task of its own: it finishes even if the caller stops waiting.
             self.inner
-                .start_release(keys.clone(), holder, None)
+                .start_release(keys.clone(), Freeing::Release(holder), None)
                 .await
                 .unwrap_or_else(|error| Err(StoreError::unknown(error)))
         })
