@@ -23,10 +23,10 @@
 //!    at once when one key alone kept it out and its release woke the waiter (where a
 //!    refused retry costs about what a probe does: fewer than 64 keys on one Redis,
 //!    PostgreSQL, one key on Redlock or a cluster; see [`LockStore::whole_attempts`]). On
-//!    one Redis and Redlock, a refused attempt granted in part (a step, a master) and
-//!    rolled back does not wake its own waiter. A big batch so makes about two passes to
-//!    be granted (the refused one that reserves, and the grant) and one to be released,
-//!    however long it waits.
+//!    one Redis, Redlock and a cluster, a refused attempt granted in part (a step, a
+//!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
+//!    about two passes to be granted (the refused one that reserves, and the grant) and
+//!    one to be released, however long it waits.
 //! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
 //!    less and less often, down to every 1-2 s: for a hold or a place before it that
 //!    expired with its process. On Redis a poll is a probe of what blocked it.

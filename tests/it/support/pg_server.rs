@@ -146,15 +146,21 @@ impl PgBouncer {
             let started = as_owner("pgbouncer").arg("-d").arg(&config).output();
             let answered =
                 succeeded(started, "pgbouncer (apt-get install pgbouncer)").and_then(|()| {
+                    // Its own log says it bound the port: another process that took the port
+                    // meanwhile would answer a connection too.
+                    let listening = format!("listening on 127.0.0.1:{}", bouncer.port);
                     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                    let mut log = String::new();
                     while std::time::Instant::now() < deadline {
-                        if std::net::TcpStream::connect(("127.0.0.1", bouncer.port)).is_ok() {
+                        log = std::fs::read_to_string(bouncer.dir.join("log")).unwrap_or_default();
+                        if log.contains(&listening)
+                            && std::net::TcpStream::connect(("127.0.0.1", bouncer.port)).is_ok()
+                        {
                             return Ok(());
                         }
                         std::thread::sleep(std::time::Duration::from_millis(20));
                     }
-                    let log = std::fs::read_to_string(bouncer.dir.join("log")).unwrap_or_default();
-                    Err(format!("pgbouncer did not answer within 10 s: {log}"))
+                    Err(format!("pgbouncer did not listen within 10 s: {log}"))
                 });
             match answered {
                 Ok(()) => return bouncer,
