@@ -93,7 +93,8 @@ const POOL_SIZE: usize = 16;
 ///   the store keeps no session state (its settings are the functions' own), so transaction
 ///   pooling suits it. By default it prepares each statement once a connection (a named
 ///   prepared statement), which PgBouncer keeps apart by server connection only from 1.21
-///   (`max_prepared_statements`); behind a pooler in transaction mode, set
+///   (`max_prepared_statements`, on by default from 1.24); behind a pooler in transaction
+///   mode that does not, or when unsure, set
 ///   [`transaction_pooling`](Self::transaction_pooling), which sends every call unnamed,
 ///   with its types, in one round trip (tested behind PgBouncer 1.18 in transaction mode:
 ///   `postgres::behind_pgbouncer_*`). The
@@ -217,7 +218,8 @@ impl Postgres {
     /// statement with its parameters' types, in one round trip, where the store otherwise
     /// prepares each of its statements once a connection: a pooler in transaction mode
     /// may send a named statement's execution to another server connection than the one
-    /// that prepared it (PgBouncer before 1.21, or without `max_prepared_statements`).
+    /// that prepared it (PgBouncer before 1.21, or with `max_prepared_statements = 0`, the
+    /// default before 1.24).
     /// The listener needs a session of its own, which such a pooler does not keep: with a
     /// URL and no [`wakeups`](Self::wakeups), this store does not listen, and its waiters
     /// poll for other processes' releases.
