@@ -47,8 +47,10 @@ const POOL_SIZE: usize = 16;
 ///   64 keys or more (not a waiter's retry, nor any for a second after the store refused
 ///   a batch) first inserts its rows with `ON CONFLICT DO NOTHING`, which locks no row
 ///   that is there: granted if every key was free; otherwise it undoes those inserts
-///   (a subtransaction rolled back, so that it keeps no row while it waits for others),
-///   looks without locking, and is refused without locking any row when it is kept out.
+///   (a subtransaction rolled back, so that it keeps no row while it waits for others).
+///   Every batch of that size then looks without locking (the same probe, counting only
+///   when a key keeps it out), and is refused without locking any row when it is kept out
+///   (a waiter in line reserves its batch first, and asks the probe once more).
 ///   Nobody sees part of a batch: the statement is one transaction.
 /// - *release* deletes the rows that hold this hold alone (an index scan: in key order), and
 ///   takes it off the others; a row stays while a waiter reserves it.
