@@ -314,11 +314,12 @@ BEGIN
   -- (0.2 ms a call) than it saves. The look is the probe, which stops at the first key
   -- that keeps the batch out; only then are they counted and named (a whole count of
   -- 2,000 rows took 23-33 ms of a contended statement, under load).
-  IF cardinality(p_keys) >= 64
-     AND {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
-    SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
-      INTO conflicts, named, upgrade, earliest_ms, unreserved
-      FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
+  IF cardinality(p_keys) >= 64 THEN
+    IF {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
+      SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
+        INTO conflicts, named, upgrade, earliest_ms, unreserved
+        FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
+    END IF;
   END IF;
   IF conflicts > 0 THEN
     IF p_ticket IS NULL OR p_reserve_ms <= 0 OR unreserved = 0 THEN
