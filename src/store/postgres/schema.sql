@@ -175,8 +175,8 @@ END $$;
 -- What keeps the batch `p_keys` (in `p_modes`) of `p_owner`, in line with `p_ticket`, out
 -- now, among the rows there: how many keys, up to `p_report` of them, whether one is an
 -- upgrade, and the ms until the earliest held one ends; and how many keys lack a live
--- reservation of `p_ticket`. Reads only. (The rows are found by `key = ANY(…)`, an index
--- scan, and named in key order, which is the batch's.)
+-- reservation of `p_ticket` (0 when nothing keeps it out). Reads only. (The rows are
+-- found by `key = ANY(…)`, an index scan, and named in key order, which is the batch's.)
 CREATE OR REPLACE FUNCTION {T}_conflicts(
   p_keys text[], p_modes text, p_owner uuid, p_ticket numeric, p_now timestamptz,
   p_report int,
@@ -185,6 +185,13 @@ CREATE OR REPLACE FUNCTION {T}_conflicts(
 )
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
+  -- The probe, which stops at the first key that keeps the batch out, says whether one
+  -- does; only then are they counted and named (a count of 2,000 rows took 23-33 ms of a
+  -- contended statement, the probe of a batch kept out by its first key next to none).
+  IF {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, p_now) = cardinality(p_keys) THEN
+    conflicts := 0; named := '{}'; upgrade := false; unreserved := 0;
+    RETURN;
+  END IF;
   SELECT count(*) FILTER (WHERE c.blocked > 0)::int,
          coalesce((array_agg(c.key ORDER BY c.key) FILTER (WHERE c.blocked > 0))[:p_report], '{}'),
          coalesce(bool_or(c.blocked = 2), false),
@@ -311,15 +318,11 @@ BEGIN
   -- them up (a refused attempt of 2,000 keys locked 2,000 rows for its statement, and the
   -- releases of their holders waited); a waiter in line whose reservations are all there
   -- writes nothing. A small batch locks its few rows at once: the look would cost it more
-  -- (0.2 ms a call) than it saves. The look is the probe, which stops at the first key
-  -- that keeps the batch out; only then are they counted and named (a whole count of
-  -- 2,000 rows took 23-33 ms of a contended statement, under load).
+  -- (0.2 ms a call) than it saves.
   IF cardinality(p_keys) >= 64 THEN
-    IF {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
-      SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
-        INTO conflicts, named, upgrade, earliest_ms, unreserved
-        FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
-    END IF;
+    SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
+      INTO conflicts, named, upgrade, earliest_ms, unreserved
+      FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
   END IF;
   IF conflicts > 0 THEN
     IF p_ticket IS NULL OR p_reserve_ms <= 0 OR unreserved = 0 THEN
@@ -332,7 +335,7 @@ BEGIN
     -- the look's: a key it names that was freed since only costs the waiter a probe.
     now := clock_timestamp();
     till := now + p_ttl_ms * interval '1 ms';
-    IF {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
+    IF {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now) < cardinality(p_keys) THEN
       RETURN NEXT;
       RETURN;
     END IF;
@@ -351,16 +354,13 @@ BEGIN
     RETURN;
   END IF;
 
-  -- The rows that were there, now locked: which keep it out. The probe, which stops at
-  -- the first, says whether one does; only then are they counted and named. From its
-  -- time on, what it found free stays free (the rows are locked, and ends only pass).
-  IF {T}_probe(p_keys, p_modes, p_owner, p_ticket) < cardinality(p_keys) THEN
-    SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
-      INTO conflicts, named, upgrade, earliest_ms
-      FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
-  ELSE
-    now := clock_timestamp();
-  END IF;
+  -- The rows that were there, now locked: which keep it out, from now on (the rows are
+  -- locked, and ends only pass: what is free now stays free), after the wait for them.
+  now := clock_timestamp();
+  till := now + p_ttl_ms * interval '1 ms';
+  SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
+    INTO conflicts, named, upgrade, earliest_ms
+    FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
 
   IF conflicts > 0 THEN
     IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
@@ -453,14 +453,13 @@ BEGIN
   RETURN NEXT;
 END $$;
 
--- How many keys of `keys`, from the first, would not keep `owner` out now (see
+-- How many keys of `keys`, from the first, would not keep `owner` out at `p_now` (see
 -- {T}_keeps_out); it stops at the first that would. Writes nothing.
-CREATE OR REPLACE FUNCTION {T}_probe(
-  p_keys text[], p_modes text, p_owner uuid, p_ticket numeric
+CREATE OR REPLACE FUNCTION {T}_probe_at(
+  p_keys text[], p_modes text, p_owner uuid, p_ticket numeric, p_now timestamptz
 ) RETURNS int
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
-  now timestamptz := clock_timestamp();
   r record;
   free int := 0;
 BEGIN
@@ -470,12 +469,21 @@ BEGIN
   LOOP
     IF {T}_keeps_out(r.l, p_owner,
         (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's',
-        p_ticket, now) > 0 THEN
+        p_ticket, p_now) > 0 THEN
       RETURN free;
     END IF;
     free := free + 1;
   END LOOP;
   RETURN free;
+END $$;
+
+-- {T}_probe_at, now: what a waiter asks of the keys that kept it out.
+CREATE OR REPLACE FUNCTION {T}_probe(
+  p_keys text[], p_modes text, p_owner uuid, p_ticket numeric
+) RETURNS int
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+  RETURN {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, clock_timestamp());
 END $$;
 
 -- Extends the hold on every key to at least `ttl_ms` from now if every key still has it;

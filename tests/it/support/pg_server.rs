@@ -125,6 +125,11 @@ impl PgBouncer {
             dir: owned_dir("pgbouncer"),
             port: 0,
         };
+        let tracking = if tracks_prepared_statements() {
+            "max_prepared_statements = 0\n"
+        } else {
+            ""
+        };
         for attempt in 1..=5 {
             bouncer.port = free_port();
             let config = bouncer.dir.join("pgbouncer.ini");
@@ -136,11 +141,7 @@ impl PgBouncer {
                 bouncer.port,
                 bouncer.dir.join("log").display(),
                 bouncer.pidfile().display(),
-                if tracks_prepared_statements() {
-                    "max_prepared_statements = 0\n"
-                } else {
-                    ""
-                },
+                tracking,
             );
             std::fs::write(&config, settings).expect("the configuration written");
             let started = as_owner("pgbouncer").arg("-d").arg(&config).output();
