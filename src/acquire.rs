@@ -10,8 +10,12 @@
 //!    of its batch until its deadline, and half a second more ([`RESERVATION_MARGIN`]): a
 //!    reservation keeps out every later arrival, waiting or not, and lives on whatever
 //!    happens to the holds before it (on Redis, holds that reservations outlive keep their
-//!    end in the value, so that a holder that dies takes only its holds). A grant ends the
-//!    waiter's reservations; giving up, failing or being dropped withdraws them.
+//!    end in the value, so that a holder that dies takes only its holds). On one Redis and
+//!    Redlock a batch of 64 keys or more keeps its place as one record, a *claim* (the set
+//!    of its keys, and its ticket in a registry), and leaves its keys as they are: a key
+//!    that an earlier claim names keeps a caller out as an earlier reservation does, and a
+//!    release wakes the earliest of both. A grant ends the waiter's reservations (its
+//!    claim); giving up, failing or being dropped withdraws them.
 //! 2. **Wake only who can win.** A release (a withdrawal, a forced release) names, for each
 //!    key it frees, the waiter first in line on it, and wakes that waiter alone, here and,
 //!    through the store's pub/sub, in other processes ([`Wakeups`](crate::store::wake));

@@ -203,6 +203,51 @@ async fn a_later_waiter_never_holds_up_an_earlier_one() {
     }
 }
 
+/// A big batch's waiter keeps later arrivals out of the keys it waits for that are free,
+/// and goes before a later waiter for one. On Redis its place in line is a claim, and its
+/// keys are left as they are: a free one stays absent, where a reservation in each key
+/// would rewrite the batch to wait, again to be granted, and again to be released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_batchs_waiter_keeps_later_arrivals_out_of_its_free_keys() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        let [_, big] = small_and_big("a,b");
+        let (gate, held) = hold(first, "a").await;
+        let waiter = waiter_in_line_on_b(&store, second, &big).await;
+        if let Some(observer) = store.observers().first() {
+            assert_eq!(
+                observer.get("lock:b"),
+                None,
+                "{}: `b` was written",
+                store.name
+            );
+            assert_eq!(observer.claims_on("lock:b").len(), 1, "{}", store.name);
+        }
+        assert!(
+            !free_now(first, "b").await,
+            "{}: a newcomer took `b`",
+            store.name
+        );
+
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let app = recording_router(&waiting(first, Duration::from_secs(10)), &order);
+        let later = tokio::spawn(async move { send(&app, named("b", "later", 0)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !later.is_finished(),
+            "{}: the later waiter went",
+            store.name
+        );
+        gate.open();
+        let waited = within(Duration::from_secs(5), "the big waiter", waiter).await;
+        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+        let later = within(Duration::from_secs(5), "the later waiter", later).await;
+        assert_eq!(later.unwrap().status, StatusCode::OK, "{}", store.name);
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        store.settle().await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. A big batch is granted under a storm of small requests
 // ---------------------------------------------------------------------------------------
@@ -367,9 +412,16 @@ fn child_process(test: &str, url: &str) -> std::process::Child {
         .unwrap_or_else(|error| panic!("could not start {test}: {error}"))
 }
 
+/// `keys` as they are, and with 62 more: a batch big enough (64 keys) that its waiter keeps
+/// its place in line on Redis with a claim, rather than with a reservation in each key.
+fn small_and_big(keys: &str) -> [String; 2] {
+    let more: String = (0..62).map(|i| format!(",more:{i:02}")).collect();
+    [keys.to_owned(), format!("{keys}{more}")]
+}
+
 /// Sends a request for `keys` (`b` among them) through `locks`, waiting up to 10 s, and
-/// returns once it stands in line on `b` (on the memory store, which cannot be looked
-/// into, a moment after it was sent).
+/// returns once it stands in line on `b`, by a reservation or a claim (on the memory store,
+/// which cannot be looked into, a moment after it was sent).
 async fn waiter_in_line_on_b(
     store: &Store,
     locks: &Locks,
@@ -380,7 +432,7 @@ async fn waiter_in_line_on_b(
     let request = named(keys, "w", 0);
     let waiter = tokio::spawn(async move { send(&app, request).await });
     let reserved = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
-        store.line("lock:b").is_none_or(|line| line.len() == 1)
+        store.in_line("lock:b").is_none_or(|waiters| waiters == 1)
     })
     .await;
     assert!(reserved.is_some(), "{}", store.name);
@@ -423,6 +475,20 @@ async fn holder_process() {
 /// kept in the holder's value, and went with it: the newcomer won, 3 times in 3.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_holders_process_killed_leaves_its_waiters_place_in_line() {
+    holder_killed_with_a_waiter_for("a").await;
+}
+
+/// The same with a big batch's waiter, whose place in line is a claim, apart from the
+/// holder's key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holders_process_killed_leaves_a_big_waiters_claim() {
+    let [_, big] = small_and_big("a");
+    holder_killed_with_a_waiter_for(&big).await;
+}
+
+/// A holder's process, holding `a`, is killed while a waiter for `keys` is in line on `a`;
+/// a newcomer asks for `a` until the waiter has been granted, and must not be first.
+async fn holder_killed_with_a_waiter_for(keys: &str) {
     let store = Store::redis();
     let [locks, _] = &store.locks;
     let mut holder = child_process("fairness::holder_process", &store.servers[0].url());
@@ -437,9 +503,10 @@ async fn a_holders_process_killed_leaves_its_waiters_place_in_line() {
 
     let order = Arc::new(Mutex::new(Vec::new()));
     let waiter_app = recording_router(&waiting(locks, Duration::from_secs(5)), &order);
-    let waiter = tokio::spawn(async move { send(&waiter_app, named("a", "waiter", 0)).await });
+    let request = named(keys, "waiter", 0);
+    let waiter = tokio::spawn(async move { send(&waiter_app, request).await });
     let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
-        store.line("lock:a").is_some_and(|line| line.len() == 1)
+        store.in_line("lock:a") == Some(1)
     })
     .await;
     assert!(in_line.is_some(), "the waiter never reserved `a`");
@@ -524,77 +591,81 @@ async fn a_killed_waiters_reservations_last_to_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_owner_with_a_held_key_is_kept_out_of_another_by_an_earlier_waiter() {
     for store in Store::all() {
-        let [first, second] = &store.locks;
-        // `c` is held: a waiter for `b` and `c` reserves both, `b` free.
-        let (gate_c, held_c) = hold(first, "c").await;
-        let waiter = waiter_in_line_on_b(&store, second, "b,c").await;
+        for keys in small_and_big("b,c") {
+            let [first, second] = &store.locks;
+            // `c` is held: a waiter for `b` and `c` reserves both, `b` free.
+            let (gate_c, held_c) = hold(first, "c").await;
+            let waiter = waiter_in_line_on_b(&store, second, &keys).await;
 
-        // A request that arrives now holds `a`, and its handler locks `b` without waiting.
-        let inner = |Extension(lease): Extension<Lease>| async move {
-            match lease.lock(["b"]).await {
-                Ok(held) => {
-                    held.release().await;
-                    "locked b"
+            // A request that arrives now holds `a`, and its handler locks `b` without waiting.
+            let inner = |Extension(lease): Extension<Lease>| async move {
+                match lease.lock(["b"]).await {
+                    Ok(held) => {
+                        held.release().await;
+                        "locked b"
+                    }
+                    Err(_) => "kept out of b",
                 }
-                Err(_) => "kept out of b",
-            }
-        };
-        let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
-        let app = Router::new().route("/", get(inner).layer(first.layer(only_a)));
-        let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
-        assert_eq!(reply.text(), "kept out of b", "{}", store.name);
+            };
+            let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
+            let app = Router::new().route("/", get(inner).layer(first.layer(only_a)));
+            let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+            assert_eq!(reply.text(), "kept out of b", "{}", store.name);
 
-        gate_c.open();
-        assert_eq!(held_c.await.unwrap().status, StatusCode::OK);
-        let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
-        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
-        store.settle().await;
+            gate_c.open();
+            assert_eq!(held_c.await.unwrap().status, StatusCode::OK);
+            let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+            assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+            store.settle().await;
+        }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {
     for store in Store::all() {
-        let [first, second] = &store.locks;
-        // The request holds `a`; a waiter, held up by it, reserves `a` and `b`. The
-        // handler then locks `b` for the same owner and re-enters `a` through a nested
-        // layer: waiting for the waiter would deadlock, so neither is kept out.
-        let gate = Gate::new();
-        let inner = {
-            let gate = gate.clone();
-            move |Extension(lease): Extension<Lease>| {
+        for keys in small_and_big("a,b") {
+            let [first, second] = &store.locks;
+            // The request holds `a`; a waiter, held up by it, reserves `a` and `b`. The
+            // handler then locks `b` for the same owner and re-enters `a` through a nested
+            // layer: waiting for the waiter would deadlock, so neither is kept out.
+            let gate = Gate::new();
+            let inner = {
                 let gate = gate.clone();
-                async move {
-                    gate.pass().await;
-                    match lease.lock(["b"]).await {
-                        Ok(held) => {
-                            held.release().await;
-                            "locked b"
+                move |Extension(lease): Extension<Lease>| {
+                    let gate = gate.clone();
+                    async move {
+                        gate.pass().await;
+                        match lease.lock(["b"]).await {
+                            Ok(held) => {
+                                held.release().await;
+                                "locked b"
+                            }
+                            Err(_) => "kept out of b",
                         }
-                        Err(_) => "kept out of b",
                     }
                 }
-            }
-        };
-        let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
-        let app = Router::new()
-            .route("/", get(inner).layer(first.layer(only_a)))
-            .layer(first.layer(only_a));
-        let holder = tokio::spawn(async move {
-            send(&app, Request::get("/").body(Body::empty()).unwrap()).await
-        });
-        gate.wait_entered().await;
+            };
+            let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
+            let app = Router::new()
+                .route("/", get(inner).layer(first.layer(only_a)))
+                .layer(first.layer(only_a));
+            let holder = tokio::spawn(async move {
+                send(&app, Request::get("/").body(Body::empty()).unwrap()).await
+            });
+            gate.wait_entered().await;
 
-        let waiter = waiter_in_line_on_b(&store, second, "a,b").await;
+            let waiter = waiter_in_line_on_b(&store, second, &keys).await;
 
-        gate.open();
-        let reply = within(Duration::from_secs(5), "the holder", holder)
-            .await
-            .unwrap();
-        assert_eq!(reply.text(), "locked b", "{}", store.name);
-        let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
-        assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
-        store.settle().await;
+            gate.open();
+            let reply = within(Duration::from_secs(5), "the holder", holder)
+                .await
+                .unwrap();
+            assert_eq!(reply.text(), "locked b", "{}", store.name);
+            let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+            assert_eq!(waited.unwrap().status, StatusCode::OK, "{}", store.name);
+            store.settle().await;
+        }
     }
 }
 

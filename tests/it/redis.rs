@@ -33,7 +33,7 @@ use crate::support::{
         batch, batch_router, header_keys, poll_every, post_keys, required_header_keys, send,
         within, Reply,
     },
-    Observer, RedisServer, Rng,
+    Observer, RedisServer, Rng, CLAIMS,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -502,13 +502,15 @@ fn crate_script(body: &str) -> redis::Script {
 }
 
 /// A script as a store on one Redis builds it: the prelude of one Redis, the clock and
-/// fencing counter, the value format `value`, the body.
+/// fencing counter, the value format `value`, the claims, the body.
 fn one_redis_script(value: &str, body: &str) -> redis::Script {
     redis::Script::new(
         &[
+            &format!("local CLAIMS = '{CLAIMS}'\n"),
             include_str!("../../src/store/redis/scripts/single.lua"),
             include_str!("../../src/store/redis/scripts/clock.lua"),
             value,
+            include_str!("../../src/store/redis/scripts/claims.lua"),
             body,
         ]
         .concat(),
@@ -774,8 +776,9 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
         "nothing of the refused batch is left"
     );
 
-    // A waiter kept out at its second step keeps its place on every key of the batch,
-    // those of the step it undid and those it never tried, and gets in after the holder.
+    // A waiter kept out at its second step keeps its place on every key of the batch (in
+    // its claim), those of the step it undid and those it never tried, and gets in after
+    // the holder.
     let waiting = Locks::new(store())
         .ttl(Duration::from_secs(10))
         .wait(Wait::up_to(Duration::from_secs(5)));
@@ -783,11 +786,7 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
         let (app, keys) = (counting_router(&waiting, &runs), keys.clone());
         tokio::spawn(async move { send(&app, batch(&keys)).await })
     };
-    let reserved = |key: &str| {
-        observer
-            .lock(key)
-            .is_some_and(|v| !v.reservations.is_empty())
-    };
+    let reserved = |key: &str| !observer.claims_on(key).is_empty();
     let line = poll_every(Duration::from_millis(10), Duration::from_secs(5), || {
         reserved("lock:s:0000") && reserved("lock:s:0500") && reserved("lock:s:0999")
     })
@@ -799,8 +798,8 @@ async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() 
     assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
-    // No key of the waiter's batch was free (its reservations were on every one): the
-    // script took them all, in steps of 100 keys and the counter.
+    // A waiter's retry goes to the script alone (its place in line may be kept in the
+    // keys): the script took them all, in steps of 100 keys and the counter.
     let most = most_keys_a_call(&observer);
     assert!(
         (100..=101).contains(&most),
@@ -2213,9 +2212,24 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
         .await
         .expect("inspect runs as the user");
     assert_eq!(states.len(), 2);
+    // Waiters with a batch big enough to keep their place in line with a claim: one is
+    // granted after the holder, one gives up (and withdraws) before.
+    let big: String = std::iter::once("a".to_owned())
+        .chain((0..63).map(|i| format!("more:{i:02}")))
+        .collect::<Vec<_>>()
+        .join(",");
     let waiter_app = Router::new().route("/", post(|| async {}).layer(locks.layer(header_keys)));
-    let waiter = tokio::spawn(async move { send(&waiter_app, post_keys("/", "a")).await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waiter = tokio::spawn({
+        let big = big.clone();
+        async move { send(&waiter_app, post_keys("/", &big)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let quitter = locks.clone().wait(Wait::up_to(Duration::from_millis(200)));
+    let quitter_app =
+        Router::new().route("/", post(|| async {}).layer(quitter.layer(header_keys)));
+    let gave_up = send(&quitter_app, post_keys("/", &big)).await;
+    assert_eq!(gave_up.status, StatusCode::CONFLICT, "{}", gave_up.text());
+    tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!gate.lease().is_lost(), "renewed as the user");
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
@@ -2233,6 +2247,7 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
     let prefix = format!("lock:{name}:");
     let mut left = observer.under(&prefix);
     left.remove(&prefix);
+    left.extend(observer.under(CLAIMS));
     assert!(left.is_empty(), "left behind: {left:?}");
 
     #[cfg(feature = "idempotency")]

@@ -128,7 +128,8 @@ impl Nodes {
                     &subset,
                     deadline,
                     None,
-                    |node, keys| async move { node.reserve(&keys, ticket, reserve).await },
+                    // A cluster node keeps no claims (`claims.lua`).
+                    |node, keys| async move { node.reserve(&keys, ticket, reserve, false).await },
                 )
                 .await;
             if let Err(error) = reserved {

@@ -41,7 +41,12 @@ use crate::store::handle::Store;
 /// its own hold with it: `*<owner>:<hold>/<until>[*<owner>:<hold>/<until>...]|...`, the
 /// key's own expiry at least its longest hold's; in an exclusive value, a hold its owner
 /// took shared follows a `;`. The prefix itself, `lock:`, holds the namespace's fencing
-/// counter (it is never a lock: empty keys are refused). The Lua scripts, one file each
+/// counter (it is never a lock: empty keys are refused). A waiter in line with a batch of
+/// 64 keys or more keeps its place apart from its keys, which stay as they are: its
+/// *claim*, a set of its keys under `tower-batch-lock:claims:<ticket>`, and its ticket in
+/// the sorted set `tower-batch-lock:claims`, scored by the claim's end (both live until
+/// the waiter's deadline; one registry for every namespace on the server, so a namespace
+/// must not start with `tower-batch-lock:claims`). The Lua scripts, one file each
 /// under `src/store/redis/scripts/`, are the functions of one library, which the store
 /// loads (`FUNCTION LOAD`) where a call finds it missing (the first call, after a restart
 /// without persistence or a `FUNCTION FLUSH`) and calls with `FCALL`. The library is
@@ -54,7 +59,8 @@ use crate::store::handle::Store;
 ///   was there instead. A key the caller's owner holds is entered again, and a shared key
 ///   gains the caller's shared hold beside the others (parsed only then); any conflict undoes
 ///   the keys taken so far before the script ends, so nobody ever sees part of a batch. A
-///   waiter in line then reserves the whole batch. A grant counts in the namespace's
+///   waiter in line then reserves the whole batch, or claims it. A key that a claim with an
+///   earlier ticket names keeps the caller out, unless its owner holds the key. A grant counts in the namespace's
 ///   counter, floored by Redis's clock (`TIME`), so that it never goes back after a
 ///   restart without persistence or a failover ([`FencingToken`](crate::FencingToken)
 ///   says under which assumptions).
@@ -63,7 +69,8 @@ use crate::store::handle::Store;
 /// - *release* ends only the caller's hold, keeps a key with other holds or reservations,
 ///   and publishes the release on the channel `tower-batch-lock:released`, which every
 ///   process built with a subscription ([`Redis::url`], [`Redis::wakeups`]) listens to.
-/// - *withdraw* takes a waiter's reservations off its batch, and publishes too.
+/// - *withdraw* takes a waiter's reservations off its batch (its keys out of its claim), and
+///   publishes too.
 ///
 /// Anything else under a lock key (another program's value, another type, a lock of the
 /// previous version of this crate) counts as held by someone else and is never changed.
@@ -82,9 +89,11 @@ use crate::store::handle::Store;
 /// - **Eviction.** Use `maxmemory-policy noeviction` (the default) on the Redis that holds
 ///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
 /// - **ACL.** The user needs `+fcall +function|load +set +get +mget +del +exists +pttl
-///   +pexpire +time +publish +subscribe +info` (and `+wait +ping` with
+///   +pexpire +pexpireat +time +publish +subscribe +info +zrange +zadd +zrem
+///   +zremrangebyscore +sadd +srem +smismember` (and `+wait +ping` with
 ///   [`replicas`](Redis::replicas)) on `~lock:*` (or your prefix; and `~idempotency:*` for
-///   the idempotency layer) and `&tower-batch-lock:released`.
+///   the idempotency layer) and `~tower-batch-lock:claims*` (waiters' claims), and
+///   `&tower-batch-lock:released`.
 /// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
 /// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
 ///   over to a replica that had not received the key, the lock is lost, and another

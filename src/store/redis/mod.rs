@@ -229,16 +229,21 @@ impl RedisStore {
     /// or an earlier step granted, before it is rolled back, when another part kept the
     /// waiter out; and the steps after a refused one. Returns the positions in `keys` of
     /// those that keep the waiter out as far as the script can tell (see `reserve.lua`).
+    /// `claim`: whether the waiter keeps its place with a claim ([`claims`](Self::claims)).
     pub(crate) async fn reserve(
         &self,
         keys: &[String],
         ticket: Ticket,
         reserve: Duration,
+        claim: bool,
     ) -> Result<Vec<usize>, StoreError> {
         let mut blockers = Vec::new();
         for (n, step) in keys.chunks(self.step).enumerate() {
             let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
-            script.arg(ticket.as_arg()).arg(millis(reserve));
+            script
+                .arg(ticket.as_arg())
+                .arg(millis(reserve))
+                .arg(if claim { "1" } else { "0" });
             let found: Vec<usize> = self.invoke(&script).await?;
             // The script counts from 1, in its step.
             let at = |i: usize| i.checked_sub(1).map(|i| n * self.step + i);
@@ -341,11 +346,13 @@ impl RedisStore {
     }
 
     /// One script of an acquisition: the whole batch, or one step of it, which counts the
-    /// grant when `count` (the last step).
+    /// grant when `count` (the last step). `claim`: whether the waiter keeps its place with
+    /// a claim ([`claims`](Self::claims)).
     async fn acquire_step(
         &self,
         request: &AcquireRequest,
         count: bool,
+        claim: bool,
     ) -> Result<Acquire, StoreError> {
         let (keys, line) = (&*request.keys, request.line);
         // KEYS[1], the counter, is a placeholder on a cluster node (cluster.lua).
@@ -370,7 +377,9 @@ impl RedisStore {
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" })
             .arg(RELEASED_CHANNEL)
-            .arg(if request.retry { "1" } else { "0" });
+            // A claim leaves the keys as they were: a retry finds no reservation on them.
+            .arg(if request.retry && !claim { "1" } else { "0" })
+            .arg(if claim { "1" } else { "0" });
         let reply = match self.replicas {
             None => self.invoke(&script).await?,
             Some(ack) => self.invoke_acknowledged(&script, request, ack).await?,

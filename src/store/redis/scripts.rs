@@ -17,10 +17,15 @@ use redis::{aio::ConnectionLike, FromRedisValue, RedisError, RedisResult, ToRedi
 /// Redis's clock, and the fencing counter that never counts below it.
 const CLOCK: &str = include_str!("scripts/clock.lua");
 
+/// The registry of the claims of waiters with big batches (`claims.lua`), and the start of
+/// each claim's key, on one Redis and each Redlock master: outside the keys of the default
+/// namespace (`lock:`), and of every namespace that does not start with it.
+pub(super) const CLAIMS: &str = "tower-batch-lock:claims";
+
 /// The functions of one library: the scripts that read or write lock values, each behind
 /// its topology's prelude (`single.lua` or `cluster.lua`: where the keys come from, and
 /// what a node may do with them), the clock's and the fencing counter's functions
-/// (`clock.lua`) and the value format's (`value.lua`).
+/// (`clock.lua`), the value format's (`value.lua`) and the claims' (`claims.lua`).
 pub(crate) struct Scripts {
     /// The library's source, for `FUNCTION LOAD`.
     library: String,
@@ -84,9 +89,11 @@ impl Scripts {
         let mut code = [
             "-- The call's keys and arguments, which each function sets (below).\n",
             "local KEYS, ARGV\n",
+            &format!("local CLAIMS = '{CLAIMS}'\n"),
             prelude,
             CLOCK,
             include_str!("scripts/value.lua"),
+            include_str!("scripts/claims.lua"),
         ]
         .concat();
         for (name, body, _) in bodies {
@@ -134,6 +141,13 @@ impl Scripts {
     /// cluster node's leaves that to the cluster store (cluster.lua), and takes a
     /// placeholder for the counter.
     pub(super) fn counts_grants(&self) -> bool {
+        !self.keys_as_args
+    }
+
+    /// Whether waiters with big batches keep their place in line with claims
+    /// (`claims.lua`): on one Redis and a Redlock master, where a script may touch keys it
+    /// was not given; not on a cluster node.
+    pub(super) fn keeps_claims(&self) -> bool {
         !self.keys_as_args
     }
 

@@ -10,7 +10,10 @@
 //! as the script would take it (the same value, the same ttl), and whatever was there
 //! instead (a hold, a reservation, a foreign value) makes the key one for the script,
 //! which needs to read it. The plain pass is as good as the first step of the batch:
-//! others see its keys held, and only the last step counts the grant. Redis runs a
+//! others see its keys held, and only the last step counts the grant. A free key may yet
+//! be one that a waiter's claim names (`claims.lua`), which a plain `SET` cannot see: the
+//! pass ends with an `EXISTS` of the claims' registry, and where a claim is live the
+//! script looks at every key of the batch (it keeps the pass's holds as they are). Redis runs a
 //! client's pipeline a read buffer at a time, between other clients' commands, so that it
 //! keeps no one waiting for long either.
 //!
@@ -49,13 +52,21 @@ use super::{
         error::StoreError,
     },
     connection::Command,
-    millis, Freeing, RedisStore,
+    millis,
+    scripts::CLAIMS,
+    Freeing, RedisStore,
 };
 
 /// The smallest batch whose free keys are taken with plain commands. That costs a round
 /// trip more than a script alone, and saves about 0.6 µs of Redis's CPU time a key: below
 /// a few dozen keys the round trip costs the request more than Redis saves.
 pub(super) const PLAIN_FROM: usize = 64;
+
+/// The smallest batch whose waiter keeps its place in line with a claim (`claims.lua`)
+/// rather than with a reservation in each key: where rewriting every key to wait, and
+/// again to be granted and released, costs Redis more than a claim's one set and the look
+/// that every acquisition and release takes at the live claims (one command a claim).
+pub(super) const CLAIM_FROM: usize = 64;
 
 impl RedisStore {
     /// Acquires a batch: its free keys first with plain commands where that pays (see the
@@ -64,7 +75,8 @@ impl RedisStore {
         &self,
         request: &AcquireRequest,
     ) -> Result<Acquire, StoreError> {
-        let answer = self.acquire_free_first(request).await;
+        let claim = matches!(request.line, Line::At(_)) && self.claims(request.keys.len());
+        let answer = self.acquire_free_first(request, claim).await;
         self.last_refusal.note(&answer);
         answer
     }
@@ -73,7 +85,11 @@ impl RedisStore {
     /// small, shared, waits for replicas, is a waiter's retry (its own reservations are on
     /// every key: a plain `SET NX` would take none, and cost Redis a command a key), or the
     /// store refused a batch a moment ago.
-    async fn acquire_free_first(&self, request: &AcquireRequest) -> Result<Acquire, StoreError> {
+    async fn acquire_free_first(
+        &self,
+        request: &AcquireRequest,
+        claim: bool,
+    ) -> Result<Acquire, StoreError> {
         let plain = request.keys.len() >= PLAIN_FROM
             && !request.retry
             && request.modes.shared(request.keys.len()) == 0
@@ -81,9 +97,9 @@ impl RedisStore {
             && self.replicas.is_none()
             && !self.last_refusal.recent();
         if !plain {
-            return self.acquire_in_steps(request, Taken::NONE).await;
+            return self.acquire_in_steps(request, Taken::NONE, claim).await;
         }
-        let (found, refusal) = self.take_free(request).await?;
+        let (found, refusal, claimed) = self.take_free(request).await?;
         let taken = Taken {
             batch: &request.keys,
             found: &found,
@@ -96,22 +112,36 @@ impl RedisStore {
                 taken.len()
             )));
         }
+        if claimed {
+            // A waiter's claim may name a key the pass took: the script looks at every key
+            // (its own hold on the ones the pass took, which it keeps as they are).
+            return self.acquire_in_steps(request, taken, claim).await;
+        }
         if found.is_empty() && !self.scripts.counts_grants() {
             // Every key was free, and a cluster node has no grant to count.
             return Ok(Acquire::Granted(FencingToken::new(0)));
         }
-        self.acquire_in_steps(&request.of(&found), taken).await
+        self.acquire_in_steps(&request.of(&found), taken, claim)
+            .await
+    }
+
+    /// Whether a waiter in line with a batch of `keys` keeps its place with a claim
+    /// (`claims.lua`) rather than with a reservation in each key.
+    pub(crate) fn claims(&self, keys: usize) -> bool {
+        self.scripts.keeps_claims() && keys >= CLAIM_FROM
     }
 
     /// Sends `SET key value PX ttl NX` for every key of `request`, pipelined. Returns the
     /// indices of the keys it did not take, in order (a key of another type among them:
-    /// the script finds it foreign), and the first refusal of a `SET`, if any (Redis out
-    /// of memory, a read-only replica; on a cluster node, a key of a slot it does not
-    /// serve), which fails the acquisition.
+    /// the script finds it foreign), the first refusal of a `SET`, if any (Redis out of
+    /// memory, a read-only replica; on a cluster node, a key of a slot it does not serve),
+    /// which fails the acquisition, and whether a waiter's claim was live once the `SET`s
+    /// were done. A claim that ended before then cannot have been passed: its waiter was
+    /// not granted while this pass held a key it claimed.
     async fn take_free(
         &self,
         request: &AcquireRequest,
-    ) -> Result<(Vec<usize>, Option<StoreError>), StoreError> {
+    ) -> Result<(Vec<usize>, Option<StoreError>, bool), StoreError> {
         let value = format!(
             "{}:{}",
             request.holder.owner.as_hex(),
@@ -129,7 +159,11 @@ impl RedisStore {
                 .arg(ttl)
                 .arg("NX");
         }
-        let replies: Vec<Value> = self.connection.send(Command::Pipeline(&pipeline)).await?;
+        if self.scripts.keeps_claims() {
+            pipeline.cmd("EXISTS").arg(CLAIMS);
+        }
+        let mut replies: Vec<Value> = self.connection.send(Command::Pipeline(&pipeline)).await?;
+        let claimed = self.scripts.keeps_claims() && replies.pop() != Some(Value::Int(0));
         let (mut found, mut refusal) = (Vec::new(), None);
         for (i, reply) in replies.into_iter().enumerate() {
             match reply {
@@ -149,7 +183,7 @@ impl RedisStore {
             }
             found.push(i);
         }
-        Ok((found, refusal))
+        Ok((found, refusal, claimed))
     }
 
     /// Acquires `request` a step at a time (see the module docs), after the keys `taken`,
@@ -159,6 +193,7 @@ impl RedisStore {
         &self,
         request: &AcquireRequest,
         taken: Taken<'_>,
+        claim: bool,
     ) -> Result<Acquire, StoreError> {
         let total = request.keys.len();
         let mut done = 0;
@@ -174,14 +209,14 @@ impl RedisStore {
                 part = request.of(&step.clone().collect::<Vec<_>>());
                 &part
             };
-            match self.acquire_step(part, last).await {
+            match self.acquire_step(part, last, claim).await {
                 Ok(Acquire::Granted(fence)) if last => return Ok(Acquire::Granted(fence)),
                 Ok(Acquire::Granted(_)) => done = step.end,
                 // If the undo fails, the caller releases the whole batch, as after any
                 // failure that may have left keys behind.
                 Ok(Acquire::Held(mut contention)) => {
                     let later = self
-                        .undo(request, taken, step.clone())
+                        .undo(request, taken, step.clone(), claim)
                         .await
                         .map_err(|error| {
                             StoreError::unknown(error).context(
@@ -221,6 +256,7 @@ impl RedisStore {
         request: &AcquireRequest,
         taken: Taken<'_>,
         refused: Range<usize>,
+        claim: bool,
     ) -> Result<Vec<usize>, StoreError> {
         let held: Keys = taken
             .keys()
@@ -229,9 +265,9 @@ impl RedisStore {
             .collect();
         let (mut later, mut how) = (Vec::new(), Freeing::Release(request.holder));
         if let Line::At(ticket) = request.line {
-            self.reserve(&held, ticket, request.reserve).await?;
+            self.reserve(&held, ticket, request.reserve, claim).await?;
             later = self
-                .reserve(&request.keys[refused.end..], ticket, request.reserve)
+                .reserve(&request.keys[refused.end..], ticket, request.reserve, claim)
                 .await?;
             how = Freeing::RollBack(request.holder, ticket);
         }

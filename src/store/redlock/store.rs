@@ -216,11 +216,14 @@ impl RedlockStore {
             let reserve = request.reserve;
             let mut reserved =
                 self.start_on(tally.granted.iter().map(|&(node, _)| node), |_, node| {
-                    let (keys, timeout) = (
+                    let (keys, timeout, claim) = (
                         keys.clone(),
                         self.fanout.timeout_for(keys.len(), node.step()),
+                        node.claims(keys.len()),
                     );
-                    async move { bounded(timeout, node.reserve(&keys, ticket, reserve)).await }
+                    async move {
+                        bounded(timeout, node.reserve(&keys, ticket, reserve, claim)).await
+                    }
                 });
             while reserved.next().await.is_some() {}
         }

@@ -22,7 +22,7 @@ mod server;
 pub(crate) mod stores;
 
 #[cfg(feature = "redis")]
-pub(crate) use server::{lock_value, LockValue, Observer, RedisServer};
+pub(crate) use server::{lock_value, LockValue, Observer, RedisServer, CLAIMS};
 
 /// The least fencing token a counter floored by this machine's clock gives now: its
 /// milliseconds since 2025-01-01T00:00:00Z, times 1024. The stores floor their counters so

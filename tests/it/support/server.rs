@@ -188,6 +188,10 @@ pub(crate) struct Observer {
 /// as long as the server, and is never a lock (empty keys are refused).
 const FENCING_COUNTERS: [&str; 2] = ["lock:", "tenant-a/"];
 
+/// The registry of the claims that waiters with big batches keep their place in line with,
+/// and the start of each claim's key.
+pub(crate) const CLAIMS: &str = "tower-batch-lock:claims";
+
 impl Observer {
     pub(crate) fn of(server: &RedisServer) -> Self {
         Self { url: server.url() }
@@ -233,6 +237,31 @@ impl Observer {
             }) => owner,
             _ => v,
         })
+    }
+
+    /// The tickets of the waiters whose claim (a big batch's place in line, kept apart
+    /// from its keys) names `key`, in line order.
+    pub(crate) fn claims_on(&self, key: &str) -> Vec<u128> {
+        let mut connection = self.connection();
+        let tickets: Vec<String> = redis::cmd("ZRANGE")
+            .arg(CLAIMS)
+            .arg(0)
+            .arg(-1)
+            .query(&mut connection)
+            .unwrap();
+        let mut on: Vec<u128> = tickets
+            .into_iter()
+            .filter(|ticket| {
+                redis::cmd("SISMEMBER")
+                    .arg(format!("{CLAIMS}:{ticket}"))
+                    .arg(key)
+                    .query(&mut connection)
+                    .unwrap()
+            })
+            .map(|ticket| ticket.parse().unwrap())
+            .collect();
+        on.sort_unstable();
+        on
     }
 
     /// The lock value under `key`, if it is one.

@@ -130,6 +130,17 @@ impl Store {
         )
     }
 
+    /// How many waiters stand in line for `key`, on the first master or in the table: by a
+    /// reservation, or on Redis by a claim (`None` for the memory store).
+    pub(crate) fn in_line(&self, key: &str) -> Option<usize> {
+        let reserved = self.line(key)?.len();
+        let claims = self
+            .observers()
+            .first()
+            .map_or(0, |o| o.claims_on(key).len());
+        Some(reserved + claims)
+    }
+
     /// The servers, looked at from outside the crate.
     pub(crate) fn observers(&self) -> Vec<Observer> {
         self.servers.iter().map(Observer::of).collect()

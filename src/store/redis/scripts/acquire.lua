@@ -7,8 +7,9 @@
 -- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
 -- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`), the
 -- release channel (where a shared grant wakes the waiter next in line, who may be a
--- reader too), and '1' when the caller is a waiter whose reservations are on every key (its
--- retry: see below).
+-- reader too), '1' when the caller is a waiter whose reservations are on every key (its
+-- retry: see below), and '1' when the caller is a waiter that keeps its place with a claim
+-- (a big batch: claims.lua) rather than with reservations in the keys.
 -- Returns the fencing token when granted (0 when the grant is not counted), a number: a
 -- reply Redis converts at little cost, where a table of five values cost a tenth of a
 -- one-key acquire and release. Otherwise {number of conflicting keys, earliest pttl among
@@ -20,7 +21,9 @@
 -- waiter, for a caller in no line), unless the caller's owner holds it: an owner is never
 -- kept out of its own keys, which it enters again in any mode, and takes exclusively from
 -- shared when it is their only holder (an upgrade). A caller kept out that reserves (a
--- waiter in line) puts its reservation on every key of the batch.
+-- waiter in line) puts its reservation on every key of the batch, or the batch in its claim.
+-- A key that an earlier waiter's claim names keeps the caller out as that waiter's
+-- reservation would.
 --
 -- Each key costs one command when it is free: SET NX takes it, GET shows what was there
 -- instead. Nothing a script writes is seen by anyone before it ends, so a conflict found
@@ -31,6 +34,7 @@ local ticket = ARGV[5] ~= '' and ARGV[5] or nil
 local reserve_ms = tonumber(ARGV[6])
 local modes = ARGV[7]
 local mine = owner .. ':' .. hold
+local claiming = ARGV[11] == '1'
 
 -- Whether KEYS[i] is wanted shared.
 local function shared_at(i)
@@ -44,6 +48,17 @@ local function reader()
 end
 
 local conflicts, earliest, named, upgrade = 0, -1, {}, 0
+-- The keys that earlier waiters' claims name: position in KEYS, less one, -> ticket.
+local names = {}
+local before = claims_before(ticket)
+if #before > 0 or claiming then names = names_from(2) end
+local claimed_by = claimed(before, names)
+
+-- Counts KEYS[i] among the conflicts, named if there is room.
+local function conflict(i)
+  conflicts = conflicts + 1
+  if #named < report then named[#named + 1] = KEYS[i] end
+end
 -- Keys this script created, keys that were there and keep nobody out (index -> parts), and
 -- keys wanted exclusively that nobody holds and whose line the caller heads (index ->
 -- value).
@@ -83,19 +98,22 @@ for i = 2, #KEYS do
   end
   if not old then
     taken[#taken + 1] = i
+    if claimed_by[i - 1] then conflict(i) end
   elseif heads_line and not shared and type(old) == 'string'
       and string.sub(old, 1, 38) == heads_line and #old % ENTRY_LEN == 0 then
-    -- The common key of a waiter's retry: it keeps the waiter out of nothing, and a grant
-    -- needs no more of it than the line behind the waiter's entry.
+    -- The common key of a waiter's retry: it keeps the waiter out of nothing (but an
+    -- earlier claim), and a grant needs no more of it than the line behind the waiter's
+    -- entry.
     first[i] = old
+    if claimed_by[i - 1] then conflict(i) end
   else
     local holds, queue, hold_end = split(old)
     -- The owner's live shared hold ids, when a shared key is asked for exclusively.
     local blocked, ids, upgrading = keeps_out(holds, queue, owner, ticket, shared)
     if upgrading then upgrade = 1 end
+    if not blocked and claimed_by[i - 1] then blocked = not owner_holds(holds, owner) end
     if blocked then
-      conflicts = conflicts + 1
-      if #named < report then named[#named + 1] = KEYS[i] end
+      conflict(i)
       if holds ~= '' then
         -- A shared key's ttl may outlast its holds (a long reader released): its latest
         -- live hold's end is when it frees.
@@ -119,7 +137,13 @@ end
 
 if conflicts > 0 then
   for i, value in pairs(first) do found[i] = {'', value} end
-  if reserve_ms > 0 then
+  if claiming then
+    -- A big batch's waiter keeps its place in its claim, and its keys as they were.
+    local keys = {}
+    for _, j in ipairs(taken) do keys[#keys + 1] = KEYS[j] end
+    delete(keys)
+    claim(ticket, names, now() + reserve_ms)
+  elseif reserve_ms > 0 then
     -- A waiter in line reserves every key of its batch against later arrivals.
     local till = now() + reserve_ms
     for _, i in ipairs(taken) do
@@ -139,9 +163,9 @@ if conflicts > 0 then
   return {conflicts, earliest, named, upgrade}
 end
 
--- The waiters first in line on the keys granted shared: a reader among them may come in
--- beside this one, and nothing else would wake it.
-local readers_next = {}
+-- The keys granted shared, and their lines: the waiter first in line on one, a reader
+-- perhaps, may come in beside this one, and nothing else would wake it.
+local shared_names, shared_lines = {}, {}
 for i, value in pairs(first) do
   -- Its line, less the caller's entry.
   local queue, latest = requeue(string.sub(value, ENTRY_LEN + 1))
@@ -151,7 +175,10 @@ for i, parts in pairs(found) do
   local holds, queue, ids, hold_end = parts[1], parts[2], parts[3], parts[4]
   local latest = 0
   if queue ~= '' then queue, latest = requeue(queue, ticket) end
-  if shared_at(i) then note_head(readers_next, queue) end
+  if shared_at(i) then
+    shared_names[#shared_names + 1] = KEYS[i]
+    shared_lines[#shared_lines + 1] = queue
+  end
   -- A shared key taken exclusively: the owner's shared holds that have not ended go with
   -- it; with none, it is taken as a free key.
   if ids and #ids == 0 then holds = '' end
@@ -181,5 +208,15 @@ for i, parts in pairs(found) do
     write(KEYS[i], holds, queue, latest, math.max(ends, now() + ttl))
   end
 end
+if claiming and ARGV[8] == '1' then unclaim(ticket) end
+-- A free key granted shared lets in a reader that a claim keeps in line.
+for _, i in ipairs(taken) do
+  if shared_at(i) then
+    shared_names[#shared_names + 1] = KEYS[i]
+    shared_lines[#shared_lines + 1] = ''
+  end
+end
+local readers_next = {}
+note_heads(readers_next, shared_names, shared_lines)
 if next(readers_next) then announce(ARGV[9], wake_message('', readers_next)) end
 return counts_grants and ARGV[8] == '1' and count_grant(KEYS[1]) or 0

@@ -27,6 +27,10 @@ local per_key = true
 -- counter (count_grant.lua) once every group of the batch was granted (see `store/cluster`).
 local counts_grants = false
 
+-- Waiters keep their place in line with reservations in the keys, and never a claim
+-- (claims.lua): a script may touch only the keys of the slots it was given.
+local keeps_claims = false
+
 -- PUBLISH on a cluster reaches every node; the cluster store announces a release once,
 -- with SPUBLISH, which reaches only the channel's shard.
 local function announce() end

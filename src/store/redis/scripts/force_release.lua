@@ -3,9 +3,9 @@
 -- waiters' reservations stay (a key that has some lives on until the latest of them), so
 -- that the waiters in line still go first, in their order. Foreign values are left alone:
 -- this crate cannot tell what they are. Announces the release to waiters in other
--- processes, with the waiters now first in line. Returns how many keys were held, then the
+-- processes, with the waiters now first in line (by a reservation or a claim). Returns how many keys were held, then the
 -- tickets of those waiters.
-local released, heads = 0, {}
+local released, heads, names, lines = 0, {}, {}, {}
 each_value(1, function(i, value)
   if value == false then return end
   local holds, queue = split(value)
@@ -13,13 +13,17 @@ each_value(1, function(i, value)
   -- Shared holds that have all ended hold nothing.
   if is_shared(holds) and live_readers(holds) == '' then return end
   released = released + 1
+  local left = ''
   if queue == '' then
     redis.call('DEL', KEYS[i])
   else
-    local left, latest = requeue(queue)
+    local latest
+    left, latest = requeue(queue)
     write(KEYS[i], '', left, latest)
-    note_head(heads, left)
   end
+  names[#names + 1] = KEYS[i]
+  lines[#lines + 1] = left
 end)
+note_heads(heads, names, lines)
 if released > 0 then announce(ARGV[1], wake_message(ARGV[2], heads)) end
 return freed(released, heads)

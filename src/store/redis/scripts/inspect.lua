@@ -1,12 +1,17 @@
 -- KEYS: the keys to look at. No ARGV. Reads only: an operator's view of the locks.
 -- Returns four numbers per key, in the order of KEYS: its state (0 free, 1 held
 -- exclusively, 2 foreign, 3 held shared), the ms left on its holds (or on a foreign key's
--- ttl; -1 when free or without a ttl), how many holds it has, and how many waiters'
--- reservations on it are still live. Never the
--- owner token or a hold id: those are capabilities.
+-- ttl; -1 when free or without a ttl), how many holds it has, and how many waiters stand in
+-- line for it: live reservations in its value, and live claims that name it (claims.lua).
+-- Never the owner token or a hold id: those are capabilities.
 local out = {}
+-- How many live claims name each key.
+local claims, names, in_claims = claims_before(nil), names_from(1), {}
+for _, ticket in ipairs(claims) do
+  for at in pairs(claimed({ticket}, names)) do in_claims[at] = (in_claims[at] or 0) + 1 end
+end
 each_value(1, function(i, value)
-  local state, left, holds, waiters = 0, -1, 0, 0
+  local state, left, holds, waiters = 0, -1, 0, in_claims[i] or 0
   if value == false then
     -- MGET answers nil for a missing key and for a key of another type: only the latter is
     -- there, and foreign.

@@ -2,9 +2,12 @@
 -- (as acquire's), the modes (as acquire's, for these keys).
 -- Returns how many keys, from the first, would not keep the caller out now: it stops at
 -- the first that would, so that a waiter that probes what blocked it pays for what was
--- freed since, not for its batch. Writes nothing.
+-- freed since, not for its batch. A key that an earlier waiter's claim names keeps the
+-- caller out as acquire finds it does. Writes nothing.
 local owner, modes = ARGV[1], ARGV[3]
 local ticket = ARGV[2] ~= '' and ARGV[2] or nil
+local before = claims_before(ticket)
+local claimed_by = #before > 0 and claimed(before, names_from(1)) or {}
 local free = 0
 for i = 1, #KEYS do
   local shared
@@ -19,6 +22,7 @@ for i = 1, #KEYS do
   local holds, queue
   if value then holds, queue = split(value) else holds, queue = '', '' end
   if keeps_out(holds, queue, owner, ticket, shared) then return free end
+  if claimed_by[i] and not owner_holds(holds, owner) then return free end
   free = free + 1
 end
 return free

@@ -3,18 +3,22 @@
 -- for the waiters that reserved it), so that a late release never frees a key that expired
 -- and went to someone else, nor another hold of the same owner, nor another reader's; and
 -- announces the release to waiters in other processes: the slots, and the tickets of the
--- waiters first in line on the keys it freed, the only waiters it can let in. Returns how
--- many keys had the hold, then those tickets.
+-- waiters first in line on the keys it freed (by a reservation or a claim: claims.lua), the
+-- only waiters it can let in. Returns how many keys had the hold, then those tickets.
 local owner, hold = ARGV[1], ARGV[2]
 local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
 local released, gone, heads = 0, {}, {}
+-- The keys freed (for everyone, or for readers), and their lines.
+local names, lines = {}, {}
 each_value(1, function(i, value)
   -- The common cases, a key with this hold and nothing else, need no parsing: it goes.
   if value == exact or (type(value) == 'string' and #value == READER_LEN
       and string.sub(value, 1, #reader) == reader) then
     released = released + 1
     gone[#gone + 1] = KEYS[i]
+    names[#names + 1] = KEYS[i]
+    lines[#lines + 1] = ''
     return
   end
   local holds, queue, hold_end
@@ -50,7 +54,10 @@ each_value(1, function(i, value)
     end
   end
   released = released + 1
-  if holds == '' or is_shared(holds) then note_head(heads, queue) end
+  if holds == '' or is_shared(holds) then
+    names[#names + 1] = KEYS[i]
+    lines[#lines + 1] = queue
+  end
   if holds == '' and queue == '' then
     gone[#gone + 1] = KEYS[i]
   else
@@ -59,5 +66,6 @@ each_value(1, function(i, value)
   end
 end)
 delete(gone)
+note_heads(heads, names, lines)
 if released > 0 then announce(ARGV[3], wake_message(ARGV[4], heads)) end
 return freed(released, heads)

@@ -7,6 +7,10 @@ local per_key = false
 -- script (`count_grant`, clock.lua).
 local counts_grants = true
 
+-- Waiters with big batches keep their place in line with claims (claims.lua): a script may
+-- touch keys it was not given.
+local keeps_claims = true
+
 -- Tells waiters in other processes which wake-up slots were freed.
 local function announce(channel, slots) redis.call('PUBLISH', channel, slots) end
 

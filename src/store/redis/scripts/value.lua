@@ -277,6 +277,14 @@ local function keeps_out(holds, queue, owner, ticket, shared)
   return #ids == 0 and reserved_before(queue, ticket), ids, false
 end
 
+-- Whether `owner` holds the key whose value split into `holds` (nil: foreign), live: it
+-- is never kept out of its own keys, by reservations or claims.
+local function owner_holds(holds, owner)
+  if holds == nil or holds == '' then return false end
+  if not is_shared(holds) then return string.sub(holds, 1, 32) == owner end
+  return #sharers(holds, owner) > 0
+end
+
 -- The ticket (a decimal string) of the first live reservation in `queue`, which is in
 -- ticket order; nil if none.
 local function first_in_line(queue)
@@ -284,13 +292,6 @@ local function first_in_line(queue)
     if u > now() then return ticket_at(queue, at) end
   end
   return nil
-end
-
--- Adds to `heads` (a set of decimal tickets) the first live reservation of `queue`: the
--- one waiter that a key freed can let in, and the only one its release wakes.
-local function note_head(heads, queue)
-  local head = first_in_line(queue)
-  if head then heads[head] = true end
 end
 
 -- The release message that names the wake-up slots `slots` (as the caller gave them) and

@@ -1,0 +1,118 @@
+-- Claims: the place in line of a waiter with a big batch, kept apart from its keys.
+--
+-- A small batch's waiter writes its reservation into the value of each of its keys (see
+-- value.lua). A big batch doing so would rewrite each of its keys three times, to wait, to
+-- be granted and to be released, at 5-8 us a key in a script where an uncontended take
+-- and release cost 1-2 us: most of what a 2,000-key purchase order amid others cost
+-- Redis. So a big batch's waiter (the store decides which, and says so to the scripts)
+-- keeps its place as one record, a claim: the set `CLAIMS .. ':' .. <ticket>` of its
+-- keys, living until its reservation ends, and its ticket in the registry `CLAIMS`, a
+-- sorted set scored by that end (Redis ms). `CLAIMS` (set by the store, before this file)
+-- is outside every namespace's keys.
+--
+-- A live claim with an earlier ticket keeps a caller out of the keys it names, as an
+-- earlier reservation in a key's value does, unless the caller's owner holds the key; and
+-- a call that frees a key wakes the earliest waiter of both kinds on it (`note_heads`).
+-- The keys stay as they are while their waiter waits: a held key keeps its hold, a free
+-- key stays free (or absent), and a key whose hold expires keeps its claims, which do not
+-- live in it. A grant ends its waiter's claim; a withdrawal takes its keys out of it.
+-- Only one Redis and Redlock's masters keep claims (`keeps_claims`, from the prelude): a
+-- cluster node's scripts may touch only the keys of the slots they are given.
+
+-- The set of the keys `ticket`'s waiter claims.
+local function claim_key(ticket)
+  return CLAIMS .. ':' .. ticket
+end
+
+-- The tickets of the live claims earlier than `ticket` (every live one for nil; never
+-- `ticket`'s own), in ticket order. Without claims, one read of an absent key.
+local function claims_before(ticket)
+  if not keeps_claims then return {} end
+  local flat = redis.call('ZRANGE', CLAIMS, 0, -1, 'WITHSCORES')
+  local out = {}
+  for j = 1, #flat, 2 do
+    if (ticket == nil or flat[j] < ticket) and tonumber(flat[j + 1]) > now() then
+      out[#out + 1] = flat[j]
+    end
+  end
+  -- Tickets are strings of digits, all of one length: they compare as strings.
+  table.sort(out)
+  return out
+end
+
+-- For each of the key names `names` (a list) that one of `claims` (tickets in order) names,
+-- the earliest that does: a table from position in `names` to ticket. One command a claim
+-- for a thousand names.
+local function claimed(claims, names)
+  local by = {}
+  for _, ticket in ipairs(claims) do
+    for from = 1, #names, 1000 do
+      local to = math.min(from + 999, #names)
+      local member = redis.call('SMISMEMBER', claim_key(ticket), unpack(names, from, to))
+      for j = 1, #member do
+        if member[j] == 1 and not by[from + j - 1] then by[from + j - 1] = ticket end
+      end
+    end
+  end
+  return by
+end
+
+-- The names of KEYS[first..], as a list for `claimed`.
+local function names_from(first)
+  local names = {}
+  for i = first, #KEYS do names[#names + 1] = KEYS[i] end
+  return names
+end
+
+-- Puts the key names `names` in `ticket`'s claim, which lives until `till` (Redis ms), as
+-- does the registry, which drops the claims that ended.
+local function claim(ticket, names, till)
+  if #names == 0 then return end
+  local key = claim_key(ticket)
+  for from = 1, #names, 1000 do
+    redis.call('SADD', key, unpack(names, from, math.min(from + 999, #names)))
+  end
+  redis.call('PEXPIREAT', key, till)
+  redis.call('ZADD', CLAIMS, till, ticket)
+  redis.call('ZREMRANGEBYSCORE', CLAIMS, '-inf', now())
+  if redis.call('PTTL', CLAIMS) < till - now() then redis.call('PEXPIREAT', CLAIMS, till) end
+end
+
+-- Ends `ticket`'s claim: its waiter was granted.
+local function unclaim(ticket)
+  redis.call('DEL', claim_key(ticket))
+  redis.call('ZREM', CLAIMS, ticket)
+end
+
+-- Takes the key names `names` out of `ticket`'s claim (its waiter withdraws), and the
+-- claim from the registry once it names none. Returns the set of positions in `names`
+-- that it named.
+local function unclaim_part(ticket, names)
+  local named = {}
+  if not keeps_claims or #names == 0 then return named end
+  local key = claim_key(ticket)
+  for from = 1, #names, 1000 do
+    local to = math.min(from + 999, #names)
+    local member = redis.call('SMISMEMBER', key, unpack(names, from, to))
+    for j = 1, #member do
+      if member[j] == 1 then named[from + j - 1] = true end
+    end
+    redis.call('SREM', key, unpack(names, from, to))
+  end
+  if redis.call('EXISTS', key) == 0 then redis.call('ZREM', CLAIMS, ticket) end
+  return named
+end
+
+-- Adds to `heads` (a set of tickets) the waiter first in line on each key `names[j]` that
+-- a call freed, whose line is `queues[j]` ('' for none): the earlier of the line's first
+-- live reservation and the earliest live claim that names the key. Only that waiter can
+-- have the key now.
+local function note_heads(heads, names, queues)
+  if #names == 0 then return end
+  local by = claimed(claims_before(nil), names)
+  for j = 1, #names do
+    local head = first_in_line(queues[j])
+    if by[j] and (head == nil or by[j] < head) then head = by[j] end
+    if head then heads[head] = true end
+  end
+end
