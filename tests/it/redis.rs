@@ -2225,8 +2225,7 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let quitter = locks.clone().wait(Wait::up_to(Duration::from_millis(200)));
-    let quitter_app =
-        Router::new().route("/", post(|| async {}).layer(quitter.layer(header_keys)));
+    let quitter_app = Router::new().route("/", post(|| async {}).layer(quitter.layer(header_keys)));
     let gave_up = send(&quitter_app, post_keys("/", &big)).await;
     assert_eq!(gave_up.status, StatusCode::CONFLICT, "{}", gave_up.text());
     tokio::time::sleep(Duration::from_millis(200)).await;

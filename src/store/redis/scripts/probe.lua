@@ -7,7 +7,20 @@
 local owner, modes = ARGV[1], ARGV[3]
 local ticket = ARGV[2] ~= '' and ARGV[2] or nil
 local before = claims_before(ticket)
-local claimed_by = #before > 0 and claimed(before, names_from(1)) or {}
+-- Which keys earlier claims name, looked up a chunk at a time (16 keys, then four times
+-- as many as so far), so that a probe that stops at its first keys pays for those.
+local claimed_by, looked = {}, 0
+local function claimed_at(i)
+  if #before == 0 then return nil end
+  while i > looked do
+    local to = math.min(#KEYS, looked + math.max(16, 3 * looked))
+    local names = {}
+    for j = looked + 1, to do names[#names + 1] = KEYS[j] end
+    for at, claim in pairs(claimed(before, names)) do claimed_by[looked + at] = claim end
+    looked = to
+  end
+  return claimed_by[i]
+end
 local free = 0
 for i = 1, #KEYS do
   local shared
@@ -22,7 +35,7 @@ for i = 1, #KEYS do
   local holds, queue
   if value then holds, queue = split(value) else holds, queue = '', '' end
   if keeps_out(holds, queue, owner, ticket, shared) then return free end
-  if claimed_by[i] and not owner_holds(holds, owner) then return free end
+  if claimed_at(i) and not owner_holds(holds, owner) then return free end
   free = free + 1
 end
 return free
