@@ -223,6 +223,14 @@ async fn a_big_batchs_waiter_keeps_later_arrivals_out_of_its_free_keys() {
             );
             assert_eq!(observer.claims_on("lock:b").len(), 1, "{}", store.name);
         }
+        // A big newcomer (64 keys) first: its store refused nothing yet, so it takes its free
+        // keys with plain `SET`s, which cannot see the claim on `b`.
+        let [_, big_newcomer] = small_and_big("b,c");
+        assert!(
+            !free_now(first, &big_newcomer).await,
+            "{}: a big newcomer took `b`",
+            store.name
+        );
         assert!(
             !free_now(first, "b").await,
             "{}: a newcomer took `b`",
@@ -342,10 +350,10 @@ async fn a_batch_of_3000_keys_is_granted_under_a_storm_of_one_key_requests() {
 // 3. A reservation ends with its waiter
 // ---------------------------------------------------------------------------------------
 
-/// Whether a request that does not wait gets `key` at once.
-async fn free_now(locks: &Locks, key: &str) -> bool {
+/// Whether a request that does not wait gets `keys` (one, or several: `a,b`) at once.
+async fn free_now(locks: &Locks, keys: &str) -> bool {
     let order = Arc::new(Mutex::new(Vec::new()));
-    send(&recording_router(locks, &order), named(key, "probe", 0))
+    send(&recording_router(locks, &order), named(keys, "probe", 0))
         .await
         .status
         == StatusCode::OK

@@ -12,8 +12,9 @@
 //! which needs to read it. The plain pass is as good as the first step of the batch:
 //! others see its keys held, and only the last step counts the grant. A free key may yet
 //! be one that a waiter's claim names (`claims.lua`), which a plain `SET` cannot see: the
-//! pass ends with an `EXISTS` of the claims' registry, and where a claim is live the
-//! script looks at every key of the batch (it keeps the pass's holds as they are). Redis runs a
+//! pass ends with an `EXISTS` of the claims' registry, and where a claim is live the pass
+//! gives its keys back and the script looks at every key of the batch (it would take the
+//! pass's holds for ones the owner held before, which no claim keeps it out of). Redis runs a
 //! client's pipeline a read buffer at a time, between other clients' commands, so that it
 //! keeps no one waiting for long either.
 //!
@@ -113,9 +114,17 @@ impl RedisStore {
             )));
         }
         if claimed {
-            // A waiter's claim may name a key the pass took: the script looks at every key
-            // (its own hold on the ones the pass took, which it keeps as they are).
-            return self.acquire_in_steps(request, taken, claim).await;
+            // A waiter's claim may name a key the pass took, which the script would take
+            // for one its owner held already: the pass gives its keys back, and the script
+            // looks at every key.
+            let held: Vec<String> = taken.keys().cloned().collect();
+            self.free(Freeing::Release(request.holder), &held)
+                .await
+                .map_err(|error| {
+                    StoreError::unknown(error)
+                        .context("a claim was live: giving back the plain pass's keys failed")
+                })?;
+            return self.acquire_in_steps(request, Taken::NONE, claim).await;
         }
         if found.is_empty() && !self.scripts.counts_grants() {
             // Every key was free, and a cluster node has no grant to count.

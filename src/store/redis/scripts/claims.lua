@@ -105,11 +105,11 @@ end
 
 -- Adds to `heads` (a set of tickets) the waiter first in line on each key `names[j]` that
 -- a call freed, whose line is `queues[j]` ('' for none): the earlier of the line's first
--- live reservation and the earliest live claim that names the key. Only that waiter can
--- have the key now.
-local function note_heads(heads, names, queues)
+-- live reservation and the earliest of the live claims `claims` (read here when nil) that
+-- names the key. Only that waiter can have the key now.
+local function note_heads(heads, names, queues, claims)
   if #names == 0 then return end
-  local by = claimed(claims_before(nil), names)
+  local by = claimed(claims or claims_before(nil), names)
   for j = 1, #names do
     local head = first_in_line(queues[j])
     if by[j] and (head == nil or by[j] < head) then head = by[j] end

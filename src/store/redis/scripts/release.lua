@@ -9,16 +9,20 @@ local owner, hold = ARGV[1], ARGV[2]
 local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
 local released, gone, heads = 0, {}, {}
--- The keys freed (for everyone, or for readers), and their lines.
+-- The keys freed (for everyone, or for readers), and their lines; a key with neither
+-- holds nor line left only where a claim may name it.
 local names, lines = {}, {}
+local claims = claims_before(nil)
 each_value(1, function(i, value)
   -- The common cases, a key with this hold and nothing else, need no parsing: it goes.
   if value == exact or (type(value) == 'string' and #value == READER_LEN
       and string.sub(value, 1, #reader) == reader) then
     released = released + 1
     gone[#gone + 1] = KEYS[i]
-    names[#names + 1] = KEYS[i]
-    lines[#lines + 1] = ''
+    if #claims > 0 then
+      names[#names + 1] = KEYS[i]
+      lines[#lines + 1] = ''
+    end
     return
   end
   local holds, queue, hold_end
@@ -66,6 +70,6 @@ each_value(1, function(i, value)
   end
 end)
 delete(gone)
-note_heads(heads, names, lines)
+note_heads(heads, names, lines, claims)
 if released > 0 then announce(ARGV[3], wake_message(ARGV[4], heads)) end
 return freed(released, heads)
