@@ -39,10 +39,13 @@ use crate::duration::capped;
 /// waiter on Redis first probes the keys that kept it out, reading them without writing,
 /// and stopping at the first still held; it sends its whole batch again only once none
 /// is: a purchase order of 2,000 keys held up by small orders pays for a few reads a
-/// release, not for 2,000 writes. A waiter in line also polls, seldom (after 100-200 ms,
-/// then less often, down to every 1-2 s), for what no release announces: a hold or a place before it
-/// that expired with its process. Waiters in no line (unfair waiting) watch the keys that
-/// kept them out and poll every 5-100 ms.
+/// release, not for 2,000 writes. On one Redis and Redlock, a batch of 64 keys or more
+/// keeps its place in line as one record (a *claim*: the set of its keys) rather than with
+/// a reservation written into each key, so that it is not rewritten to wait, again to be
+/// granted and again to be released (see `store::Redis`'s data model). A waiter in line
+/// also polls, seldom (after 100-200 ms, then less often, down to every 1-2 s), for what no
+/// release announces: a hold or a place before it that expired with its process. Waiters
+/// in no line (unfair waiting) watch the keys that kept them out and poll every 5-100 ms.
 ///
 /// ```
 /// use std::time::Duration;
