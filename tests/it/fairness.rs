@@ -593,6 +593,17 @@ async fn a_killed_waiters_reservations_last_to_its_deadline() {
 // 4. An owner is never kept out of its own keys, nor by waiters that came after it
 // ---------------------------------------------------------------------------------------
 
+/// Locks `b` for `lease`'s owner without waiting, and releases it: says whether it could.
+async fn lock_b(lease: &Lease) -> &'static str {
+    match lease.lock(["b"]).await {
+        Ok(held) => {
+            held.release().await;
+            "locked b"
+        }
+        Err(_) => "kept out of b",
+    }
+}
+
 /// An owner that holds a key and locks another is kept out of that one by the reservation
 /// of a waiter that arrived before it: holding `a` lets it past the line on `a`, not on
 /// `b`. (It used to pass every reservation on every key of its batch.)
@@ -606,15 +617,7 @@ async fn an_owner_with_a_held_key_is_kept_out_of_another_by_an_earlier_waiter() 
             let waiter = waiter_in_line_on_b(&store, second, &keys).await;
 
             // A request that arrives now holds `a`, and its handler locks `b` without waiting.
-            let inner = |Extension(lease): Extension<Lease>| async move {
-                match lease.lock(["b"]).await {
-                    Ok(held) => {
-                        held.release().await;
-                        "locked b"
-                    }
-                    Err(_) => "kept out of b",
-                }
-            };
+            let inner = |Extension(lease): Extension<Lease>| async move { lock_b(&lease).await };
             let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
             let app = Router::new().route("/", get(inner).layer(first.layer(only_a)));
             let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
@@ -644,13 +647,7 @@ async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {
                     let gate = gate.clone();
                     async move {
                         gate.pass().await;
-                        match lease.lock(["b"]).await {
-                            Ok(held) => {
-                                held.release().await;
-                                "locked b"
-                            }
-                            Err(_) => "kept out of b",
-                        }
+                        lock_b(&lease).await
                     }
                 }
             };
