@@ -57,10 +57,11 @@ local function claimed(claims, names)
   return by
 end
 
--- The names of KEYS[first..], as a list for `claimed`.
-local function names_from(first)
+-- The names of KEYS[first..last] (last: the end of KEYS when nil), as a list for
+-- `claimed`.
+local function names_from(first, last)
   local names = {}
-  for i = first, #KEYS do names[#names + 1] = KEYS[i] end
+  for i = first, last or #KEYS do names[#names + 1] = KEYS[i] end
   return names
 end
 

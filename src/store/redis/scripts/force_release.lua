@@ -3,8 +3,8 @@
 -- waiters' reservations stay (a key that has some lives on until the latest of them), so
 -- that the waiters in line still go first, in their order. Foreign values are left alone:
 -- this crate cannot tell what they are. Announces the release to waiters in other
--- processes, with the waiters now first in line (by a reservation or a claim). Returns how many keys were held, then the
--- tickets of those waiters.
+-- processes, with the waiters now first in line (by a reservation or a claim). Returns
+-- how many keys were held, then the tickets of those waiters.
 local released, heads, names, lines = 0, {}, {}, {}
 each_value(1, function(i, value)
   if value == false then return end

@@ -14,9 +14,9 @@ local function claimed_at(i)
   if #before == 0 then return nil end
   while i > looked do
     local to = math.min(#KEYS, looked + math.max(16, 3 * looked))
-    local names = {}
-    for j = looked + 1, to do names[#names + 1] = KEYS[j] end
-    for at, claim in pairs(claimed(before, names)) do claimed_by[looked + at] = claim end
+    for at, claim in pairs(claimed(before, names_from(looked + 1, to))) do
+      claimed_by[looked + at] = claim
+    end
     looked = to
   end
   return claimed_by[i]
