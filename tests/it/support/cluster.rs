@@ -11,6 +11,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::server::Connection;
+
 /// One node of the cluster.
 struct Node {
     child: Option<Child>,
@@ -335,13 +337,7 @@ fn url(port: u16) -> String {
 
 /// One command on a fresh connection to the node at `port`; None when it does not answer.
 fn query<T: redis::FromRedisValue>(port: u16, cmd: &mut redis::Cmd) -> Option<T> {
-    let client = redis::Client::open(url(port)).ok()?;
-    let mut connection = client
-        .get_connection_with_timeout(Duration::from_millis(500))
-        .ok()?;
-    connection
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .ok()?;
+    let mut connection = Connection::open(&url(port), Duration::from_millis(500)).ok()?;
     cmd.query(&mut connection).ok()
 }
 

@@ -75,7 +75,7 @@ impl RedisServer {
     }
 
     /// A plain synchronous connection, for looking at the server from outside the crate.
-    pub(crate) fn connection(&self) -> redis::Connection {
+    pub(crate) fn connection(&self) -> Connection {
         connect(&self.url())
     }
 
@@ -159,22 +159,80 @@ impl Drop for RedisServer {
     }
 }
 
-/// A plain synchronous connection to the server at `url`, with bounded connect and reads.
-fn connect(url: &str) -> redis::Connection {
-    let client = redis::Client::open(url).expect("a valid Redis URL");
-    let attempt = || client.get_connection_with_timeout(Duration::from_secs(2));
-    // A signal can interrupt the connect (EINTR, seen once in a full run while tests
-    // froze and thawed servers); that is worth one more try, nothing else is.
-    let connection = attempt()
-        .or_else(|error| match error.kind() {
-            redis::ErrorKind::Io if error.to_string().contains("os error 4") => attempt(),
-            _ => Err(error),
-        })
-        .expect("connect to the test redis-server");
-    connection
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    connection
+/// A plain synchronous connection to the server at `url`.
+fn connect(url: &str) -> Connection {
+    Connection::open(url, Duration::from_secs(2)).expect("connect to the test redis-server")
+}
+
+/// A plain synchronous connection, for looking at a server from outside the crate, that
+/// sends a command again when a signal to the test process interrupted the wait for its
+/// answer.
+///
+/// A blocked read of a socket with a read timeout is never restarted after a signal
+/// handler ran (`signal(7)`): it fails with EINTR, which failed a full run now and then
+/// while tests started, froze and killed processes. Every command the tests send this way
+/// is one that may run twice, and the connection skips the late answer of the first.
+pub(crate) struct Connection(redis::Connection);
+
+impl Connection {
+    /// Opens one to `url`, with the connect bounded by `limit` and each read by 5 s.
+    pub(crate) fn open(url: &str, limit: Duration) -> redis::RedisResult<Self> {
+        let client = redis::Client::open(url)?;
+        let attempt = || client.get_connection_with_timeout(limit);
+        let connection = attempt().or_else(|error| {
+            if interrupted(&error) {
+                attempt()
+            } else {
+                Err(error)
+            }
+        })?;
+        connection.set_read_timeout(Some(Duration::from_secs(5)))?;
+        Ok(Self(connection))
+    }
+
+    /// The connection as a subscriber, whose reads are its own to bound and retry.
+    pub(crate) fn as_pubsub(&mut self) -> redis::PubSub<'_> {
+        self.0.as_pubsub()
+    }
+}
+
+/// Whether a signal interrupted the call (EINTR).
+fn interrupted(error: &redis::RedisError) -> bool {
+    error.kind() == redis::ErrorKind::Io && error.to_string().contains("os error 4")
+}
+
+impl redis::ConnectionLike for Connection {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> redis::RedisResult<redis::Value> {
+        let mut tries = 1;
+        loop {
+            match self.0.req_packed_command(cmd) {
+                Err(error) if interrupted(&error) && tries < 3 => tries += 1,
+                answer => return answer,
+            }
+        }
+    }
+
+    // The tests send no pipeline this way.
+    fn req_packed_commands(
+        &mut self,
+        cmd: &[u8],
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisResult<Vec<redis::Value>> {
+        self.0.req_packed_commands(cmd, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+
+    fn check_connection(&mut self) -> bool {
+        self.0.check_connection()
+    }
+
+    fn is_open(&self) -> bool {
+        self.0.is_open()
+    }
 }
 
 /// Looks at a server from outside the crate, with a plain synchronous connection per
@@ -197,7 +255,7 @@ impl Observer {
         Self { url: server.url() }
     }
 
-    pub(crate) fn connection(&self) -> redis::Connection {
+    pub(crate) fn connection(&self) -> Connection {
         connect(&self.url)
     }
 
@@ -370,7 +428,10 @@ impl LockValue {
 }
 
 /// The lock value under `key` on `connection`, if it is one.
-pub(crate) fn lock_value(connection: &mut redis::Connection, key: &str) -> Option<LockValue> {
+pub(crate) fn lock_value(
+    connection: &mut impl redis::ConnectionLike,
+    key: &str,
+) -> Option<LockValue> {
     let value: Option<String> = redis::cmd("GET").arg(key).query(connection).ok()?;
     LockValue::parse(&value?)
 }
