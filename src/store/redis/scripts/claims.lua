@@ -42,17 +42,27 @@ end
 
 -- For each of the key names `names` (a list) that one of `claims` (tickets in order) names,
 -- the earliest that does: a table from position in `names` to ticket. One command a claim
--- for a thousand names.
+-- for a thousand names, each claim asked only of the names no earlier one named: big
+-- batches overlap, and most of a release's keys that a later claim names, an earlier one
+-- names too.
 local function claimed(claims, names)
   local by = {}
+  -- Positions in `names` that no claim looked up so far names.
+  local left = {}
+  for j = 1, #names do left[j] = j end
   for _, ticket in ipairs(claims) do
-    for from = 1, #names, 1000 do
-      local to = math.min(from + 999, #names)
-      local member = redis.call('SMISMEMBER', claim_key(ticket), unpack(names, from, to))
+    if #left == 0 then break end
+    local key, still = claim_key(ticket), {}
+    for from = 1, #left, 1000 do
+      local chunk = {}
+      for j = from, math.min(from + 999, #left) do chunk[#chunk + 1] = names[left[j]] end
+      local member = redis.call('SMISMEMBER', key, unpack(chunk))
       for j = 1, #member do
-        if member[j] == 1 and not by[from + j - 1] then by[from + j - 1] = ticket end
+        local at = left[from + j - 1]
+        if member[j] == 1 then by[at] = ticket else still[#still + 1] = at end
       end
     end
+    left = still
   end
   return by
 end
