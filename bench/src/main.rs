@@ -38,6 +38,8 @@ mod pg_support;
 #[path = "../../tests/it/support/cluster.rs"]
 #[rustfmt::skip]
 mod cluster_support;
+// The name the cluster's file knows the servers' one by (a sibling in the tests).
+use support as server;
 
 mod batch;
 mod cluster;

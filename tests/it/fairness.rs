@@ -256,6 +256,54 @@ async fn a_big_batchs_waiter_keeps_later_arrivals_out_of_its_free_keys() {
     }
 }
 
+/// A big waiter that came later does not pass an earlier big one. On Redis, through a store
+/// that refused nothing yet, its first attempt takes its free keys with plain `SET`s, which
+/// cannot see the earlier waiter's claim: finding a claim with an earlier ticket than its
+/// own, it gives them back, and the script refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_later_big_waiter_does_not_pass_an_earlier_ones_claim() {
+    for store in Store::all() {
+        let [first, second] = &store.locks;
+        let [_, early_batch] = small_and_big("a,b");
+        let [_, late_batch] = small_and_big("b,c");
+        let (gate, held) = hold(first, "a").await;
+        let early = waiter_in_line_on_b(&store, second, &early_batch).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let late_app = recording_router(
+            &waiting(&store.another_process(), Duration::from_secs(10)),
+            &order,
+        );
+        let request = named(&late_batch, "late", 0);
+        let late = tokio::spawn(async move { send(&late_app, request).await });
+        let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+            store.in_line("lock:c").is_none_or(|waiters| waiters == 1)
+        })
+        .await;
+        assert!(
+            in_line.is_some(),
+            "{}: the later waiter never stood in line",
+            store.name
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(
+            !late.is_finished(),
+            "{}: the later big waiter went",
+            store.name
+        );
+        if let Some(observer) = store.observers().first() {
+            assert_eq!(observer.get("lock:c"), None, "{}: `c` is held", store.name);
+        }
+
+        gate.open();
+        let early = within(Duration::from_secs(5), "the earlier waiter", early).await;
+        assert_eq!(early.unwrap().status, StatusCode::OK, "{}", store.name);
+        let late = within(Duration::from_secs(5), "the later waiter", late).await;
+        assert_eq!(late.unwrap().status, StatusCode::OK, "{}", store.name);
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        store.settle().await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. A big batch is granted under a storm of small requests
 // ---------------------------------------------------------------------------------------

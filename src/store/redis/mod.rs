@@ -408,7 +408,7 @@ impl RedisStore {
 /// Where a caller stands in line, as the scripts read it: its ticket (a waiter's, or the
 /// arrival of an owner that holds keys, whose own keys keep it out of nothing anyway); `''`
 /// in no line (kept out by every reservation).
-fn line_arg(line: Line) -> String {
+pub(super) fn line_arg(line: Line) -> String {
     match line {
         Line::Outside => String::new(),
         Line::At(ticket) | Line::Holder(ticket) => ticket.as_arg(),

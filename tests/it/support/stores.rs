@@ -32,16 +32,9 @@ impl Store {
 
     pub(crate) fn redis() -> Self {
         let server = RedisServer::start();
-        let handle = || {
-            listing(Locks::new(
-                store::Redis::url(server.url())
-                    .build()
-                    .expect("a valid URL"),
-            ))
-        };
         Self {
             name: "redis",
-            locks: [handle(), handle()],
+            locks: [redis_handle(&server), redis_handle(&server)],
             servers: vec![server],
             #[cfg(feature = "postgres")]
             database: None,
@@ -50,20 +43,9 @@ impl Store {
 
     pub(crate) fn redlock() -> Self {
         let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-        // A generous node timeout: the masters share two cores with the whole suite, and a
-        // master's first connection under that load took more than 500 ms once (a waiter
-        // then got 503 instead of its place in line). No test here fails a master.
-        let handle = || {
-            let store = store::Redlock::new(&urls)
-                .node_timeout(Duration::from_millis(1500))
-                .build()
-                .expect("valid URLs");
-            listing(Locks::new(store))
-        };
         Self {
             name: "redlock",
-            locks: [handle(), handle()],
+            locks: [redlock_handle(&servers), redlock_handle(&servers)],
             servers,
             #[cfg(feature = "postgres")]
             database: None,
@@ -74,16 +56,9 @@ impl Store {
     #[cfg(feature = "postgres")]
     pub(crate) fn postgres() -> Self {
         let database = super::postgres::Database::create();
-        let handle = || {
-            listing(Locks::new(
-                store::Postgres::url(database.url())
-                    .build()
-                    .expect("a valid URL"),
-            ))
-        };
         Self {
             name: "postgres",
-            locks: [handle(), handle()],
+            locks: [postgres_handle(&database), postgres_handle(&database)],
             servers: Vec::new(),
             database: Some(database),
         }
@@ -145,6 +120,52 @@ impl Store {
     pub(crate) fn observers(&self) -> Vec<Observer> {
         self.servers.iter().map(Observer::of).collect()
     }
+
+    /// A third handle on the store: another process, whose store has refused nothing yet
+    /// (the memory store's, which is one process's only, for memory).
+    pub(crate) fn another_process(&self) -> Locks {
+        #[cfg(feature = "postgres")]
+        if let Some(database) = &self.database {
+            return postgres_handle(database);
+        }
+        match self.servers.as_slice() {
+            [] => self.locks[0].clone(),
+            [server] => redis_handle(server),
+            masters => redlock_handle(masters),
+        }
+    }
+}
+
+/// A handle on one Redis.
+fn redis_handle(server: &RedisServer) -> Locks {
+    listing(Locks::new(
+        store::Redis::url(server.url())
+            .build()
+            .expect("a valid URL"),
+    ))
+}
+
+/// A handle on Redlock over `masters`.
+fn redlock_handle(masters: &[RedisServer]) -> Locks {
+    let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
+    // A generous node timeout: the masters share two cores with the whole suite, and a
+    // master's first connection under that load took more than 500 ms once (a waiter
+    // then got 503 instead of its place in line). No test here fails a master.
+    let store = store::Redlock::new(&urls)
+        .node_timeout(Duration::from_millis(1500))
+        .build()
+        .expect("valid URLs");
+    listing(Locks::new(store))
+}
+
+/// A handle on PostgreSQL, in `database`.
+#[cfg(feature = "postgres")]
+fn postgres_handle(database: &super::postgres::Database) -> Locks {
+    listing(Locks::new(
+        store::Postgres::url(database.url())
+            .build()
+            .expect("a valid URL"),
+    ))
 }
 
 /// `locks`, listing its held batches from the start (the first look starts the list), for
