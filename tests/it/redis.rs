@@ -689,9 +689,10 @@ fn log_every_command(observer: &Observer) {
     }
 }
 
-/// The commands logged since `SLOWLOG RESET` (see [`log_every_command`]; those a script
-/// called among them), each as the text of its arguments, the command's name in lower case.
-fn logged_commands(observer: &Observer) -> Vec<Vec<String>> {
+/// The commands logged since `SLOWLOG RESET` (see [`log_every_command`]) that clients sent,
+/// or else those that scripts called (`by_scripts`: Redis logs them as the client `?:0`),
+/// each as the text of its arguments, the command's name in lower case.
+fn logged_commands(observer: &Observer, by_scripts: bool) -> Vec<Vec<String>> {
     let log: redis::Value = observer.cmd(redis::cmd("SLOWLOG").arg("GET").arg(-1));
     let redis::Value::Array(entries) = log else {
         panic!("SLOWLOG GET answers a list: {log:?}");
@@ -709,6 +710,9 @@ fn logged_commands(observer: &Observer) -> Vec<Vec<String>> {
             let redis::Value::Array(args) = fields.get(3)? else {
                 return None;
             };
+            if (fields.get(4).and_then(text).as_deref() == Some("?:0")) != by_scripts {
+                return None;
+            }
             let mut command: Vec<String> = args.iter().filter_map(text).collect();
             command[0].make_ascii_lowercase();
             Some(command)
@@ -719,7 +723,7 @@ fn logged_commands(observer: &Observer) -> Vec<Vec<String>> {
 /// The largest number of keys any script call carried since `SLOWLOG RESET`:
 /// `FCALL function numkeys ...`.
 fn most_keys_a_call(observer: &Observer) -> usize {
-    logged_commands(observer)
+    logged_commands(observer, false)
         .iter()
         .filter(|command| command[0] == "fcall")
         .filter_map(|command| command.get(2)?.parse().ok())
@@ -727,10 +731,9 @@ fn most_keys_a_call(observer: &Observer) -> usize {
         .unwrap_or(0)
 }
 
-/// How many plain `SET key value PX ttl NX` were sent since `SLOWLOG RESET` (the acquire
-/// script's end with `GET`).
+/// How many plain `SET key value PX ttl NX` were sent since `SLOWLOG RESET`.
 fn plain_sets(observer: &Observer) -> usize {
-    logged_commands(observer)
+    logged_commands(observer, false)
         .iter()
         .filter(|command| command[0] == "set" && command.last().is_some_and(|a| a == "NX"))
         .count()
@@ -995,6 +998,22 @@ async fn a_big_batch_takes_its_free_keys_with_plain_sets_and_leaves_the_rest_to_
     assert_eq!(plain_sets(&observer), 0);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert!(observer.locks().is_empty(), "{:?}", observer.locks());
+
+    // Refused there, the script reads the batch's values, and writes none of its keys.
+    let other = "fedcba9876543210fedcba9876543210:00000000000000cc";
+    observer.set("lock:p:150", other);
+    observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
+    assert_eq!(send(&app, batch(&keys)).await.status, StatusCode::CONFLICT);
+    let writes: Vec<Vec<String>> = logged_commands(&observer, true)
+        .into_iter()
+        .filter(|command| matches!(command[0].as_str(), "set" | "del" | "unlink"))
+        .collect();
+    assert!(writes.is_empty(), "the refused script wrote: {writes:?}");
+    assert_eq!(
+        observer.locks(),
+        BTreeSet::from(["lock:p:150".to_owned()]),
+        "nothing of the refused batch is left"
+    );
 }
 
 /// Retail orders of up to 40 keys and purchase orders of 360 draws (about 270 keys) out of

@@ -377,8 +377,17 @@ impl RedisStore {
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" })
             .arg(RELEASED_CHANNEL)
-            // A claim leaves the keys as they were: a retry finds no reservation on them.
-            .arg(if request.retry && !claim { "1" } else { "0" })
+            // A claim leaves the keys as they were: a retry finds no reservation on them. A
+            // cluster node reads a key a command, which costs as much as taking it.
+            .arg(
+                if (request.retry && !claim)
+                    || (keys.len() >= steps::PLAIN_FROM && !self.scripts.keys_as_args)
+                {
+                    "1"
+                } else {
+                    "0"
+                },
+            )
             .arg(if claim { "1" } else { "0" });
         let reply = match self.replicas {
             None => self.invoke(&script).await?,

@@ -7,9 +7,10 @@
 -- modes ('x' exclusive or 's' shared: one letter for the whole batch, or one per key),
 -- '1' to count the grant ('0' for a step of a batch before its last: see `steps.rs`), the
 -- release channel (where a shared grant wakes the waiter next in line, who may be a
--- reader too), '1' when the caller is a waiter whose reservations are on every key (its
--- retry: see below), and '1' when the caller is a waiter that keeps its place with a claim
--- (a big batch: claims.lua) rather than with reservations in the keys.
+-- reader too), '1' to read the values before writing (a big batch, or a waiter's retry,
+-- whose reservations are on every key: see below), and '1' when the caller is a waiter
+-- that keeps its place with a claim (a big batch: claims.lua) rather than with
+-- reservations in the keys.
 -- Returns the fencing token when granted (0 when the grant is not counted), a number: a
 -- reply Redis converts at little cost, where a table of five values cost a tenth of a
 -- one-key acquire and release. Otherwise {number of conflicting keys, earliest pttl among
@@ -25,9 +26,10 @@
 -- A key that an earlier waiter's claim names keeps the caller out as that waiter's
 -- reservation would.
 --
--- Each key costs one command when it is free: SET NX takes it, GET shows what was there
--- instead. Nothing a script writes is seen by anyone before it ends, so a conflict found
--- later simply undoes the keys taken so far: no one ever sees part of a batch. No
+-- Each key of a small batch costs one command when it is free: SET NX takes it, GET shows
+-- what was there instead; a big batch reads its values first (see below). Nothing a script
+-- writes is seen by anyone before it ends, so a conflict found later simply undoes the keys
+-- taken so far: no one ever sees part of a batch. No
 -- `unpack` of the whole batch: it fails near 8,000 values.
 local owner, hold, ttl, report = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local ticket = ARGV[5] ~= '' and ARGV[5] or nil
@@ -65,37 +67,10 @@ end
 local taken, found, first = {}, {}, {}
 -- How a value starts whose line the caller heads.
 local heads_line = ticket and '|' .. ticket .. '/'
--- A waiter's retry finds its own reservation on every key, where `SET NX GET` would take
--- none and cost a call a key: it reads the values a thousand at a time (`each_value`), and
--- takes with `SET NX` only the keys that read as none (a reservation that ended, or a key
--- of another type, which that `SET` leaves alone).
-local read = {}
-if ARGV[10] == '1' then each_value(2, function(i, value) read[i] = value end) end
-for i = 2, #KEYS do
+-- Looks at KEYS[i], whose value was `old` (false: none, and this script took it; a table:
+-- a key of another type), as the batch's grant or refusal needs it.
+local function look(i, old)
   local shared = shared_at(i)
-  local old
-  if ARGV[10] ~= '1' then
-    old = redis.pcall('SET', KEYS[i], shared and reader() or mine, 'PX', ttl, 'NX', 'GET')
-  elseif read[i] then
-    old = read[i]
-  else
-    local set = redis.pcall('SET', KEYS[i], shared and reader() or mine, 'PX', ttl, 'NX')
-    if type(set) == 'table' and set.err then
-      old = set
-    elseif set then
-      -- Taken.
-      old = false
-    else
-      -- Kept by a key of another type: foreign, as `SET NX GET` finds it.
-      old = {err = 'WRONGTYPE'}
-    end
-  end
-  if type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE' then
-    -- Redis refused the write itself (out of memory, a read-only replica, ...): the store
-    -- cannot lock, which is not contention. Undo, and fail the call.
-    for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
-    return redis.error_reply(old.err)
-  end
   if not old then
     taken[#taken + 1] = i
     if claimed_by[i - 1] then conflict(i) end
@@ -135,6 +110,59 @@ for i = 2, #KEYS do
   end
 end
 
+-- Takes KEYS[i] if it is free, as `SET NX GET` would: its old value (false when taken), or
+-- a table for a key of another type or a write that Redis refused.
+local function take(i, get)
+  local value = shared_at(i) and reader() or mine
+  if get then return redis.pcall('SET', KEYS[i], value, 'PX', ttl, 'NX', 'GET') end
+  local set = redis.pcall('SET', KEYS[i], value, 'PX', ttl, 'NX')
+  if type(set) == 'table' and set.err then return set end
+  -- Not set: kept by a key of another type, foreign as `SET NX GET` finds it.
+  return not set and {err = 'WRONGTYPE'}
+end
+
+-- Whether Redis refused a write itself (out of memory, a read-only replica, ...): the store
+-- cannot lock, which is not contention.
+local function write_refused(old)
+  return type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE'
+end
+
+-- A big batch, or a waiter's retry, which finds its own reservation on every key, reads
+-- the values a thousand at a time (`each_value`) first, where `SET NX GET` would cost a
+-- call a key: it takes with `SET NX` only keys that read as none (a reservation that ended,
+-- or a key of another type, which that `SET` leaves alone), and those only once no other
+-- key keeps it out. A refused big batch so writes no key: amid purchase orders, most first
+-- attempts are refused, and taking their free keys to give them back cost Redis three
+-- times as much as reading them.
+local reads, read, absent = ARGV[10] == '1', {}, {}
+if reads then each_value(2, function(i, value) read[i] = value end) end
+for i = 2, #KEYS do
+  if not reads or read[i] then
+    local old = read[i] or take(i, true)
+    if write_refused(old) then
+      for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
+      return redis.error_reply(old.err)
+    end
+    look(i, old)
+  elseif claimed_by[i - 1] then
+    -- Free, but an earlier waiter's claim names it.
+    conflict(i)
+  else
+    absent[#absent + 1] = i
+  end
+end
+local took_absent = conflicts == 0
+if took_absent then
+  for _, i in ipairs(absent) do
+    local old = take(i, false)
+    if write_refused(old) then
+      for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
+      return redis.error_reply(old.err)
+    end
+    look(i, old)
+  end
+end
+
 if conflicts > 0 then
   for i, value in pairs(first) do found[i] = {'', value} end
   if claiming then
@@ -146,8 +174,15 @@ if conflicts > 0 then
   elseif reserve_ms > 0 then
     -- A waiter in line reserves every key of its batch against later arrivals.
     local till = now() + reserve_ms
+    local mark = '|' .. ticket .. '/' .. string.format('%d', till)
     for _, i in ipairs(taken) do
-      redis.call('SET', KEYS[i], '|' .. ticket .. '/' .. string.format('%d', till), 'PX', reserve_ms)
+      redis.call('SET', KEYS[i], mark, 'PX', reserve_ms)
+    end
+    if not took_absent then
+      -- A key of another type also read as none: NX leaves it as it is, and it is foreign.
+      for _, i in ipairs(absent) do
+        if not redis.call('SET', KEYS[i], mark, 'PX', reserve_ms, 'NX') then conflict(i) end
+      end
     end
     for i, parts in pairs(found) do
       if not fresh(parts[2], ticket, till, reserve_ms) then
