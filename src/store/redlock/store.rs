@@ -137,6 +137,33 @@ impl RedlockStore {
         })
     }
 
+    /// Withdraws a granted waiter's place in line on the masters that did not grant its
+    /// batch, where its reservations (or its claim) would keep later requests out until
+    /// its deadline: once the masters still at work on the acquisition (`rest`) have
+    /// answered, in the background. A withdrawal that overtook a master's acquisition would
+    /// be undone by that master's refusal, which puts the place back; a claim's retry, a
+    /// plain pass and then a script, left it behind so in a full run.
+    fn withdraw_when_answered(
+        &self,
+        mut rest: Replies<Acquire>,
+        granted: &[(usize, u64)],
+        keys: &Keys,
+        ticket: Ticket,
+    ) {
+        let refused: Vec<Arc<RedisStore>> = (0..self.masters.len())
+            .filter(|node| granted.iter().all(|&(g, _)| g != *node))
+            .map(|node| self.masters[node].node.clone())
+            .collect();
+        let (keys, timeout) = (keys.clone(), self.fanout.node_timeout());
+        tokio::spawn(async move {
+            while rest.next().await.is_some() {}
+            let withdrawals = refused
+                .iter()
+                .map(|node| bounded(timeout, node.withdraw(&keys, ticket)));
+            join_all(withdrawals).await;
+        });
+    }
+
     /// Counts and logs that a master did not answer a call (see [`Fanout::report`]).
     fn report(&self, node: usize, call: &'static str, failure: &NodeFailure) {
         self.fanout
@@ -268,13 +295,11 @@ impl LockStore for RedlockStore {
                         // The masters still working on it are not waited for: what they
                         // grant is released with the batch, by the release or by their
                         // own task.
-                        finish_in_background(replies);
-                        // A waiter's reservations stay on the masters that refused it,
-                        // where they would keep later requests out until they expire.
-                        if let Line::At(ticket) = request.line {
-                            let refused = (0..self.masters.len())
-                                .filter(|node| tally.granted.iter().all(|(g, _)| g != node));
-                            finish_in_background(self.start_withdrawals(refused, keys, ticket));
+                        match request.line {
+                            Line::At(ticket) => {
+                                self.withdraw_when_answered(replies, &tally.granted, keys, ticket)
+                            }
+                            Line::Outside | Line::Holder(_) => finish_in_background(replies),
                         }
                         return Ok(Acquire::Granted(fence));
                     }
