@@ -11,6 +11,7 @@ use std::{
 #[cfg(feature = "idempotency")]
 use bytes::Bytes;
 use deadpool_redis::Pool;
+use futures_util::future::join_all;
 use redis::{FromRedisValue, RedisResult};
 
 #[cfg(feature = "idempotency")]
@@ -155,10 +156,11 @@ impl RedisStore {
         self.connection.send(Command::Script(script)).await
     }
 
-    /// Frees `keys` for others as `how` says, a step at a time, and announces each step:
-    /// the channel and the step's wake-up slots go last among the script's arguments, for
-    /// it to publish, with the waiters it finds first in line on a key it frees; this
-    /// process's waiters are woken at once, without waiting for the message to come back.
+    /// Frees `keys` for others as `how` says, in steps sent at once, and announces each
+    /// step: the channel and the step's wake-up slots go last among the script's
+    /// arguments, for it to publish, with the waiters it finds first in line on a key it
+    /// frees; this process's waiters are woken at once, without waiting for the message to
+    /// come back.
     pub(crate) async fn free(&self, how: Freeing, keys: &[String]) -> Result<Freed, StoreError> {
         let mut freed = Freed {
             count: 0,
@@ -168,29 +170,45 @@ impl RedisStore {
             Freeing::RollBack(_, ticket) => Some(ticket.key()),
             _ => None,
         };
-        for step in keys.chunks(self.step) {
-            let mut invocation = match how {
-                Freeing::Release(holder) | Freeing::RollBack(holder, _) => {
-                    let mut call = self.scripts.prepare(&self.scripts.release, None, step);
-                    call.arg(holder.owner.as_hex()).arg(holder.hold_hex());
-                    call
-                }
-                Freeing::Withdraw(ticket) => {
-                    let mut call = self.scripts.prepare(&self.scripts.withdraw, None, step);
-                    call.arg(ticket.as_arg());
-                    call
-                }
-                Freeing::Force => self
-                    .scripts
-                    .prepare(&self.scripts.force_release, None, step),
-            };
-            let slots = slots_of(step);
-            invocation
-                .arg(RELEASED_CHANNEL)
-                .arg(release_message(&slots, self.wakeups.tag()));
+        let steps: Vec<(_, Invocation)> = keys
+            .chunks(self.step)
+            .map(|step| {
+                let mut invocation = match how {
+                    Freeing::Release(holder) | Freeing::RollBack(holder, _) => {
+                        let mut call = self.scripts.prepare(&self.scripts.release, None, step);
+                        call.arg(holder.owner.as_hex()).arg(holder.hold_hex());
+                        call
+                    }
+                    Freeing::Withdraw(ticket) => {
+                        let mut call = self.scripts.prepare(&self.scripts.withdraw, None, step);
+                        call.arg(ticket.as_arg());
+                        call
+                    }
+                    Freeing::Force => self
+                        .scripts
+                        .prepare(&self.scripts.force_release, None, step),
+                };
+                let slots = slots_of(step);
+                invocation
+                    .arg(RELEASED_CHANNEL)
+                    .arg(release_message(&slots, self.wakeups.tag()));
+                (slots, invocation)
+            })
+            .collect();
+        // Every step at once, pipelined on the shared connection: Redis runs them one
+        // after another, between other clients' commands, and a waiter that the first
+        // step wakes finds the later steps' keys freed too when it looks, where one step
+        // a round trip made it look, find them held, and wait again.
+        let replies = join_all(
+            steps
+                .iter()
+                .map(|(_, invocation)| self.invoke::<Vec<redis::Value>>(invocation)),
+        )
+        .await;
+        for ((slots, _), reply) in steps.into_iter().zip(replies) {
             // How many keys the step changed, then the tickets of the waiters first in
             // line on the keys it freed.
-            let reply = self.invoke::<Vec<redis::Value>>(&invocation).await?;
+            let reply = reply?;
             let count = match reply.first() {
                 Some(redis::Value::Int(count)) => usize::try_from(*count).unwrap_or(0),
                 _ => 0,
