@@ -30,7 +30,9 @@
 //!    one Redis, Redlock and a cluster, a refused attempt granted in part (a step, a
 //!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
 //!    about two passes to be granted (the refused one that reserves, and the grant) and
-//!    one to be released, however long it waits.
+//!    one to be released, however long it waits. On one Redis and Redlock the refused
+//!    pass of a big batch only reads its keys (and claims them), and its grant takes its
+//!    free keys with plain commands, as an uncontended batch does.
 //! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
 //!    less and less often, down to every 1-2 s: for a hold or a place before it that
 //!    expired with its process. On Redis a poll is a probe of what blocked it.

@@ -232,7 +232,10 @@ impl Redis {
     /// [`replicas`](Self::replicas) every key goes through the script; so do a store's big
     /// batches for a second after it refused a batch, because a refused plain pass keeps
     /// others from the keys it took until it gives them back, which starves orders that
-    /// keep meeting each other, where the script refuses without showing anyone anything.
+    /// keep meeting each other, where the script refuses without showing anyone anything
+    /// (and, for a big batch, without writing anything: it reads the keys first). A
+    /// waiter's retry whose place in line is a claim goes with the plain pass all the same:
+    /// its claim keeps later arrivals out of its free keys already.
     /// Each master of a `RedisCluster` and of a `Redlock` does the same with its part of a
     /// batch.
     ///
