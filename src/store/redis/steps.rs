@@ -30,8 +30,9 @@
 //! waiter's retry whose place in line is a claim: the claim already keeps every later
 //! arrival and every request in no line out of its free keys, so its pass keeps out no one
 //! else but an owner that came earlier (for the round trip the pass lasts), and the script
-//! that would take the keys instead costs Redis three to five times as much a key. Amid 16 retail and 4 purchase clients on one Redis that took Redis's CPU time a
-//! grant from 3.8 ms to 3.0, and the grants from 0.37 to 0.44 of the memory store's.
+//! that would take the keys instead costs Redis three to five times as much a key. Amid
+//! 16 retail and 4 purchase clients on one Redis that took Redis's CPU time a grant from
+//! 3.8 ms to 3.0, and the grants from 0.37 to 0.44 of the memory store's.
 //!
 //! **Steps** (bounded stall, DESIGN.md property 12): the keys left for the script go to
 //! Redis in steps of at most [`RedisStore::with_step`] keys, so that no one script keeps
