@@ -115,14 +115,16 @@ local function unclaim_part(ticket, names)
 end
 
 -- Adds to `heads` (a set of tickets) the waiter first in line on each key `names[j]` that
--- a call freed, whose line is `queues[j]` ('' for none): the earlier of the line's first
--- live reservation and the earliest of the live claims `claims` (read here when nil) that
--- names the key. Only that waiter can have the key now.
+-- a call freed, whose line is `queues[j]` ('' or nil for none: most keys a release frees
+-- had no line, and cost nothing to look at here): the earlier of the line's first live
+-- reservation and the earliest of the live claims `claims` (read here when nil) that names
+-- the key. Only that waiter can have the key now.
 local function note_heads(heads, names, queues, claims)
   if #names == 0 then return end
   local by = claimed(claims or claims_before(nil), names)
   for j = 1, #names do
-    local head = first_in_line(queues[j])
+    local queue = queues[j]
+    local head = queue and queue ~= '' and first_in_line(queue) or nil
     if by[j] and (head == nil or by[j] < head) then head = by[j] end
     if head then heads[head] = true end
   end

@@ -9,8 +9,9 @@ local owner, hold = ARGV[1], ARGV[2]
 local exact = owner .. ':' .. hold
 local reader = '*' .. exact .. '/'
 local released, gone, heads = 0, {}, {}
--- The keys freed (for everyone, or for readers), and their lines; a key with neither
--- holds nor line left only where a claim may name it.
+-- The keys freed (for everyone, or for readers), and their lines where they have one (by
+-- position in `names`); a key with neither holds nor line left only where a claim may
+-- name it.
 local names, lines = {}, {}
 local claims = claims_before(nil)
 each_value(1, function(i, value)
@@ -19,10 +20,7 @@ each_value(1, function(i, value)
       and string.sub(value, 1, #reader) == reader) then
     released = released + 1
     gone[#gone + 1] = KEYS[i]
-    if #claims > 0 then
-      names[#names + 1] = KEYS[i]
-      lines[#lines + 1] = ''
-    end
+    if #claims > 0 then names[#names + 1] = KEYS[i] end
     return
   end
   local holds, queue, hold_end
@@ -60,7 +58,7 @@ each_value(1, function(i, value)
   released = released + 1
   if holds == '' or is_shared(holds) then
     names[#names + 1] = KEYS[i]
-    lines[#lines + 1] = queue
+    lines[#names] = queue
   end
   if holds == '' and queue == '' then
     gone[#gone + 1] = KEYS[i]
