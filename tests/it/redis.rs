@@ -640,6 +640,52 @@ fn a_retry_that_reads_its_keys_first_decides_as_one_that_sets_them() {
     }
 }
 
+/// A waiter's retry that reads its keys first, kept out of a free key by an earlier waiter's
+/// claim, puts its reservation on that key too, as on every other key of its batch: it
+/// stays in line there for when the claim ends.
+#[test]
+fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let acquire = crate_script(include_str!("../../src/store/redis/scripts/acquire.lua"));
+    let (earlier, ticket) = (
+        format!("{}{:020}", "0061420580338024", 3),
+        format!("{}{:020}", "0061420580338024", 7),
+    );
+    let [seconds, _]: [u64; 2] = observer.cmd(&mut redis::cmd("TIME"));
+    let claim_ends = (seconds + 60) * 1000;
+    observer.cmd::<()>(
+        redis::cmd("SADD")
+            .arg(format!("{CLAIMS}:{earlier}"))
+            .arg("lock:e"),
+    );
+    observer.cmd::<()>(redis::cmd("ZADD").arg(CLAIMS).arg(claim_ends).arg(&earlier));
+    let refused: redis::Value = acquire
+        .key("lock:")
+        .key("lock:e")
+        .arg("0123456789abcdef0123456789abcdef")
+        .arg("00000000000000bb")
+        .arg(10_000)
+        .arg(20)
+        .arg(&ticket)
+        .arg(5_000)
+        .arg("x")
+        .arg("1")
+        .arg("tower-batch-lock:released")
+        .arg("1")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    let redis::Value::Array(parts) = refused else {
+        panic!("refused with a list: {refused:?}")
+    };
+    assert_eq!(parts[0], redis::Value::Int(1), "one key kept it out");
+    let value = observer
+        .lock("lock:e")
+        .expect("the waiter's reservation on `e`");
+    assert!(value.holds.is_empty(), "{value:?}");
+    assert_eq!(value.reservations, [ticket.parse::<u128>().unwrap()]);
+}
+
 /// Two waiters of two processes that drew the same milliseconds and the same bits below
 /// them still have two places in line: the withdrawal of one leaves the other's. (Tickets
 /// were numbers with 10 random bits: two such waiters shared one place, once in 1,024

@@ -144,10 +144,10 @@ for i = 2, #KEYS do
       return redis.error_reply(old.err)
     end
     look(i, old)
-  elseif claimed_by[i - 1] then
-    -- Free, but an earlier waiter's claim names it.
-    conflict(i)
   else
+    -- Free, but an earlier waiter's claim may name it (then it keeps the caller out, and
+    -- is never taken: a key is taken below only once no key kept the caller out).
+    if claimed_by[i - 1] then conflict(i) end
     absent[#absent + 1] = i
   end
 end
@@ -179,9 +179,11 @@ if conflicts > 0 then
       redis.call('SET', KEYS[i], mark, 'PX', reserve_ms)
     end
     if not took_absent then
-      -- A key of another type also read as none: NX leaves it as it is, and it is foreign.
+      -- Those an earlier claim names too. A key of another type also read as none: NX
+      -- leaves it as it is, and it is foreign (counted once).
       for _, i in ipairs(absent) do
-        if not redis.call('SET', KEYS[i], mark, 'PX', reserve_ms, 'NX') then conflict(i) end
+        local set = redis.call('SET', KEYS[i], mark, 'PX', reserve_ms, 'NX')
+        if not set and not claimed_by[i - 1] then conflict(i) end
       end
     end
     for i, parts in pairs(found) do
