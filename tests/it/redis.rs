@@ -569,26 +569,8 @@ fn a_retry_that_reads_its_keys_first_decides_as_one_that_sets_them() {
     let observer = Observer::of(&server);
     let acquire = crate_script(include_str!("../../src/store/redis/scripts/acquire.lua"));
     let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
-    let (owner, hold) = ("0123456789abcdef0123456789abcdef", "00000000000000bb");
     let ticket = format!("{}{:020}", "0061420580338024", 7);
-    let retry = |keys: &[&str]| -> redis::Value {
-        let mut call = acquire.key("lock:");
-        for key in keys {
-            call.key(*key);
-        }
-        call.arg(owner)
-            .arg(hold)
-            .arg(10_000)
-            .arg(20)
-            .arg(&ticket)
-            .arg(5_000)
-            .arg("x")
-            .arg("1")
-            .arg("tower-batch-lock:released")
-            .arg("1")
-            .invoke(&mut observer.connection())
-            .unwrap()
-    };
+    let retry = |keys: &[&str]| retry_in_line(&acquire, &observer, keys, &ticket);
     // Reserved by the waiter, free, another owner's, a hash.
     let _: Vec<i64> = reserve
         .key("lock:a")
@@ -635,9 +617,39 @@ fn a_retry_that_reads_its_keys_first_decides_as_one_that_sets_them() {
     );
     for key in ["lock:a", "lock:b"] {
         let value = observer.lock(key).expect(key);
-        assert_eq!(value.holds, [hold], "{key}");
+        assert_eq!(value.holds, [RETRY_HOLD], "{key}");
         assert!(value.reservations.is_empty(), "{key}: {value:?}");
     }
+}
+
+/// The hold id of [`retry_in_line`]'s owner.
+const RETRY_HOLD: &str = "00000000000000bb";
+
+/// A waiter's retry of `keys` through the acquire script `acquire` on `observer`'s server,
+/// standing in line at `ticket`: it reads its keys first, and reserves them for 5 s when
+/// it is refused (a 10 s hold, exclusive, counted, up to 20 conflicts named).
+fn retry_in_line(
+    acquire: &redis::Script,
+    observer: &Observer,
+    keys: &[&str],
+    ticket: &str,
+) -> redis::Value {
+    let mut call = acquire.key("lock:");
+    for key in keys {
+        call.key(*key);
+    }
+    call.arg("0123456789abcdef0123456789abcdef")
+        .arg(RETRY_HOLD)
+        .arg(10_000)
+        .arg(20)
+        .arg(ticket)
+        .arg(5_000)
+        .arg("x")
+        .arg("1")
+        .arg("tower-batch-lock:released")
+        .arg("1")
+        .invoke(&mut observer.connection())
+        .unwrap()
 }
 
 /// A waiter's retry that reads its keys first, kept out of a free key by an earlier waiter's
@@ -660,21 +672,7 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
             .arg("lock:e"),
     );
     observer.cmd::<()>(redis::cmd("ZADD").arg(CLAIMS).arg(claim_ends).arg(&earlier));
-    let refused: redis::Value = acquire
-        .key("lock:")
-        .key("lock:e")
-        .arg("0123456789abcdef0123456789abcdef")
-        .arg("00000000000000bb")
-        .arg(10_000)
-        .arg(20)
-        .arg(&ticket)
-        .arg(5_000)
-        .arg("x")
-        .arg("1")
-        .arg("tower-batch-lock:released")
-        .arg("1")
-        .invoke(&mut observer.connection())
-        .unwrap();
+    let refused = retry_in_line(&acquire, &observer, &["lock:e"], &ticket);
     let redis::Value::Array(parts) = refused else {
         panic!("refused with a list: {refused:?}")
     };

@@ -121,10 +121,15 @@ local function take(i, get)
   return not set and {err = 'WRONGTYPE'}
 end
 
--- Whether Redis refused a write itself (out of memory, a read-only replica, ...): the store
--- cannot lock, which is not contention.
-local function write_refused(old)
-  return type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE'
+-- Looks at KEYS[i] as `look` does, unless Redis refused the write itself (out of memory, a
+-- read-only replica, ...): the store cannot lock, which is not contention. Then it undoes
+-- the keys taken so far, and returns the error for the script to fail with.
+local function look_unless_refused(i, old)
+  if type(old) == 'table' and string.sub(old.err or '', 1, 9) ~= 'WRONGTYPE' then
+    for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
+    return redis.error_reply(old.err)
+  end
+  look(i, old)
 end
 
 -- A big batch, or a waiter's retry, which finds its own reservation on every key, reads
@@ -138,12 +143,8 @@ local reads, read, absent = ARGV[10] == '1', {}, {}
 if reads then each_value(2, function(i, value) read[i] = value end) end
 for i = 2, #KEYS do
   if not reads or read[i] then
-    local old = read[i] or take(i, true)
-    if write_refused(old) then
-      for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
-      return redis.error_reply(old.err)
-    end
-    look(i, old)
+    local failed = look_unless_refused(i, read[i] or take(i, true))
+    if failed then return failed end
   else
     -- Free, but an earlier waiter's claim may name it (then it keeps the caller out, and
     -- is never taken: a key is taken below only once no key kept the caller out).
@@ -154,12 +155,8 @@ end
 local took_absent = conflicts == 0
 if took_absent then
   for _, i in ipairs(absent) do
-    local old = take(i, false)
-    if write_refused(old) then
-      for _, j in ipairs(taken) do redis.call('DEL', KEYS[j]) end
-      return redis.error_reply(old.err)
-    end
-    look(i, old)
+    local failed = look_unless_refused(i, take(i, false))
+    if failed then return failed end
   end
 end
 
