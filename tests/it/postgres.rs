@@ -543,3 +543,72 @@ async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
     assert_eq!(granted.status, StatusCode::OK, "{:?}", granted.problem());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// The functions of the schema, called as the store calls them, on 100 keys.
+const KEYS_100: &str = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
+                        FROM generate_series(0, 99) i)";
+
+/// A waiter in line that finds itself free is granted by one statement over its
+/// reservations' rows; where a key has no row (here, its reservation's row was deleted),
+/// that statement is undone and the grant goes the general way: every key held by the
+/// waiter, and no reservation of its left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiters_grant_over_its_reservations_is_whole_when_a_row_is_missing() {
+    let db = Database::create();
+    locks(&db)
+        .check()
+        .await
+        .expect("the store makes its schema");
+    db.query(&format!(
+        "SELECT tower_batch_lock.locks_reserve({KEYS_100}, 2, clock_timestamp(), 30000)"
+    ));
+    db.query("DELETE FROM tower_batch_lock.locks WHERE key = 'lock:k099'");
+    let owner = "00000000-0000-0000-0000-0000000000b0";
+    let granted = db.query(&format!(
+        "SELECT token IS NOT NULL, conflicts FROM tower_batch_lock.locks_acquire(\
+         {KEYS_100}, 'x', '{owner}', 7, 10000, 100, 2, 30000, false)"
+    ));
+    assert_eq!(granted, "t|0");
+    let held = db.query(&format!(
+        "SELECT count(*) FROM tower_batch_lock.locks WHERE owner = '{owner}' \
+         AND holds = '{{7}}' AND ends > clock_timestamp()"
+    ));
+    assert_eq!(held, "100");
+    assert_eq!(
+        db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE line IS NOT NULL"),
+        "0"
+    );
+}
+
+/// A release frees the keys whose lines are live for their waiters, wakes the first, and
+/// deletes the rows whose reservations have all ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_keeps_the_live_lines_and_deletes_the_rows_of_ended_ones() {
+    let db = Database::create();
+    locks(&db)
+        .check()
+        .await
+        .expect("the store makes its schema");
+    let owner = "00000000-0000-0000-0000-0000000000a0";
+    let acquired = db.query(&format!(
+        "SELECT token IS NOT NULL FROM tower_batch_lock.locks_acquire(\
+         {KEYS_100}, 'x', '{owner}', 1, 10000, 100, NULL, 0, true)"
+    ));
+    assert_eq!(acquired, "t");
+    // Ticket 5 waits on the first half for 30 s; ticket 6's wait on the rest has ended.
+    db.query(&format!(
+        "SELECT tower_batch_lock.locks_reserve(({KEYS_100})[1:50], 5, clock_timestamp(), 30000); \
+         SELECT tower_batch_lock.locks_reserve(({KEYS_100})[51:100], 6, \
+           clock_timestamp() - interval '1 s', 10)"
+    ));
+    let released = db.query(&format!(
+        "SELECT released, heads FROM tower_batch_lock.locks_release(\
+         {KEYS_100}, '{owner}', 1, 'm')"
+    ));
+    assert_eq!(released, "100|{5}");
+    let rows = db.query(
+        "SELECT count(*), count(*) FILTER (WHERE owner IS NULL AND line IS NOT NULL) \
+         FROM tower_batch_lock.locks",
+    );
+    assert_eq!(rows, "50|50");
+}

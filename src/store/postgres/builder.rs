@@ -51,9 +51,16 @@ const POOL_SIZE: usize = 16;
 ///   Every batch of that size then looks without locking (the same probe, counting only
 ///   when a key keeps it out), and is refused without locking any row when it is kept out
 ///   (a waiter in line reserves its batch first, and asks the probe once more).
+///   A big waiter in line whose look finds it free (its retry after a release woke it) is
+///   granted by one `UPDATE` of the rows its reservations keep, and goes the way above
+///   only when a key has no such row.
 ///   Nobody sees part of a batch: the statement is one transaction.
-/// - *release* deletes the rows that hold this hold alone (an index scan: in key order), and
-///   takes it off the others; a row stays while a waiter reserves it.
+/// - *release* deletes the rows that hold this hold alone, frees those that a waiter
+///   reserves in one `UPDATE` (both index scans: in key order), and takes the hold off the
+///   others; a row stays while a waiter reserves it.
+/// - The table leaves half of each page free (`fillfactor = 50`), so that the row versions
+///   of contended keys are written in their own page, without new index entries, and
+///   pruned there (HOT updates).
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of

@@ -29,6 +29,10 @@ DO $$ BEGIN
   CREATE TYPE {T}_place AS (ticket numeric, ends timestamptz);
 EXCEPTION WHEN duplicate_object THEN NULL; END $$;
 
+-- Half of each page is left free (`fillfactor`): a contended key's row is written again
+-- at every reservation, grant and release, and a new version that fits in its page needs
+-- no new index entry and is pruned in place (a HOT update). An update of 2,000 rows with
+-- lines took 4.3 ms at the default 100, 1.9 ms at 50.
 CREATE TABLE IF NOT EXISTS {T} (
   key text COLLATE "C" PRIMARY KEY,
   owner uuid,
@@ -37,7 +41,7 @@ CREATE TABLE IF NOT EXISTS {T} (
   ends timestamptz,
   readers {T}_reader[],
   line {T}_place[]
-);
+) WITH (fillfactor = 50);
 
 -- Fencing tokens: a sequence never goes backwards, across restarts and crashes (a crash
 -- may skip values, never repeat one).
@@ -272,6 +276,9 @@ LANGUAGE plpgsql
 -- a refusal: the request waits on, or gets 409, well inside the store timeout (2 s by
 -- default), where a longer row wait ended as that timeout, a 503.
 SET lock_timeout = '500ms'
+-- Rows are found by an index scan of `key = ANY(…)`, which takes them in key order, as
+-- every call takes them (see {T}_release).
+SET enable_seqscan = off SET enable_bitmapscan = off
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -341,6 +348,33 @@ BEGIN
     END IF;
   END IF;
   conflicts := 0; named := '{}'; upgrade := false; earliest_ms := NULL;
+  -- A big exclusive batch that waits in line and found itself free, the retry that ends a
+  -- wait, is granted by one statement over the rows its reservations keep: each row that
+  -- nothing keeps it out of takes the hold, in key order (the index scan's), and the
+  -- batch is granted if every key had such a row. Otherwise that is undone, and it goes
+  -- on as any batch. (The way below locks the rows, looks again, then writes them: a
+  -- waiter's 2,000-key grant took 16-20 ms that way, 9-12 this way.)
+  IF cardinality(p_keys) >= 64 AND p_modes = 'x' AND p_ticket IS NOT NULL
+     AND NOT p_free_first THEN
+    BEGIN
+      UPDATE {T} l SET owner = p_owner, holds = ARRAY[p_hold], modes = 'x', ends = till,
+          readers = NULL, line = {T}_requeue(l.line, p_ticket, NULL, now)
+        WHERE l.key = ANY(p_keys)
+          AND NOT (l.owner IS NOT NULL AND l.ends > now)
+          AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now)
+          AND coalesce({T}_head(l.line, now) >= p_ticket, true);
+      GET DIAGNOSTICS given = ROW_COUNT;
+      IF given = cardinality(p_keys) THEN
+        token := nextval('{T}_fence');
+        RETURN NEXT;
+        RETURN;
+      END IF;
+      RAISE SQLSTATE 'TBL02'; -- a key had no such row: undo the grant (caught below)
+    EXCEPTION WHEN SQLSTATE 'TBL02' THEN NULL;
+    END;
+    now := clock_timestamp();
+    till := now + p_ttl_ms * interval '1 ms';
+  END IF;
   -- Free keys are taken at once; the rows of the others are locked, in key order.
   WITH inserted AS (
     INSERT INTO {T} AS l (key, owner, holds, modes, ends, readers)
@@ -533,6 +567,7 @@ DECLARE
   r {T};
   at int;
   head numeric;
+  emptied text[];
 BEGIN
   heads := '{}';
   -- The common case, a key with this hold alone and no line, goes at once.
@@ -541,6 +576,23 @@ BEGIN
     OR (l.owner IS NULL AND cardinality(l.readers) = 1
         AND (l.readers[1]).owner = p_owner AND (l.readers[1]).hold = p_hold));
   GET DIAGNOSTICS released = ROW_COUNT;
+  -- A key with this exclusive hold alone and a line, the rule under contention, is freed
+  -- for its waiters in one statement too (a loop that wrote one row a statement took a
+  -- 2,000-key release from under three waiters' lines 19-23 ms, eight times a plain one).
+  IF released < cardinality(p_keys) THEN
+    WITH freed AS (
+      UPDATE {T} l SET owner = NULL, holds = NULL, modes = NULL, ends = NULL,
+          line = {T}_requeue(l.line, NULL, NULL, now)
+        WHERE l.key = ANY(p_keys) AND l.line IS NOT NULL
+          AND l.owner = p_owner AND l.holds = ARRAY[p_hold] AND l.ends > now
+        RETURNING l.key, {T}_head(l.line, now) AS head, l.line IS NULL AND l.readers IS NULL AS empty
+    ) SELECT released + count(*)::int,
+             coalesce(array_agg(DISTINCT f.head::text) FILTER (WHERE f.head IS NOT NULL), '{}'),
+             coalesce(array_agg(f.key) FILTER (WHERE f.empty), '{}')
+        INTO released, heads, emptied FROM freed f;
+    -- Lines whose every reservation had ended: the row goes (locked here already).
+    IF cardinality(emptied) > 0 THEN DELETE FROM {T} l WHERE l.key = ANY(emptied); END IF;
+  END IF;
   IF released < cardinality(p_keys) THEN
     FOR r IN
       SELECT * FROM {T} l WHERE l.key = ANY(p_keys) AND (
