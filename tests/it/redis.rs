@@ -684,6 +684,57 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
     assert_eq!(value.reservations, [ticket.parse::<u128>().unwrap()]);
 }
 
+/// A release wakes the claim first in line on a key it frees, unless an earlier claim names
+/// a key that claim names too: that waiter could only probe and find the earlier one in
+/// its way, and is woken when that claim's keys are freed.
+#[test]
+fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
+    let ticket = |n: u64| format!("{}{n:020}", "0061420580338024");
+    // `earlier` names b; `free_to_go` names c alone; `kept_out` names a, and b after
+    // `earlier`.
+    let (earlier, free_to_go, kept_out) = (ticket(1), ticket(2), ticket(3));
+    let [seconds, _]: [u64; 2] = observer.cmd(&mut redis::cmd("TIME"));
+    for (claim, keys) in [
+        (&earlier, &["lock:b"][..]),
+        (&free_to_go, &["lock:c"][..]),
+        (&kept_out, &["lock:a", "lock:b"][..]),
+    ] {
+        observer.cmd::<()>(
+            redis::cmd("SADD")
+                .arg(format!("{CLAIMS}:{claim}"))
+                .arg(keys),
+        );
+        observer.cmd::<()>(
+            redis::cmd("ZADD")
+                .arg(CLAIMS)
+                .arg((seconds + 60) * 1000)
+                .arg(claim),
+        );
+    }
+    let (owner, hold) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
+    for key in ["lock:a", "lock:c"] {
+        observer.set(key, &format!("{owner}:{hold}"));
+    }
+    let released: Vec<redis::Value> = release
+        .key("lock:a")
+        .key("lock:c")
+        .arg(owner)
+        .arg(hold)
+        .arg("tower-batch-lock:released")
+        .arg("")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    let heads: Vec<String> = released[1..]
+        .iter()
+        .map(|head| redis::from_redis_value(head.clone()).unwrap())
+        .collect();
+    assert_eq!(released[0], redis::Value::Int(2));
+    assert_eq!(heads, [free_to_go]);
+}
+
 /// Two waiters of two processes that drew the same milliseconds and the same bits below
 /// them still have two places in line: the withdrawal of one leaves the other's. (Tickets
 /// were numbers with 10 random bits: two such waiters shared one place, once in 1,024

@@ -118,14 +118,27 @@ end
 -- a call freed, whose line is `queues[j]` ('' or nil for none: most keys a release frees
 -- had no line, and cost nothing to look at here): the earlier of the line's first live
 -- reservation and the earliest of the live claims `claims` (read here when nil) that names
--- the key. Only that waiter can have the key now.
+-- the key. Only that waiter can have the key now, and not even it while an earlier claim
+-- names a key its own claim names: such a waiter is left asleep, to be woken when that
+-- claim's keys are freed or withdrawn. (With four 2,000-key orders in line, each release
+-- woke the three waiters, and two of them probed only to find the first in their way.)
 local function note_heads(heads, names, queues, claims)
   if #names == 0 then return end
-  local by = claimed(claims or claims_before(nil), names)
+  claims = claims or claims_before(nil)
+  local by = claimed(claims, names)
   for j = 1, #names do
     local queue = queues[j]
     local head = queue and queue ~= '' and first_in_line(queue) or nil
     if by[j] and (head == nil or by[j] < head) then head = by[j] end
     if head then heads[head] = true end
+  end
+  for head in pairs(heads) do
+    for _, earlier in ipairs(claims) do
+      if earlier >= head then break end
+      if redis.call('SINTERCARD', 2, claim_key(earlier), claim_key(head), 'LIMIT', 1) > 0 then
+        heads[head] = nil
+        break
+      end
+    end
   end
 end
