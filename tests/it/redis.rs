@@ -2320,6 +2320,7 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
         pubsub.get_message().is_ok()
     });
     let (gate, held) = hold(&locks, "a").await;
+    let (other_gate, other_held) = hold(&locks, "c").await;
     // A held key and a free one: the script reads them differently.
     let states = locks
         .inspect(["a", "free"])
@@ -2342,11 +2343,29 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
     let quitter_app = Router::new().route("/", post(|| async {}).layer(quitter.layer(header_keys)));
     let gave_up = send(&quitter_app, post_keys("/", &big)).await;
     assert_eq!(gave_up.status, StatusCode::CONFLICT, "{}", gave_up.text());
+    // A later claim that the first keeps out (they share the 63 keys): the release of its
+    // other key asks whether an earlier claim keeps it out, and leaves it asleep.
+    let later_app = Router::new().route("/", post(|| async {}).layer(locks.layer(header_keys)));
+    let later = tokio::spawn({
+        let keys = big.replacen('a', "c", 1);
+        async move { send(&later_app, post_keys("/", &keys)).await }
+    });
     tokio::time::sleep(Duration::from_millis(200)).await;
+    other_gate.open();
+    assert_eq!(other_held.await.unwrap().status, StatusCode::OK);
+    // Released at once (a failed release would leave it until its TTL, 200 ms or more
+    // away: it is renewed every third of it).
+    let released = poll_every(Duration::from_millis(5), Duration::from_millis(100), || {
+        observer.get(&format!("lock:{name}:c")).is_none()
+    })
+    .await;
+    assert!(released.is_some(), "released as the user");
     assert!(!gate.lease().is_lost(), "renewed as the user");
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     let woken = waiter.await.unwrap();
+    assert_eq!(woken.status, StatusCode::OK, "{}", woken.text());
+    let woken = later.await.unwrap();
     assert_eq!(woken.status, StatusCode::OK, "{}", woken.text());
     assert!(
         announced.join().unwrap(),
@@ -2383,4 +2402,13 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
         let replayed = send(&app, order()).await;
         assert_eq!(replayed.headers["idempotent-replayed"], "true");
     }
+    // No command was refused anywhere (a script refused a command midway keeps the writes
+    // before it, and its caller only logs the failure: a release that frees its keys and
+    // fails to wake anyone, as when the rule for the claims' overlap was missing).
+    let stats: String = observer.cmd(redis::cmd("INFO").arg("commandstats"));
+    let refused: Vec<&str> = stats
+        .lines()
+        .filter(|line| line.starts_with("cmdstat_") && !line.contains("rejected_calls=0,"))
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
 }

@@ -90,7 +90,7 @@ use crate::store::handle::Store;
 ///   the locks: under `allkeys-*` or `volatile-*` policies Redis may evict a held lock.
 /// - **ACL.** The user needs `+fcall +function|load +set +get +mget +del +exists +pttl
 ///   +pexpire +pexpireat +time +publish +subscribe +info +zrange +zadd +zrem
-///   +zremrangebyscore +sadd +srem +smismember` (and `+wait +ping` with
+///   +zremrangebyscore +sadd +srem +smismember +sintercard` (and `+wait +ping` with
 ///   [`replicas`](Redis::replicas)) on `~lock:*` (or your prefix; and `~idempotency:*` for
 ///   the idempotency layer) and `~tower-batch-lock:claims*` (waiters' claims), and
 ///   `&tower-batch-lock:released`.
