@@ -21,8 +21,9 @@
 //!    through the store's pub/sub, in other processes ([`Wakeups`](crate::store::wake));
 //!    a reader granted wakes the next in line, who may be a reader too. On one Redis and
 //!    Redlock a claim's waiter that an earlier claim keeps out (the two name a key in
-//!    common) is not woken: it is, when that claim's keys are freed or withdrawn. Waiters in no line
-//!    (unfair waiting, an owner that holds keys) watch the keys that kept them out.
+//!    common) is not woken: it is, when that claim's keys are freed or withdrawn. Waiters
+//!    in no line (unfair waiting, an owner that holds keys) watch the keys that kept them
+//!    out.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is, or

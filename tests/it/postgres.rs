@@ -597,7 +597,8 @@ async fn a_release_keeps_the_live_lines_and_deletes_the_rows_of_ended_ones() {
     assert_eq!(acquired, "t");
     // Ticket 5 waits on the first half for 30 s; ticket 6's wait on the rest has ended.
     db.query(&format!(
-        "SELECT tower_batch_lock.locks_reserve(({KEYS_100})[1:50], 5, clock_timestamp(), 30000); \
+        "SELECT tower_batch_lock.locks_reserve(({KEYS_100})[1:50], 5, clock_timestamp(), \
+           30000); \
          SELECT tower_batch_lock.locks_reserve(({KEYS_100})[51:100], 6, \
            clock_timestamp() - interval '1 s', 10)"
     ));

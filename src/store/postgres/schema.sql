@@ -585,9 +585,11 @@ BEGIN
           line = {T}_requeue(l.line, NULL, NULL, now)
         WHERE l.key = ANY(p_keys) AND l.line IS NOT NULL
           AND l.owner = p_owner AND l.holds = ARRAY[p_hold] AND l.ends > now
-        RETURNING l.key, {T}_head(l.line, now) AS head, l.line IS NULL AND l.readers IS NULL AS empty
+        RETURNING l.key, {T}_head(l.line, now) AS head,
+          l.line IS NULL AND l.readers IS NULL AS empty
     ) SELECT released + count(*)::int,
-             coalesce(array_agg(DISTINCT f.head::text) FILTER (WHERE f.head IS NOT NULL), '{}'),
+             coalesce(array_agg(DISTINCT f.head::text) FILTER (WHERE f.head IS NOT NULL),
+                      '{}'),
              coalesce(array_agg(f.key) FILTER (WHERE f.empty), '{}')
         INTO released, heads, emptied FROM freed f;
     -- Lines whose every reservation had ended: the row goes (locked here already).

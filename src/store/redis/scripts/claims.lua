@@ -135,7 +135,9 @@ local function note_heads(heads, names, queues, claims)
   for head in pairs(heads) do
     for _, earlier in ipairs(claims) do
       if earlier >= head then break end
-      if redis.call('SINTERCARD', 2, claim_key(earlier), claim_key(head), 'LIMIT', 1) > 0 then
+      local shared = redis.call('SINTERCARD', 2, claim_key(earlier), claim_key(head),
+        'LIMIT', 1)
+      if shared > 0 then
         heads[head] = nil
         break
       end
