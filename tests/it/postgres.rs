@@ -544,6 +544,17 @@ async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A database of its own, with the store's schema made in it (for tests that call the
+/// schema's functions as the store does).
+async fn database_with_schema() -> Database {
+    let db = Database::create();
+    locks(&db)
+        .check()
+        .await
+        .expect("the store makes its schema");
+    db
+}
+
 /// The functions of the schema, called as the store calls them, on 100 keys.
 const KEYS_100: &str = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
                         FROM generate_series(0, 99) i)";
@@ -554,11 +565,7 @@ const KEYS_100: &str = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDE
 /// waiter, and no reservation of its left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiters_grant_over_its_reservations_is_whole_when_a_row_is_missing() {
-    let db = Database::create();
-    locks(&db)
-        .check()
-        .await
-        .expect("the store makes its schema");
+    let db = database_with_schema().await;
     db.query(&format!(
         "SELECT tower_batch_lock.locks_reserve({KEYS_100}, 2, clock_timestamp(), 30000)"
     ));
@@ -584,11 +591,7 @@ async fn a_waiters_grant_over_its_reservations_is_whole_when_a_row_is_missing() 
 /// deletes the rows whose reservations have all ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_keeps_the_live_lines_and_deletes_the_rows_of_ended_ones() {
-    let db = Database::create();
-    locks(&db)
-        .check()
-        .await
-        .expect("the store makes its schema");
+    let db = database_with_schema().await;
     let owner = "00000000-0000-0000-0000-0000000000a0";
     let acquired = db.query(&format!(
         "SELECT token IS NOT NULL FROM tower_batch_lock.locks_acquire(\
