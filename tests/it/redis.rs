@@ -664,14 +664,7 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
         format!("{}{:020}", "0061420580338024", 3),
         format!("{}{:020}", "0061420580338024", 7),
     );
-    let [seconds, _]: [u64; 2] = observer.cmd(&mut redis::cmd("TIME"));
-    let claim_ends = (seconds + 60) * 1000;
-    observer.cmd::<()>(
-        redis::cmd("SADD")
-            .arg(format!("{CLAIMS}:{earlier}"))
-            .arg("lock:e"),
-    );
-    observer.cmd::<()>(redis::cmd("ZADD").arg(CLAIMS).arg(claim_ends).arg(&earlier));
+    observer.claim(&earlier, &["lock:e"]);
     let refused = retry_in_line(&acquire, &observer, &["lock:e"], &ticket);
     let redis::Value::Array(parts) = refused else {
         panic!("refused with a list: {refused:?}")
@@ -696,24 +689,9 @@ fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
     // `earlier` names b; `free_to_go` names c alone; `kept_out` names a, and b after
     // `earlier`.
     let (earlier, free_to_go, kept_out) = (ticket(1), ticket(2), ticket(3));
-    let [seconds, _]: [u64; 2] = observer.cmd(&mut redis::cmd("TIME"));
-    for (claim, keys) in [
-        (&earlier, &["lock:b"][..]),
-        (&free_to_go, &["lock:c"][..]),
-        (&kept_out, &["lock:a", "lock:b"][..]),
-    ] {
-        observer.cmd::<()>(
-            redis::cmd("SADD")
-                .arg(format!("{CLAIMS}:{claim}"))
-                .arg(keys),
-        );
-        observer.cmd::<()>(
-            redis::cmd("ZADD")
-                .arg(CLAIMS)
-                .arg((seconds + 60) * 1000)
-                .arg(claim),
-        );
-    }
+    observer.claim(&earlier, &["lock:b"]);
+    observer.claim(&free_to_go, &["lock:c"]);
+    observer.claim(&kept_out, &["lock:a", "lock:b"]);
     let (owner, hold) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
     for key in ["lock:a", "lock:c"] {
         observer.set(key, &format!("{owner}:{hold}"));

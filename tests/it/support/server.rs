@@ -322,6 +322,23 @@ impl Observer {
         on
     }
 
+    /// Puts a live claim of the waiter with `ticket` on `keys`, for a minute of Redis's
+    /// clock, as the scripts write one.
+    pub(crate) fn claim(&self, ticket: &str, keys: &[&str]) {
+        let [seconds, _]: [u64; 2] = self.cmd(&mut redis::cmd("TIME"));
+        self.cmd::<()>(
+            redis::cmd("SADD")
+                .arg(format!("{CLAIMS}:{ticket}"))
+                .arg(keys),
+        );
+        self.cmd::<()>(
+            redis::cmd("ZADD")
+                .arg(CLAIMS)
+                .arg((seconds + 60) * 1000)
+                .arg(ticket),
+        );
+    }
+
     /// The lock value under `key`, if it is one.
     pub(crate) fn lock(&self, key: &str) -> Option<LockValue> {
         lock_value(&mut self.connection(), key)
