@@ -89,7 +89,8 @@ const POOL_SIZE: usize = 16;
 ///   while it runs: the bench's `contention` section (`docs/bench`) measures it beside
 ///   memory and Redis. With 16 clients of 3-key orders and 4 of 2,000-key orders on 3,000
 ///   keys, it granted about a fifth of what one Redis granted in the same run, and an
-///   eighth of what the memory store did.
+///   eighth to a twelfth of what the memory store did (two runs, on machines of unlike
+///   speed).
 /// - An acquire waits at most 500 ms for rows that another transaction keeps (a big
 ///   batch's statement, or your transaction under its guard, `Lease::postgres_guard`);
 ///   then the request is refused as contended: it waits on, or gets 409, never 503.
