@@ -617,29 +617,39 @@ async fn a_release_keeps_the_live_lines_and_deletes_the_rows_of_ended_ones() {
     assert_eq!(rows, "50|50");
 }
 
-/// A grant's transaction commits durably (its fencing token must never be handed out again
-/// after a crash); a refused waiter's reservation and a release commit without waiting for
-/// the disk (a crash may lose them, which costs time, never safety).
+/// A grant's transaction commits as the session says (its fencing token must never be
+/// handed out again after a crash: here the session asks for `remote_write`, which a grant
+/// keeps); a refusal (in line or not), a release and a withdrawal commit without waiting
+/// for the disk (a crash may lose them, which costs time, never safety).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_grant_commits_durably_and_a_refusal_or_a_release_lazily() {
+async fn a_grant_commits_as_the_session_says_and_a_refusal_or_a_release_lazily() {
     let db = database_with_schema().await;
-    let (holder, waiter) = (
+    let (holder, waiter, other) = (
         "00000000-0000-0000-0000-0000000000c0",
         "00000000-0000-0000-0000-0000000000c1",
+        "00000000-0000-0000-0000-0000000000c2",
     );
     // The setting as each call leaves it to its transaction's commit.
     let call = |select: &str, function: &str| {
         db.query(&format!(
-            "SELECT {select}, current_setting('synchronous_commit') \
+            "SET synchronous_commit = remote_write; \
+             SELECT {select}, current_setting('synchronous_commit') \
              FROM tower_batch_lock.locks_{function} c"
         ))
     };
     let granted = format!("acquire({KEYS_100}, 'x', '{holder}', 1, 10000, 100, NULL, 0, true)");
-    assert_eq!(call("c.token IS NOT NULL", &granted), "t|on");
+    assert_eq!(call("c.token IS NOT NULL", &granted), "t|remote_write");
+    let outside = format!("acquire({KEYS_100}, 'x', '{other}', 3, 10000, 100, NULL, 0, true)");
+    assert_eq!(call("c.conflicts", &outside), "100|off");
     let waits = format!("acquire({KEYS_100}, 'x', '{waiter}', 2, 10000, 100, 9, 30000, true)");
     assert_eq!(call("c.conflicts", &waits), "100|off");
     let release = format!("release({KEYS_100}, '{holder}', 1, 'm')");
     assert_eq!(call("c.released", &release), "100|off");
     let retry = format!("acquire({KEYS_100}, 'x', '{waiter}', 2, 10000, 100, 9, 30000, false)");
-    assert_eq!(call("c.token IS NOT NULL", &retry), "t|on");
+    assert_eq!(call("c.token IS NOT NULL", &retry), "t|remote_write");
+    let queued =
+        format!("acquire(ARRAY['lock:k000'], 'x', '{other}', 4, 10000, 1, 10, 30000, true)");
+    assert_eq!(call("c.conflicts", &queued), "1|off");
+    let withdrawn = "withdraw(ARRAY['lock:k000'], 10, 'm')";
+    assert_eq!(call("c.withdrawn", withdrawn), "1|off");
 }

@@ -66,17 +66,19 @@ const POOL_SIZE: usize = 16;
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
 ///   every earlier grant that shared a key with it; grants of unrelated keys at the same
 ///   moment take tokens in the order they reached the sequence.
-/// - A grant's transaction commits as the server's `synchronous_commit` says (`on` by
-///   default: after its WAL is on disk), so that no crash hands its fencing token out
-///   again. A call that grants nothing (a release, a withdrawal, a refused attempt, which
-///   may have written its place in line) commits without waiting for the disk
-///   (`synchronous_commit = off` for that transaction alone). A transaction keeps its row
-///   locks until its commit has waited, so every call on a contended key waited for the
-///   disk of the one before it: with pgbench, 8 clients on one key made 1.3-1.6 times the
-///   calls a second this way. A crash may lose the last of those (up to three times
+/// - A grant's transaction, and a renewal's, commit as the connection's
+///   `synchronous_commit` says (`on` by default: after the WAL is on disk), so that no
+///   crash hands a fencing token out twice. A call that grants nothing (a release, a
+///   withdrawal, a refused attempt, which may have written its place in line) commits
+///   without waiting for the disk or a standby (`synchronous_commit = off` for that
+///   transaction alone). A transaction keeps its row locks until its commit has waited,
+///   so every call on a contended key waited for the disk of the one before it: with
+///   pgbench, 8 clients on one key made 1.3-1.6 times the calls a second this way. A crash
+///   or a failover may lose the last of those (after a crash, up to three times
 ///   `wal_writer_delay`, 600 ms by default): a key whose release was lost stays held to its
-///   ttl, and a waiter whose place in line was lost takes it again at its next attempt.
-///   Nobody is let in.
+///   ttl, a withdrawn waiter's lost withdrawal keeps its place in line to its deadline, and
+///   a waiter whose place in line was lost takes it again at its next attempt. Nobody is
+///   let in.
 /// - A release (or a withdrawal) that lets a waiter in line in `NOTIFY`s the channel
 ///   `tower_batch_lock.locks` (the table's name) with the keys' wake-up slots and the
 ///   waiters first in line; every process built with a listener ([`Postgres::url`],
@@ -111,8 +113,8 @@ const POOL_SIZE: usize = 16;
 ///   [`schema_sql`](Self::schema_sql) and `create_schema(false)`); then `USAGE` on the
 ///   schema, `EXECUTE` on its functions, which write the table and the sequence.
 /// - **Connection poolers.** Every call is one statement in a transaction of its own, and
-///   the store keeps no session state (its settings are the functions' own), so transaction
-///   pooling suits it. By default it prepares each statement once a connection (a named
+///   the store keeps no session state (its settings are the functions' own, or last a
+///   transaction), so transaction pooling suits it. By default it prepares each statement once a connection (a named
 ///   prepared statement), which PgBouncer keeps apart by server connection only from 1.21
 ///   (`max_prepared_statements`, on by default from 1.24); behind a pooler in transaction
 ///   mode that does not, or when unsure, set
@@ -124,10 +126,12 @@ const POOL_SIZE: usize = 16;
 ///   without it, waiters poll. Advisory locks, the usual alternative, break behind
 ///   transaction pooling: they belong to a session.
 /// - **Failover.** A grant lives in the database: it survives a restart and a crash (its
-///   commit waits for its WAL), and a failover to a synchronous replica. Keep
-///   `synchronous_commit` at `on` or above for the store's role: with `off`, a crash can
-///   lose grants and hand their fencing tokens out again. A release may be lost (above),
-///   which costs its keys' ttl, never a second holder. A failover
+///   commit waits for its WAL), and a failover to a synchronous replica
+///   (`synchronous_standby_names` set, and `synchronous_commit` at `remote_write`, `on` or
+///   `remote_apply`). Keep `synchronous_commit` at `on` (the default) or one of those for
+///   the store's connections: with `off` or `local`, a crash or a failover can lose grants
+///   and hand their fencing tokens out again. A release or a withdrawal may be lost
+///   (above), which costs time, never a second holder. A failover
 ///   to an asynchronous replica that had not received a grant loses that grant: another
 ///   request can then be granted the same keys while the first still runs. Fencing tokens
 ///   come from the sequence, which the replica has as of its last replay: check them at the

@@ -58,33 +58,25 @@ LANGUAGE sql IMMUTABLE AS 'SELECT 1';
 
 -- A call that grants nothing (a release, a withdrawal, a refused attempt, which may have
 -- written its place in line) lets its transaction commit without waiting for the WAL to
--- reach the disk: `synchronous_commit` off for that transaction alone. A crash may lose the last
--- such commits (up to three times `wal_writer_delay`, 600 ms by default): a release lost
--- leaves its keys held to their ttl, a place in line lost is taken again at the waiter's
--- next attempt; nobody is let in. A transaction keeps its row locks until its commit has
--- waited, so on a contended key every call waited for the disk of the call before it:
--- with pgbench, 8 clients on one key (a disk that syncs in 0.17 ms) made 1,510-1,680
--- calls a second, against 1,060-1,160 with every commit waiting; one client's 1-key
--- acquire and release took 0.82-0.99 ms, against 1.02-1.16.
--- `_acquire`, `_release` and `_withdraw` call this first; `{T}_token` undoes it for a
--- grant. (A renewal, `_extend`, commits durably: a renewal lost would end a hold that its
--- holder counts on.)
+-- reach the disk (or a synchronous standby): `synchronous_commit` off for that
+-- transaction alone. A crash or a failover may lose the last such commits (after a
+-- crash, up to three times `wal_writer_delay`, 600 ms by default): a release lost leaves
+-- its keys held to their ttl, a withdrawal lost leaves the waiter's place in line to its
+-- deadline, a place in line lost is taken again at the waiter's next attempt; nobody is
+-- let in. A grant and a renewal (`_extend`) never call this: they commit as the session
+-- says, so that no crash hands a fencing token out twice, nor ends a hold that its holder
+-- counts on. A transaction keeps its row locks until its commit has waited, so on a
+-- contended key every call waited for the disk of the call before it: with pgbench, 8
+-- clients on one key (a disk that syncs in 0.17 ms) made 1,510-1,680 calls a second,
+-- against 1,060-1,160 with every commit waiting; one client's 1-key acquire and release
+-- took 0.82-0.99 ms, against 1.02-1.16. `_release` and `_withdraw` call this first,
+-- `_acquire` just before it answers a refusal.
 CREATE OR REPLACE FUNCTION {T}_commit_lazily() RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
   -- Local to the transaction, and not a SET clause of the function's, so that it holds
   -- when the transaction commits, after the function returns.
   SET LOCAL synchronous_commit = off;
-END $$;
-
--- The fencing token of a grant, whose transaction commits durably again (the server's
--- `synchronous_commit`): the sequence writes its WAL ahead of the values it hands out,
--- and a crash before that WAL is on disk would hand them out again, to later grants.
-CREATE OR REPLACE FUNCTION {T}_token() RETURNS bigint
-LANGUAGE plpgsql AS $$
-BEGIN
-  SET LOCAL synchronous_commit TO DEFAULT;
-  RETURN nextval('{T}_fence');
 END $$;
 
 -- The three helpers below run once a row of a batch: they walk the arrays with FOREACH
@@ -235,10 +227,11 @@ BEGIN
     INTO conflicts, named, upgrade, earliest_ms, unreserved
   FROM (
     -- Each row is asked only what it can answer: a row held exclusively keeps the batch
-    -- out unless it is the owner's (`{T}_keeps_out`'s first rule, written out here so that
-    -- the rule case under contention calls no function), and only a row with readers or a
-    -- line is read for them. A 2,000-key batch kept out by another's held keys, with a
-    -- waiter in line on them: 14-16 ms a count with a call a row, 7-9 ms this way (psql).
+    -- out unless it is the owner's (`{T}_keeps_out`'s first rule, written out here so
+    -- that the rule case under contention calls no function), and only a row with
+    -- readers or a line is read for them. A 2,000-key batch kept out by another's held
+    -- keys, with a waiter in line on them: 14-18 ms a count with a call a row, 7-9 ms
+    -- this way (psql).
     SELECT l.key,
            CASE WHEN l.owner IS NOT NULL AND l.ends > p_now THEN (l.owner <> p_owner)::int
                 ELSE {T}_keeps_out(l, p_owner,
@@ -247,9 +240,9 @@ BEGIN
                   p_ticket, p_now) END AS blocked,
            CASE WHEN l.owner IS NOT NULL AND l.ends > p_now
                   THEN floor(extract(epoch FROM l.ends - p_now) * 1000)::bigint
-                WHEN l.readers IS NOT NULL
-                  THEN (SELECT floor(extract(epoch FROM max(x.ends) - p_now) * 1000)::bigint
-                        FROM unnest(l.readers) x WHERE x.ends > p_now) END AS left_ms,
+                WHEN l.readers IS NOT NULL THEN
+                  (SELECT floor(extract(epoch FROM max(x.ends) - p_now) * 1000)::bigint
+                   FROM unnest(l.readers) x WHERE x.ends > p_now) END AS left_ms,
            p_ticket IS NOT NULL AND l.line IS NOT NULL
              AND EXISTS (SELECT 1 FROM unnest(l.line) q
                          WHERE q.ticket = p_ticket AND q.ends > p_now) AS mine
@@ -332,7 +325,6 @@ DECLARE
   inserted int;
   given int;
 BEGIN
-  PERFORM {T}_commit_lazily();
   conflicts := 0;
   -- A big batch tries its keys as new rows first, with a statement that locks no row
   -- already there (`DO NOTHING`): one whose keys are all free, the rule when nothing is
@@ -348,7 +340,7 @@ BEGIN
         ON CONFLICT (key) DO NOTHING;
       GET DIAGNOSTICS inserted = ROW_COUNT;
       IF inserted = cardinality(p_keys) THEN
-        token := {T}_token();
+        token := nextval('{T}_fence');
         RETURN NEXT;
         RETURN;
       END IF;
@@ -373,6 +365,7 @@ BEGIN
   END IF;
   IF conflicts > 0 THEN
     IF p_ticket IS NULL OR p_reserve_ms <= 0 OR unreserved = 0 THEN
+      PERFORM {T}_commit_lazily();
       RETURN NEXT;
       RETURN;
     END IF;
@@ -383,6 +376,7 @@ BEGIN
     now := clock_timestamp();
     till := now + p_ttl_ms * interval '1 ms';
     IF {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now) < cardinality(p_keys) THEN
+      PERFORM {T}_commit_lazily();
       RETURN NEXT;
       RETURN;
     END IF;
@@ -405,7 +399,7 @@ BEGIN
           AND coalesce({T}_head(l.line, now) >= p_ticket, true);
       GET DIAGNOSTICS given = ROW_COUNT;
       IF given = cardinality(p_keys) THEN
-        token := {T}_token();
+        token := nextval('{T}_fence');
         RETURN NEXT;
         RETURN;
       END IF;
@@ -423,7 +417,7 @@ BEGIN
       RETURNING l.key
   ) SELECT coalesce(array_agg(inserted.key), '{}') INTO taken FROM inserted;
   IF cardinality(taken) = cardinality(p_keys) THEN
-    token := {T}_token();
+    token := nextval('{T}_fence');
     RETURN NEXT;
     RETURN;
   END IF;
@@ -447,6 +441,7 @@ BEGIN
     ELSE
       DELETE FROM {T} WHERE key = ANY(taken);
     END IF;
+    PERFORM {T}_commit_lazily();
     RETURN NEXT;
     RETURN;
   END IF;
@@ -463,7 +458,7 @@ BEGIN
     -- Every key inserted or given this hold: nothing is left for the loop below (a
     -- waiter's grant from under its reservations, the common one in line).
     IF given + cardinality(taken) = cardinality(p_keys) THEN
-      token := {T}_token();
+      token := nextval('{T}_fence');
       RETURN NEXT;
       RETURN;
     END IF;
@@ -523,7 +518,7 @@ BEGIN
   IF cardinality(heads) > 0 THEN
     PERFORM pg_notify('{C}', left(',' || array_to_string(heads, ','), 7900));
   END IF;
-  token := {T}_token();
+  token := nextval('{T}_fence');
   RETURN NEXT;
 END $$;
 
