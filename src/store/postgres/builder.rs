@@ -129,13 +129,15 @@ const POOL_SIZE: usize = 16;
 ///   commit waits for its WAL), and a failover to a synchronous replica
 ///   (`synchronous_standby_names` set, and `synchronous_commit` at `remote_write`, `on` or
 ///   `remote_apply`). Keep `synchronous_commit` at `on` (the default) or one of those for
-///   the store's connections: with `off` or `local`, a crash or a failover can lose grants
-///   and hand their fencing tokens out again. A release or a withdrawal may be lost
-///   (above), which costs time, never a second holder. A failover
-///   to an asynchronous replica that had not received a grant loses that grant: another
-///   request can then be granted the same keys while the first still runs. Fencing tokens
-///   come from the sequence, which the replica has as of its last replay: check them at the
-///   resource.
+///   the store's connections: with `off`, a crash can lose grants and hand their fencing
+///   tokens out again, and with `local`, a failover can. A release or a withdrawal may be
+///   lost (above), which costs time, never a second holder. A failover to an asynchronous
+///   replica that had not received a grant loses that grant: another request can then be
+///   granted the same keys while the first still runs. A failover to a synchronous replica
+///   can too, for a grant whose wait for it was cancelled (`pg_cancel_backend`): that
+///   grant committed on the primary alone, with a warning, and the store handed out its
+///   token. Fencing tokens come from the sequence, which the replica has as of its last
+///   replay: check them at the resource.
 /// - **TLS.** A pool built from a URL connects without TLS. For TLS, build your
 ///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`].
 #[derive(Clone)]
