@@ -1678,16 +1678,6 @@ async fn an_acquisition_stalled_on_the_server_leaves_no_key_once_it_runs() {
     );
 }
 
-/// How often the server has run `command`, from `INFO commandstats`.
-fn calls(observer: &Observer, command: &str) -> u64 {
-    let stats: String = observer.cmd(redis::cmd("INFO").arg("commandstats"));
-    let prefix = format!("cmdstat_{command}:calls=");
-    stats
-        .lines()
-        .find_map(|line| line.strip_prefix(prefix.as_str()))
-        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-}
-
 /// The ambiguous case for real: the acquisition is on the wire when the server freezes,
 /// and it runs when the server thaws, long after the layer answered 503. The pool's
 /// `post_create` hook freezes the server (SIGSTOP) right after connecting, so the script
@@ -1703,7 +1693,7 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
         &runs,
     );
     assert_eq!(send(&warm, batch(&["z:0"])).await.status, StatusCode::OK);
-    let sets_before = calls(&observer, "set");
+    let sets_before = observer.calls(&["set"]);
 
     let info: String = observer.cmd(redis::cmd("INFO").arg("server"));
     let pid = info
@@ -1763,7 +1753,7 @@ async fn an_acquisition_sent_just_before_the_server_froze_is_released_after_it_t
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         // Two keys, and the fencing counter.
-        calls(&observer, "set"),
+        observer.calls(&["set"]),
         sets_before + 3,
         "the stalled acquisition never ran: the test proves nothing"
     );
@@ -2383,10 +2373,6 @@ async fn serve_everything_as(server: &RedisServer, name: &str, rules: &[String])
     // No command was refused anywhere (a script refused a command midway keeps the writes
     // before it, and its caller only logs the failure: a release that frees its keys and
     // fails to wake anyone, as when the rule for the claims' overlap was missing).
-    let stats: String = observer.cmd(redis::cmd("INFO").arg("commandstats"));
-    let refused: Vec<&str> = stats
-        .lines()
-        .filter(|line| line.starts_with("cmdstat_") && !line.contains("rejected_calls=0,"))
-        .collect();
+    let refused = observer.refused_commands();
     assert!(refused.is_empty(), "{refused:?}");
 }

@@ -401,6 +401,16 @@ impl Observer {
             })
             .sum()
     }
+
+    /// The `INFO commandstats` lines of the commands the server refused at least once
+    /// (`rejected_calls`), those the scripts made included.
+    pub(crate) fn refused_commands(&self) -> Vec<String> {
+        let info: String = self.cmd(redis::cmd("INFO").arg("commandstats"));
+        info.lines()
+            .filter(|line| line.starts_with("cmdstat_") && !line.contains("rejected_calls=0,"))
+            .map(str::to_owned)
+            .collect()
+    }
 }
 
 /// A lock key's value, as the crate's scripts write it: `<owner>:<hold>[:<hold>...]`, then
