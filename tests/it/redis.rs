@@ -652,6 +652,75 @@ fn retry_in_line(
         .unwrap()
 }
 
+/// A long line (a hot key's) is changed where it changes, not read whole: what it keeps is
+/// what a whole read keeps, but for ended entries behind a live head (which keep nobody
+/// out), and the end it gives the key is never earlier than its latest reservation's (but
+/// by the millisecond that `PTTL` rounds away).
+/// Random lines of 5 to 80 entries, a quarter of them ended, each changed one way: by
+/// nothing (a release), a waiter's entry cut out (a grant, a withdrawal), a new one put in
+/// its place (a reservation), or one cut out and put back with a new end (a renewal).
+#[test]
+fn a_long_line_changed_in_place_keeps_what_a_whole_read_keeps() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let check = crate_script(
+        r#"
+        math.randomseed(tonumber(ARGV[1]))
+        local failures, base = {}, now()
+        -- The live entries of `queue`, and whether its first entry is live.
+        local function live(queue)
+          local kept = {}
+          for at, u in entries(queue) do
+            if u > base then kept[#kept + 1] = string.sub(queue, at, at + ENTRY_LEN - 1) end
+          end
+          return table.concat(kept), queue == '' or until_at(queue, 1) > base
+        end
+        for case = 1, tonumber(ARGV[2]) do
+          local parts, tickets, t, latest = {}, {}, 0, 0
+          for k = 1, math.random(WHOLE_LINE + 1, 80) do
+            -- Even tickets, so that an odd one falls between two.
+            t = t + 2 * math.random(1, 3)
+            tickets[k] = string.format('%036d', t)
+            local ends = base + math.random(1, 5000)
+            if math.random() < 0.25 then ends = base - math.random(0, 1000) end
+            if ends > latest then latest = ends end
+            parts[k] = entry(tickets[k], ends)
+          end
+          local queue = table.concat(parts)
+          -- The key lives until its latest reservation, as `write` leaves it.
+          redis.call('SET', KEYS[1], queue, 'PX', math.max(latest - base, 1))
+          local how, ticket, till = math.random(1, 5), nil, nil
+          if how == 2 or how == 4 then ticket = tickets[math.random(1, #tickets)] end
+          if how == 3 then ticket = string.format('%036d', 2 * math.random(0, t) + 1) end
+          if how == 5 then ticket = string.format('%036d', t + 1) end
+          if how >= 3 then till = base + math.random(1, 5000) end
+          local whole, exact = requeue_whole(queue, ticket, till)
+          local kept, bound = requeue(KEYS[1], queue, ticket, till)
+          local alive, head_live = live(kept)
+          -- The key's end comes from PTTL, in whole milliseconds of Redis's own clock.
+          local early = bound < exact - 1
+          if alive ~= whole or not head_live or early or (kept == '') ~= (whole == '') then
+            failures[#failures + 1] = case .. ' (' .. how .. '): ' .. #queue / ENTRY_LEN
+              .. ' entries, kept ' .. #kept / ENTRY_LEN .. ', ' .. #alive / ENTRY_LEN
+              .. ' live against ' .. #whole / ENTRY_LEN .. ', end ' .. bound .. ' against ' .. exact
+          end
+        end
+        redis.call('DEL', KEYS[1])
+        return failures
+        "#,
+    );
+    let mut rng = Rng::seeded(35);
+    for _ in 0..5 {
+        let failures: Vec<String> = check
+            .key("lock:line")
+            .arg(rng.below(1 << 30))
+            .arg(400)
+            .invoke(&mut observer.connection())
+            .unwrap();
+        assert!(failures.is_empty(), "{failures:#?}");
+    }
+}
+
 /// A waiter's retry that reads its keys first, kept out of a free key by an earlier waiter's
 /// claim, puts its reservation on that key too, as on every other key of its batch: it
 /// stays in line there for when the claim ends.

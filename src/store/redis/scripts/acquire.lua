@@ -171,7 +171,7 @@ if conflicts > 0 then
   elseif reserve_ms > 0 then
     -- A waiter in line reserves every key of its batch against later arrivals.
     local till = now() + reserve_ms
-    local mark = '|' .. ticket .. '/' .. string.format('%d', till)
+    local mark = entry(ticket, till)
     for _, i in ipairs(taken) do
       redis.call('SET', KEYS[i], mark, 'PX', reserve_ms)
     end
@@ -185,7 +185,7 @@ if conflicts > 0 then
     end
     for i, parts in pairs(found) do
       if not fresh(parts[2], ticket, till, reserve_ms) then
-        local queue, latest = requeue(parts[2], ticket, till)
+        local queue, latest = requeue(KEYS[i], parts[2], ticket, till)
         write(KEYS[i], parts[1], queue, latest, parts[4])
       end
     end
@@ -202,13 +202,13 @@ end
 local shared_names, shared_lines = {}, {}
 for i, value in pairs(first) do
   -- Its line, less the caller's entry.
-  local queue, latest = requeue(string.sub(value, ENTRY_LEN + 1))
+  local queue, latest = requeue(KEYS[i], string.sub(value, ENTRY_LEN + 1))
   write(KEYS[i], mine, queue, latest, now() + ttl)
 end
 for i, parts in pairs(found) do
   local holds, queue, ids, hold_end = parts[1], parts[2], parts[3], parts[4]
   local latest = 0
-  if queue ~= '' then queue, latest = requeue(queue, ticket) end
+  if queue ~= '' then queue, latest = requeue(KEYS[i], queue, ticket) end
   if shared_at(i) then
     shared_names[#shared_names + 1] = KEYS[i]
     shared_lines[#shared_lines + 1] = queue

@@ -26,12 +26,12 @@ for i, parts in pairs(shared) do
   if reader_until(holds, at) < now() + ttl then
     holds = string.sub(holds, 1, at - 1) .. reader_entry(ARGV[1], ARGV[2], now() + ttl)
       .. string.sub(holds, at + READER_LEN)
-    local queue, latest = requeue(parts[2])
+    local queue, latest = requeue(KEYS[i], parts[2])
     write(KEYS[i], holds, queue, latest)
   end
 end
 for i, parts in pairs(marked) do
-  local queue, latest = requeue(parts[2])
+  local queue, latest = requeue(KEYS[i], parts[2])
   write(KEYS[i], parts[1], queue, latest, math.max(parts[3], now() + ttl))
 end
 for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl, 'GT') end

@@ -18,7 +18,7 @@ each_value(1, function(i, value)
     redis.call('DEL', KEYS[i])
   else
     local latest
-    left, latest = requeue(queue)
+    left, latest = requeue(KEYS[i], queue)
     write(KEYS[i], '', left, latest)
   end
   names[#names + 1] = KEYS[i]

@@ -63,7 +63,7 @@ each_value(1, function(i, value)
   if holds == '' and queue == '' then
     gone[#gone + 1] = KEYS[i]
   else
-    local left, latest = requeue(queue)
+    local left, latest = requeue(KEYS[i], queue)
     write(KEYS[i], holds, left, latest, hold_end)
   end
 end)

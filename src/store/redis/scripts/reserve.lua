@@ -14,7 +14,6 @@
 -- it tries its batch again. Shared holds, which keep out only some, go unnamed.
 local ticket, reserve_ms, claiming = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local till = now() + reserve_ms
-local mark = '|' .. ticket .. '/'
 local names = names_from(1)
 local claimed_by = claimed(claims_before(ticket), names)
 if claiming then claim(ticket, names, till) end
@@ -24,7 +23,7 @@ each_value(1, function(i, value)
     if claimed_by[i] then blockers[#blockers + 1] = i end
     -- NX: a key of another type also reads as no value, and stays as it is.
     if not claiming then
-      redis.call('SET', KEYS[i], mark .. string.format('%d', till), 'PX', reserve_ms, 'NX')
+      redis.call('SET', KEYS[i], entry(ticket, till), 'PX', reserve_ms, 'NX')
     end
     return
   end
@@ -37,7 +36,7 @@ each_value(1, function(i, value)
     blockers[#blockers + 1] = i
   end
   if claiming or fresh(queue, ticket, till, reserve_ms) then return end
-  local left, latest = requeue(queue, ticket, till)
+  local left, latest = requeue(KEYS[i], queue, ticket, till)
   write(KEYS[i], holds, left, latest, hold_end)
 end)
 return blockers

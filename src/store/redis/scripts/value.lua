@@ -114,6 +114,12 @@ end
 -- The length of a reservation's entry: '|', the ticket (36 digits), '/', its end (13).
 local ENTRY_LEN = 51
 
+-- The Redis time (ms) until which the entry at `at` of a line counts. An end that is not a
+-- number has passed.
+local function until_at(queue, at)
+  return tonumber(string.sub(queue, at + 38, at + 50)) or 0
+end
+
 -- The entries of a line that `split` gave: the position of each, and the Redis time (ms)
 -- until which it counts.
 local function entries(queue)
@@ -121,8 +127,7 @@ local function entries(queue)
   return function()
     at = at + ENTRY_LEN
     if at > #queue then return nil end
-    -- An end that is not a number has passed.
-    return at, tonumber(string.sub(queue, at + 38, at + 50)) or 0
+    return at, until_at(queue, at)
   end
 end
 
@@ -171,11 +176,55 @@ local function split(value)
   return holds, queue, hold_end
 end
 
--- The live reservations of `queue` other than the one of `ticket` (a decimal string, or
--- nil), with `ticket`'s put in line until `till` (ms) when `till` is given; and the latest
--- expiry among them (0 if none). A line that loses no entry and gains none comes back as
--- it is: most calls on a key in line change nothing of its line.
-local function requeue(queue, ticket, till)
+-- The entry that puts `ticket` in line until `till` (ms).
+local function entry(ticket, till)
+  return '|' .. ticket .. '/' .. string.format('%d', till)
+end
+
+-- A line of at most this many entries is read whole whenever a call changes its key: its
+-- ended entries go, and its latest end is found exactly. A longer one, a hot key's, is
+-- changed only where it changes (`requeue_in_place`). Read whole, a line cost 0.27 us an
+-- entry to read and 0.8 us an entry to rebuild in each of a grant's three calls on a hot
+-- key (the release, the next waiter's grant, the next arrival's place in line): 96 us a
+-- grant with 64 waiters, 436 us with 256, against 23 and 71 us in place. What is left
+-- grows with the line as Redis's own copies of the value do (a GET and a SET of a line of
+-- 256 entries: 17 us).
+local WHOLE_LINE = 4
+
+-- `requeue` for a long line: `ticket`'s entry found by its text and cut out, ended entries
+-- dropped only from the head (one in the middle keeps nobody out, and goes when it reaches
+-- the head), and `ticket`'s entry put in its place by halving. The latest end it gives is
+-- a bound: the end of `key` (a long line's latest end, or a hold's, if later), or `till`.
+-- A key whose waiters all died so lives on until that end rather than their latest one.
+local function requeue_in_place(key, queue, ticket, till)
+  local mine = ticket and string.find(queue, '|' .. ticket .. '/', 1, true)
+  if mine then queue = string.sub(queue, 1, mine - 1) .. string.sub(queue, mine + ENTRY_LEN) end
+  local from = 1
+  while from <= #queue and until_at(queue, from) <= now() do
+    from = from + ENTRY_LEN
+  end
+  if from > 1 then queue = string.sub(queue, from) end
+  if till then
+    -- The entries before `lo` have earlier tickets, those from `hi` on later ones.
+    local lo, hi = 0, #queue / ENTRY_LEN
+    while lo < hi do
+      local mid = math.floor((lo + hi) / 2)
+      if ticket_at(queue, mid * ENTRY_LEN + 1) < ticket then lo = mid + 1 else hi = mid end
+    end
+    local at = lo * ENTRY_LEN
+    queue = string.sub(queue, 1, at) .. entry(ticket, till) .. string.sub(queue, at + 1)
+  end
+  if queue == '' then return '', 0 end
+  local latest = now() + math.max(redis.call('PTTL', key), 0)
+  if till and till > latest then latest = till end
+  return queue, latest
+end
+
+-- `requeue` for a short line, read whole: the live reservations of `queue` other than the
+-- one of `ticket`, with `ticket`'s put in line until `till` when given, and the latest end
+-- among them (0 if none). A line that loses no entry and gains none comes back as it is:
+-- most calls on a key in line change nothing of its line.
+local function requeue_whole(queue, ticket, till)
   local mine = ticket and string.find(queue, '|' .. ticket .. '/', 1, true)
   local latest, same = 0, till == nil
   if same then
@@ -190,18 +239,24 @@ local function requeue(queue, ticket, till)
   for at, u in entries(queue) do
     if u > now() and at ~= mine then
       if not placed and ticket < ticket_at(queue, at) then
-        out[#out + 1] = '|' .. ticket .. '/' .. string.format('%d', till)
+        out[#out + 1] = entry(ticket, till)
         placed = true
       end
       out[#out + 1] = string.sub(queue, at, at + ENTRY_LEN - 1)
       if u > latest then latest = u end
     end
   end
-  if not placed then
-    out[#out + 1] = '|' .. ticket .. '/' .. string.format('%d', till)
-  end
+  if not placed then out[#out + 1] = entry(ticket, till) end
   if till and till > latest then latest = till end
   return table.concat(out), latest
+end
+
+-- The line `queue` of `key` less the reservation of `ticket` (a decimal string, or nil),
+-- with `ticket`'s put in line until `till` (ms) when `till` is given; and the latest end
+-- among its reservations (0 if none), or for a long line a bound on it, for `write`.
+local function requeue(key, queue, ticket, till)
+  if #queue > WHOLE_LINE * ENTRY_LEN then return requeue_in_place(key, queue, ticket, till) end
+  return requeue_whole(queue, ticket, till)
 end
 
 -- Whether `ticket`'s reservation in `queue` ends after `till` - `reserve_ms` / 2: renewed
@@ -210,7 +265,7 @@ end
 -- rewritten each time.
 local function fresh(queue, ticket, till, reserve_ms)
   local at = string.find(queue, '|' .. ticket .. '/', 1, true)
-  return at ~= nil and (tonumber(string.sub(queue, at + 38, at + 50)) or 0) > till - reserve_ms / 2
+  return at ~= nil and until_at(queue, at) > till - reserve_ms / 2
 end
 
 -- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`) under

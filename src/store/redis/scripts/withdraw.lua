@@ -19,7 +19,7 @@ each_value(1, function(i, value)
   withdrawn = withdrawn + 1
   if reserved then
     local latest
-    queue, latest = requeue(queue, ARGV[1])
+    queue, latest = requeue(KEYS[i], queue, ARGV[1])
     write(KEYS[i], holds, queue, latest, hold_end)
   end
   if holds == '' or is_shared(holds) then
