@@ -66,7 +66,7 @@ end
 -- value).
 local taken, found, first = {}, {}, {}
 -- How a value starts whose line the caller heads.
-local heads_line = ticket and '|' .. ticket .. '/'
+local heads_line = ticket and entry_start(ticket)
 -- Looks at KEYS[i], whose value was `old` (false: none, and this script took it; a table:
 -- a key of another type), as the batch's grant or refusal needs it.
 local function look(i, old)
@@ -185,8 +185,8 @@ if conflicts > 0 then
     end
     for i, parts in pairs(found) do
       if not fresh(parts[2], ticket, till, reserve_ms) then
-        local queue, latest = requeue(KEYS[i], parts[2], ticket, till)
-        write(KEYS[i], parts[1], queue, latest, parts[4])
+        local queue, latest, key_end = requeue(KEYS[i], parts[2], ticket, till)
+        write(KEYS[i], parts[1], queue, latest, parts[4] or key_end)
       end
     end
   else
@@ -207,8 +207,8 @@ for i, value in pairs(first) do
 end
 for i, parts in pairs(found) do
   local holds, queue, ids, hold_end = parts[1], parts[2], parts[3], parts[4]
-  local latest = 0
-  if queue ~= '' then queue, latest = requeue(KEYS[i], queue, ticket) end
+  local latest, key_end = 0, nil
+  if queue ~= '' then queue, latest, key_end = requeue(KEYS[i], queue, ticket) end
   if shared_at(i) then
     shared_names[#shared_names + 1] = KEYS[i]
     shared_lines[#shared_lines + 1] = queue
@@ -238,7 +238,7 @@ for i, parts in pairs(found) do
     end
     -- Never shortened: exclusive holds end with the later of theirs and this one's (an
     -- upgrade's, with the readers' it carries, whose end the key's ttl was).
-    local ends = hold_end or now() + math.max(redis.call('PTTL', KEYS[i]), 0)
+    local ends = hold_end or key_end or now() + math.max(redis.call('PTTL', KEYS[i]), 0)
     write(KEYS[i], holds, queue, latest, math.max(ends, now() + ttl))
   end
 end

@@ -1,6 +1,7 @@
 -- KEYS: the keys. ARGV: channel, wake-up slots.
 -- Ends every hold on the keys, whoever has it: an operator's tool for a stuck lock. The
--- waiters' reservations stay (a key that has some lives on until the latest of them), so
+-- waiters' reservations stay (a key that has some lives on until the latest of them, or
+-- with a long line until its end before, if later: `requeue_in_place`), so
 -- that the waiters in line still go first, in their order. Foreign values are left alone:
 -- this crate cannot tell what they are. Announces the release to waiters in other
 -- processes, with the waiters now first in line (by a reservation or a claim). Returns

@@ -63,8 +63,8 @@ each_value(1, function(i, value)
   if holds == '' and queue == '' then
     gone[#gone + 1] = KEYS[i]
   else
-    local left, latest = requeue(KEYS[i], queue)
-    write(KEYS[i], holds, left, latest, hold_end)
+    local left, latest, key_end = requeue(KEYS[i], queue)
+    write(KEYS[i], holds, left, latest, hold_end or key_end)
   end
 end)
 delete(gone)

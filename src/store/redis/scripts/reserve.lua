@@ -36,7 +36,7 @@ each_value(1, function(i, value)
     blockers[#blockers + 1] = i
   end
   if claiming or fresh(queue, ticket, till, reserve_ms) then return end
-  local left, latest = requeue(KEYS[i], queue, ticket, till)
-  write(KEYS[i], holds, left, latest, hold_end)
+  local left, latest, key_end = requeue(KEYS[i], queue, ticket, till)
+  write(KEYS[i], holds, left, latest, hold_end or key_end)
 end)
 return blockers

@@ -16,13 +16,14 @@
 -- the next release of the key. A reservation is a waiter's ticket (smaller is earlier: 36
 -- digits) and the Redis time in milliseconds until which it counts (13 digits), an entry
 -- of 51 bytes, so that a script reads each field at its offset rather than by matching a
--- pattern character by character; they are kept in ticket order, and
--- keep later arrivals out whatever the modes. The key lives as long as the longest of its
--- holds and reservations (`write`). Exclusive holds end together, with the key's PX ttl,
--- unless reservations outlive them: then their end goes first in the queue, as the marker
--- `|0/<until>` (ticket 0 is no waiter's), and the key lives until its latest reservation,
--- so that a holder whose process died takes its holds with it, and not the line of
--- waiters behind it. Past the marker, the holds have ended (`split`).
+-- pattern character by character; they are kept in ticket order, and keep later arrivals
+-- out whatever the modes. The key lives as long as the longest of its holds and
+-- reservations (`write`; the key of a long line, at least as long: `requeue_in_place`).
+-- Exclusive holds end together, with the key's PX ttl, unless reservations outlive them:
+-- then their end goes first in the queue, as the marker `|0/<until>` (ticket 0 is no
+-- waiter's), and the key lives until its latest reservation, so that a holder whose
+-- process died takes its holds with it, and not the line of waiters behind it. Past the
+-- marker, the holds have ended (`split`).
 --
 -- Anything else under a lock key (a value another version or program wrote, or a key of
 -- another type) is foreign: it conflicts and is never changed. Shared holds start with
@@ -116,7 +117,7 @@ local ENTRY_LEN = 51
 
 -- The Redis time (ms) until which the entry at `at` of a line counts. An end that is not a
 -- number has passed.
-local function until_at(queue, at)
+local function entry_until(queue, at)
   return tonumber(string.sub(queue, at + 38, at + 50)) or 0
 end
 
@@ -127,7 +128,7 @@ local function entries(queue)
   return function()
     at = at + ENTRY_LEN
     if at > #queue then return nil end
-    return at, until_at(queue, at)
+    return at, entry_until(queue, at)
   end
 end
 
@@ -176,9 +177,14 @@ local function split(value)
   return holds, queue, hold_end
 end
 
+-- How the entry of `ticket` in a line starts: the text a script finds it by.
+local function entry_start(ticket)
+  return '|' .. ticket .. '/'
+end
+
 -- The entry that puts `ticket` in line until `till` (ms).
 local function entry(ticket, till)
-  return '|' .. ticket .. '/' .. string.format('%d', till)
+  return entry_start(ticket) .. string.format('%d', till)
 end
 
 -- A line of at most this many entries is read whole whenever a call changes its key: its
@@ -193,14 +199,22 @@ local WHOLE_LINE = 4
 
 -- `requeue` for a long line: `ticket`'s entry found by its text and cut out, ended entries
 -- dropped only from the head (one in the middle keeps nobody out, and goes when it reaches
--- the head), and `ticket`'s entry put in its place by halving. The latest end it gives is
--- a bound: the end of `key` (a long line's latest end, or a hold's, if later), or `till`.
--- A key whose waiters all died so lives on until that end rather than their latest one.
+-- the head: behind a head that waits long, ended entries wait with it), and `ticket`'s
+-- entry put in its place by halving. The latest end it gives is a bound: `till`, or the
+-- key's own end if later, which is never earlier than its latest reservation's (`write`
+-- keeps it so), and which it also gives as the end of exclusive holds that keep no end of
+-- their own, so that `write` reads the key's ttl once. A key whose waiters all died so
+-- lives on until its last hold's end or its latest reservation's so far, rather than
+-- theirs. (A key the previous version granted may end before its line, as that version
+-- left it; changed in place, it keeps that end until its holder's release rewrites it.) A
+-- key without a ttl, which only another program leaves, is read whole.
 local function requeue_in_place(key, queue, ticket, till)
-  local mine = ticket and string.find(queue, '|' .. ticket .. '/', 1, true)
+  local pttl = redis.call('PTTL', key)
+  if pttl < 0 then return nil end
+  local mine = ticket and string.find(queue, entry_start(ticket), 1, true)
   if mine then queue = string.sub(queue, 1, mine - 1) .. string.sub(queue, mine + ENTRY_LEN) end
   local from = 1
-  while from <= #queue and until_at(queue, from) <= now() do
+  while from <= #queue and entry_until(queue, from) <= now() do
     from = from + ENTRY_LEN
   end
   if from > 1 then queue = string.sub(queue, from) end
@@ -214,10 +228,9 @@ local function requeue_in_place(key, queue, ticket, till)
     local at = lo * ENTRY_LEN
     queue = string.sub(queue, 1, at) .. entry(ticket, till) .. string.sub(queue, at + 1)
   end
-  if queue == '' then return '', 0 end
-  local latest = now() + math.max(redis.call('PTTL', key), 0)
-  if till and till > latest then latest = till end
-  return queue, latest
+  local key_end = now() + pttl
+  if queue == '' then return '', 0, key_end end
+  return queue, math.max(key_end, till or 0), key_end
 end
 
 -- `requeue` for a short line, read whole: the live reservations of `queue` other than the
@@ -225,7 +238,7 @@ end
 -- among them (0 if none). A line that loses no entry and gains none comes back as it is:
 -- most calls on a key in line change nothing of its line.
 local function requeue_whole(queue, ticket, till)
-  local mine = ticket and string.find(queue, '|' .. ticket .. '/', 1, true)
+  local mine = ticket and string.find(queue, entry_start(ticket), 1, true)
   local latest, same = 0, till == nil
   if same then
     for at, u in entries(queue) do
@@ -253,9 +266,14 @@ end
 
 -- The line `queue` of `key` less the reservation of `ticket` (a decimal string, or nil),
 -- with `ticket`'s put in line until `till` (ms) when `till` is given; and the latest end
--- among its reservations (0 if none), or for a long line a bound on it, for `write`.
+-- among its reservations (0 if none), or for a long line a bound on it, for `write`; and
+-- for a long line, the key's end, which exclusive holds that keep no end of their own end
+-- with (`requeue_in_place`).
 local function requeue(key, queue, ticket, till)
-  if #queue > WHOLE_LINE * ENTRY_LEN then return requeue_in_place(key, queue, ticket, till) end
+  if #queue > WHOLE_LINE * ENTRY_LEN then
+    local left, latest, key_end = requeue_in_place(key, queue, ticket, till)
+    if left then return left, latest, key_end end
+  end
   return requeue_whole(queue, ticket, till)
 end
 
@@ -264,12 +282,12 @@ end
 -- a waiter retries at every release of a key it wants, and most of its batch need not be
 -- rewritten each time.
 local function fresh(queue, ticket, till, reserve_ms)
-  local at = string.find(queue, '|' .. ticket .. '/', 1, true)
-  return at ~= nil and until_at(queue, at) > till - reserve_ms / 2
+  local at = string.find(queue, entry_start(ticket), 1, true)
+  return at ~= nil and entry_until(queue, at) > till - reserve_ms / 2
 end
 
--- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`) under
--- `key`, living as long as the longest of them: deleted when both are empty. Exclusive
+-- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`, or for a
+-- long line before it: `requeue`) under `key`, living as long as the longest of them: deleted when both are empty. Exclusive
 -- holds end at `hold_end` (Redis ms; nil: where the key's ttl ends now), each shared one
 -- at its own end. Where reservations outlive exclusive holds, the holds' end goes in the
 -- value as its marker (see the top of this file).

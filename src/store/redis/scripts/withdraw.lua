@@ -3,7 +3,7 @@
 -- more goes), and the keys out of its claim (claims.lua), and wakes the waiters in other
 -- processes that they kept out: the ones now first in line on a key not held exclusively.
 -- Returns how many keys had one, then the tickets of those waiters.
-local mark = '|' .. ARGV[1] .. '/'
+local mark = entry_start(ARGV[1])
 local withdrawn, heads, names, lines = 0, {}, {}, {}
 local claimed_here = unclaim_part(ARGV[1], names_from(1))
 each_value(1, function(i, value)
@@ -18,9 +18,9 @@ each_value(1, function(i, value)
   end
   withdrawn = withdrawn + 1
   if reserved then
-    local latest
-    queue, latest = requeue(KEYS[i], queue, ARGV[1])
-    write(KEYS[i], holds, queue, latest, hold_end)
+    local latest, key_end
+    queue, latest, key_end = requeue(KEYS[i], queue, ARGV[1])
+    write(KEYS[i], holds, queue, latest, hold_end or key_end)
   end
   if holds == '' or is_shared(holds) then
     names[#names + 1] = KEYS[i]
