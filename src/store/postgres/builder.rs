@@ -114,10 +114,10 @@ const POOL_SIZE: usize = 16;
 ///   schema, `EXECUTE` on its functions, which write the table and the sequence.
 /// - **Connection poolers.** Every call is one statement in a transaction of its own, and
 ///   the store keeps no session state (its settings are the functions' own, or last a
-///   transaction), so transaction pooling suits it. By default it prepares each statement once a connection (a named
-///   prepared statement), which PgBouncer keeps apart by server connection only from 1.21
-///   (`max_prepared_statements`, on by default from 1.24); behind a pooler in transaction
-///   mode that does not, or when unsure, set
+///   transaction), so transaction pooling suits it. By default it prepares each statement
+///   once a connection (a named prepared statement), which PgBouncer keeps apart by server
+///   connection only from 1.21 (`max_prepared_statements`, on by default from 1.24); behind
+///   a pooler in transaction mode that does not, or when unsure, set
 ///   [`transaction_pooling`](Self::transaction_pooling), which sends every call unnamed,
 ///   with its types, in one round trip (tested behind PgBouncer 1.18 in transaction mode:
 ///   `postgres::behind_pgbouncer_*`). The

@@ -212,7 +212,9 @@ local function requeue_in_place(key, queue, ticket, till)
   local pttl = redis.call('PTTL', key)
   if pttl < 0 then return nil end
   local mine = ticket and string.find(queue, entry_start(ticket), 1, true)
-  if mine then queue = string.sub(queue, 1, mine - 1) .. string.sub(queue, mine + ENTRY_LEN) end
+  if mine then
+    queue = string.sub(queue, 1, mine - 1) .. string.sub(queue, mine + ENTRY_LEN)
+  end
   local from = 1
   while from <= #queue and entry_until(queue, from) <= now() do
     from = from + ENTRY_LEN
@@ -286,10 +288,10 @@ local function fresh(queue, ticket, till, reserve_ms)
   return at ~= nil and entry_until(queue, at) > till - reserve_ms / 2
 end
 
--- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`, or for a
--- long line before it: `requeue`) under `key`, living as long as the longest of them: deleted when both are empty. Exclusive
--- holds end at `hold_end` (Redis ms; nil: where the key's ttl ends now), each shared one
--- at its own end. Where reservations outlive exclusive holds, the holds' end goes in the
+-- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`: for a
+-- long line, a bound no earlier, `requeue`) under `key`, living as long as the longest of
+-- them: deleted when both are empty. Exclusive holds end at `hold_end` (Redis ms; nil:
+-- where the key's ttl ends now), each shared one at its own end. Where reservations outlive exclusive holds, the holds' end goes in the
 -- value as its marker (see the top of this file).
 local function write(key, holds, queue, latest, hold_end)
   if holds == '' then
