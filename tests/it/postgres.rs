@@ -587,6 +587,37 @@ async fn a_waiters_grant_over_its_reservations_is_whole_when_a_row_is_missing() 
     );
 }
 
+/// A waiter's retry that one key keeps out (an earlier arrival holds it) takes nothing and
+/// keeps its place: refused, with that key named, and its reservations on every key as
+/// before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiters_retry_refused_by_one_held_key_takes_nothing_and_keeps_its_place() {
+    let db = database_with_schema().await;
+    db.query(&format!(
+        "SELECT tower_batch_lock.locks_reserve({KEYS_100}, 2, clock_timestamp(), 30000)"
+    ));
+    // An earlier arrival (ticket 1) takes one of the keys.
+    let other = "00000000-0000-0000-0000-0000000000d1";
+    let taken = db.query(&format!(
+        "SELECT token IS NOT NULL FROM tower_batch_lock.locks_acquire(\
+         ARRAY['lock:k050'], 'x', '{other}', 1, 10000, 10, 1, 30000, true)"
+    ));
+    assert_eq!(taken, "t");
+    let waiter = "00000000-0000-0000-0000-0000000000d2";
+    let refused = db.query(&format!(
+        "SELECT token IS NULL, conflicts, named FROM tower_batch_lock.locks_acquire(\
+         {KEYS_100}, 'x', '{waiter}', 7, 10000, 100, 2, 30000, false)"
+    ));
+    assert_eq!(refused, "t|1|{lock:k050}");
+    let rows = db.query(&format!(
+        "SELECT count(*) FILTER (WHERE owner = '{waiter}'), \
+           count(*) FILTER (WHERE EXISTS (SELECT 1 FROM unnest(line) q \
+             WHERE q.ticket = 2 AND q.ends > clock_timestamp())) \
+         FROM tower_batch_lock.locks"
+    ));
+    assert_eq!(rows, "0|100");
+}
+
 /// The common changes of a line, made without a walk over it ({T}_head, {T}_without and
 /// {T}_with: a look at its first or last entry), keep what the walk ({T}_requeue) keeps:
 /// 3,000 random lines of 0 to 8 entries, about a third of them ended, each given a head, a
