@@ -313,7 +313,11 @@ BEGIN
   ORDER BY u.i
   ON CONFLICT (key) DO UPDATE
     SET line = {T}_with(l.line, p_ticket, p_now + p_reserve_ms * interval '1 ms', p_now)
-    WHERE NOT EXISTS (SELECT 1 FROM unnest(l.line) q WHERE q.ticket = p_ticket
+    -- A line whose last ticket is earlier has no entry of this waiter's (the rule, for a
+    -- waiter's first reservation): that needs no look through it (2,000 rows with lines
+    -- of three: 15.5-17 -> 11-14 ms, psql).
+    WHERE (l.line[cardinality(l.line)]).ticket < p_ticket
+       OR NOT EXISTS (SELECT 1 FROM unnest(l.line) q WHERE q.ticket = p_ticket
                       AND q.ends > p_now + p_reserve_ms * interval '0.5 ms');
 END $$;
 
