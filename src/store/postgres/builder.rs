@@ -58,6 +58,11 @@ const POOL_SIZE: usize = 16;
 /// - *release* deletes the rows that hold this hold alone, frees those that a waiter
 ///   reserves in one `UPDATE` (both index scans: in key order), and takes the hold off the
 ///   others; a row stays while a waiter reserves it.
+/// - A row's line of reservations is kept in ticket order, and its common changes (a
+///   grant in line takes the head, a reservation of the latest ticket goes at the end, a
+///   release leaves it as it is) and the question whether a row keeps a batch out are
+///   expressions in the statement; a walk over the line runs only for the rest, and drops
+///   the entries that ended (every reader skips them until then).
 /// - The table leaves half of each page free (`fillfactor = 50`), so that the row versions
 ///   of contended keys are written in their own page, without new index entries, and
 ///   pruned there (HOT updates).
