@@ -618,6 +618,27 @@ async fn a_waiters_retry_refused_by_one_held_key_takes_nothing_and_keeps_its_pla
     assert_eq!(rows, "0|100");
 }
 
+/// A withdrawal takes off its waiter's live entries only: an entry that ended (a line keeps
+/// it until a change walks the line) keeps nobody out, and taking it off would wake the
+/// waiter first in line for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_withdrawal_of_an_ended_entry_wakes_nobody() {
+    let db = database_with_schema().await;
+    db.query(
+        "INSERT INTO tower_batch_lock.locks (key, line) VALUES ('lock:k', ARRAY[\
+           ROW(1, clock_timestamp() + interval '30 s')::tower_batch_lock.locks_place, \
+           ROW(2, clock_timestamp() - interval '1 s')::tower_batch_lock.locks_place])",
+    );
+    let ended = db.query(
+        "SELECT withdrawn, heads FROM tower_batch_lock.locks_withdraw(ARRAY['lock:k'], 2, 'm')",
+    );
+    assert_eq!(ended, "0|{}");
+    let live = db.query(
+        "SELECT withdrawn, heads FROM tower_batch_lock.locks_withdraw(ARRAY['lock:k'], 1, 'm')",
+    );
+    assert_eq!(live, "1|{}");
+}
+
 /// The common changes of a line, made without a walk over it ({T}_head, {T}_without and
 /// {T}_with: a look at its first or last entry), keep what the walk ({T}_requeue) keeps:
 /// 3,000 random lines of 0 to 8 entries, about a third of them ended, each given a head, a

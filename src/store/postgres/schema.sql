@@ -204,8 +204,8 @@ CREATE OR REPLACE FUNCTION {T}_line_keeps_out(
   p_line {T}_place[], p_ticket numeric, p_now timestamptz
 ) RETURNS int
 LANGUAGE sql IMMUTABLE AS $$
-  SELECT coalesce((p_ticket IS NULL OR {T}_head(p_line, p_now) < p_ticket)
-                  AND {T}_head(p_line, p_now) IS NOT NULL, false)::int
+  SELECT CASE WHEN p_ticket IS NULL THEN ({T}_head(p_line, p_now) IS NOT NULL)::int
+              ELSE coalesce(({T}_head(p_line, p_now) < p_ticket)::int, 0) END
 $$;
 
 -- {T}_keeps_out for a row that no owner holds exclusively now, with readers.
@@ -759,7 +759,10 @@ BEGIN
   WITH changed AS (
     UPDATE {T} l SET line = {T}_without(l.line, p_ticket, now)
     FROM (SELECT l2.key FROM {T} l2 WHERE l2.key = ANY(p_keys)
-            AND EXISTS (SELECT 1 FROM unnest(l2.line) q WHERE q.ticket = p_ticket)
+            -- A live entry: one that ended keeps nobody out (it stays until a change
+            -- of the line walks it), and taking it off would wake the head for nothing.
+            AND EXISTS (SELECT 1 FROM unnest(l2.line) q
+                        WHERE q.ticket = p_ticket AND q.ends > now)
           ORDER BY l2.key FOR UPDATE) w
     WHERE l.key = w.key
     RETURNING l.key, CASE WHEN NOT (l.owner IS NOT NULL AND l.ends > now)
