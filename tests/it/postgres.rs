@@ -639,12 +639,12 @@ async fn a_withdrawal_of_an_ended_entry_wakes_nobody() {
     assert_eq!(live, "1|{}");
 }
 
-/// The common changes of a line, made without a walk over it ({T}_head, {T}_without and
-/// {T}_with: a look at its first or last entry), keep what the walk ({T}_requeue) keeps:
-/// 3,000 random lines of 0 to 8 entries, about a third of them ended, each given a head, a
-/// waiter's entry taken out (its own first in half the cases) and one put in (the latest
-/// ticket in a third): the same live entries in the same order, the line still in ticket
-/// order, and the first live entry as the head.
+/// The common changes of a line, made without a walk over it (`locks_head`, `locks_without`
+/// and `locks_with`: a look at its first or last entry), keep what the walk
+/// (`locks_requeue`) keeps: 3,000 random lines of 0 to 8 entries, about a third of them
+/// ended, each given a head, a waiter's entry taken out (its own first in half the cases)
+/// and one put in (the latest ticket in a third): the same live entries in the same order,
+/// the line still in ticket order, and the first live entry as the head.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lines_common_changes_keep_what_its_walk_keeps() {
     let db = database_with_schema().await;
