@@ -291,8 +291,9 @@ end
 -- Writes `holds` and `queue` (reservations, the latest of which ends at `latest`: for a
 -- long line, a bound no earlier, `requeue`) under `key`, living as long as the longest of
 -- them: deleted when both are empty. Exclusive holds end at `hold_end` (Redis ms; nil:
--- where the key's ttl ends now), each shared one at its own end. Where reservations outlive exclusive holds, the holds' end goes in the
--- value as its marker (see the top of this file).
+-- where the key's ttl ends now), each shared one at its own end. Where reservations
+-- outlive exclusive holds, the holds' end goes in the value as its marker (see the top of
+-- this file).
 local function write(key, holds, queue, latest, hold_end)
   if holds == '' then
     if queue == '' then
