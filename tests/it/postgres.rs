@@ -433,8 +433,8 @@ async fn a_server_killed_under_load_answers_503_then_grants_again_with_larger_to
 }
 
 /// A big batch (it looks before it locks) with one key held: refused, it writes nothing;
-/// waiting, it reserves every key of its batch at once, is granted when the key is
-/// released, and leaves nothing.
+/// waiting, it claims its whole batch (one row of the claims table, and no write to its
+/// keys' rows), is granted when the key is released, and leaves nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_big_batch_with_one_held_key_is_refused_or_waits_in_line_for_it() {
     let db = Database::create();
@@ -458,16 +458,23 @@ async fn a_big_batch_with_one_held_key_is_refused_or_waits_in_line_for_it() {
     let app = batch_router(&waiting, counting_handler(&Arc::default()));
     let request = batch(&keys);
     let waiter = tokio::spawn(async move { send(&app, request).await });
-    let reserved =
+    let claimed =
         crate::support::http::poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
-            db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE line IS NOT NULL") == "100"
+            db.query("SELECT string_agg(cardinality(keys)::text, ',') FROM tower_batch_lock.locks_claims")
+                == "100"
         })
         .await;
-    assert!(reserved.is_some(), "the waiter reserved its whole batch");
+    assert!(claimed.is_some(), "the waiter claimed its whole batch");
+    assert_eq!(rows(&db), ["lock:k42"], "the waiter wrote no row");
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
     assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+    assert_eq!(
+        db.query("SELECT count(*) FROM tower_batch_lock.locks_claims"),
+        "0",
+        "the grant ended the claim"
+    );
 }
 
 /// Big batches that overlap, from two processes at once, each first trying its keys as new
@@ -559,42 +566,103 @@ async fn database_with_schema() -> Database {
 const KEYS_100: &str = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
                         FROM generate_series(0, 99) i)";
 
-/// A waiter in line that finds itself free is granted by one statement over its
-/// reservations' rows; where a key has no row (here, its reservation's row was deleted),
-/// that statement is undone and the grant goes the general way: every key held by the
-/// waiter, and no reservation of its left.
+/// Claims, as the store calls the functions: a big waiter's claim keeps later arrivals out
+/// of its keys, held or free (a small one in no line, a later small waiter, which reserves
+/// its key, and a later big waiter, which claims), and nobody out of the keys it does not
+/// name; an owner that holds a key passes the claims on that key, and only on it (for its
+/// attempt and its probe); a release wakes the earliest claim's waiter and not a later one
+/// that an earlier claim overlaps; the first is granted from under its claim, which ends;
+/// its release wakes the next claim's waiter and the small waiter; a withdrawal ends a
+/// claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_waiters_grant_over_its_reservations_is_whole_when_a_row_is_missing() {
+async fn a_claim_keeps_later_arrivals_out_and_a_release_wakes_its_waiter_first() {
     let db = database_with_schema().await;
-    db.query(&format!(
-        "SELECT tower_batch_lock.locks_reserve({KEYS_100}, 2, clock_timestamp(), 30000)"
-    ));
-    db.query("DELETE FROM tower_batch_lock.locks WHERE key = 'lock:k099'");
-    let owner = "00000000-0000-0000-0000-0000000000b0";
-    let granted = db.query(&format!(
-        "SELECT token IS NOT NULL, conflicts FROM tower_batch_lock.locks_acquire(\
-         {KEYS_100}, 'x', '{owner}', 7, 10000, 100, 2, 30000, false)"
-    ));
-    assert_eq!(granted, "t|0");
-    let held = db.query(&format!(
-        "SELECT count(*) FROM tower_batch_lock.locks WHERE owner = '{owner}' \
-         AND holds = '{{7}}' AND ends > clock_timestamp()"
-    ));
-    assert_eq!(held, "100");
+    let acquire =
+        |keys: &str, owner: u8, hold: u8, ticket: &str, reserve: u32, free_first: bool| {
+            db.query(&format!(
+                "SELECT coalesce(token::text, 'refused ' || conflicts || ' ' || named::text) \
+             FROM tower_batch_lock.locks_acquire({keys}, 'x', \
+               '00000000-0000-0000-0000-0000000000{owner:02x}', {hold}, 10000, 3, \
+               {ticket}, {reserve}, {free_first})"
+            ))
+        };
+    let claims = || {
+        db.query("SELECT string_agg(ticket || ':' || cardinality(keys), ',' ORDER BY ticket) FROM tower_batch_lock.locks_claims")
+    };
+    let one = |k: &str| format!("ARRAY['lock:{k}']");
+    let later_100 = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
+                     FROM generate_series(50, 149) i)";
+
+    assert!(!acquire(&one("k050"), 1, 1, "NULL", 0, true).starts_with("refused"));
     assert_eq!(
-        db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE line IS NOT NULL"),
-        "0"
+        acquire(KEYS_100, 2, 2, "5", 30000, true),
+        "refused 1 {lock:k050}"
     );
+    assert_eq!(claims(), "5:100");
+    assert_eq!(rows(&db), ["lock:k050"], "a claim writes no key's row");
+    assert_eq!(
+        acquire(&one("k001"), 3, 3, "NULL", 0, true),
+        "refused 1 {lock:k001}"
+    );
+    assert_eq!(
+        acquire(&one("k001"), 4, 4, "7", 30000, true),
+        "refused 1 {lock:k001}"
+    );
+    assert_eq!(
+        db.line("lock:k001"),
+        [7],
+        "the small waiter reserved its key"
+    );
+    assert_eq!(
+        acquire(later_100, 5, 5, "9", 30000, true),
+        "refused 50 {lock:k050,lock:k051,lock:k052}"
+    );
+    assert_eq!(claims(), "5:100,9:100");
+    // The holder of k050 (owner 1), arrived with ticket 6 (after the first claim), asks for
+    // k050 and k051 again.
+    let two = "ARRAY['lock:k050', 'lock:k051']";
+    assert_eq!(acquire(two, 1, 8, "6", 0, true), "refused 1 {lock:k051}");
+    let probe = |owner: u8| {
+        db.query(&format!(
+            "SELECT tower_batch_lock.locks_probe({two}, 'x', \
+             '00000000-0000-0000-0000-0000000000{owner:02x}', 6)"
+        ))
+    };
+    assert_eq!((probe(1), probe(7)), ("1".to_owned(), "0".to_owned()));
+    let release = |keys: &str, owner: u8, hold: u8| {
+        db.query(&format!(
+            "SELECT released || ' ' || heads::text FROM tower_batch_lock.locks_release({keys}, \
+             '00000000-0000-0000-0000-0000000000{owner:02x}', {hold}, 'm')"
+        ))
+    };
+    assert!(!acquire(&one("k200"), 6, 6, "NULL", 0, true).starts_with("refused"));
+    assert_eq!(release(&one("k200"), 6, 6), "1 {}", "no claim names k200");
+    assert_eq!(release(&one("k050"), 1, 1), "1 {5}");
+    assert!(!acquire(KEYS_100, 2, 2, "5", 30000, false).starts_with("refused"));
+    assert_eq!(claims(), "9:100", "the grant ended its claim");
+    assert_eq!(release(KEYS_100, 2, 2), "100 {7,9}");
+    assert_eq!(
+        rows(&db),
+        ["lock:k001"],
+        "only the reserved key keeps a row"
+    );
+    assert_eq!(
+        db.query(&format!(
+            "SELECT withdrawn || ' ' || heads::text \
+             FROM tower_batch_lock.locks_withdraw({later_100}, 9, 'm')"
+        )),
+        "100 {}"
+    );
+    assert_eq!(claims(), "");
 }
 
-/// A waiter's retry that one key keeps out (an earlier arrival holds it) takes nothing and
-/// keeps its place: refused, with that key named, and its reservations on every key as
-/// before.
+/// A big waiter's retry that one key keeps out (an earlier arrival holds it) takes nothing
+/// and keeps its place: refused, with that key named, and its claim as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiters_retry_refused_by_one_held_key_takes_nothing_and_keeps_its_place() {
     let db = database_with_schema().await;
     db.query(&format!(
-        "SELECT tower_batch_lock.locks_reserve({KEYS_100}, 2, clock_timestamp(), 30000)"
+        "SELECT tower_batch_lock.locks_claim({KEYS_100}, 2, clock_timestamp(), 30000)"
     ));
     // An earlier arrival (ticket 1) takes one of the keys.
     let other = "00000000-0000-0000-0000-0000000000d1";
@@ -609,13 +677,14 @@ async fn a_waiters_retry_refused_by_one_held_key_takes_nothing_and_keeps_its_pla
          {KEYS_100}, 'x', '{waiter}', 7, 10000, 100, 2, 30000, false)"
     ));
     assert_eq!(refused, "t|1|{lock:k050}");
-    let rows = db.query(&format!(
-        "SELECT count(*) FILTER (WHERE owner = '{waiter}'), \
-           count(*) FILTER (WHERE EXISTS (SELECT 1 FROM unnest(line) q \
-             WHERE q.ticket = 2 AND q.ends > clock_timestamp())) \
-         FROM tower_batch_lock.locks"
-    ));
-    assert_eq!(rows, "0|100");
+    assert_eq!(rows(&db), ["lock:k050"]);
+    assert_eq!(
+        db.query(
+            "SELECT ticket, cardinality(keys), ends > clock_timestamp() \
+             FROM tower_batch_lock.locks_claims"
+        ),
+        "2|100|t"
+    );
 }
 
 /// A withdrawal takes off its waiter's live entries only: an entry that ended (a line keeps

@@ -34,8 +34,11 @@ const POOL_SIZE: usize = 16;
 /// One row a lock key in the table `tower_batch_lock.locks` ([`schema`](Self::schema),
 /// [`table`](Self::table)): the exclusive holds (one owner, its hold ids, their end), the
 /// shared holds (owner, hold, end each), and the reservations of the waiters in line
-/// (ticket and end, in ticket order). Every call is one statement, a function of the
-/// schema, so that a batch of any size costs one round trip:
+/// (ticket and end, in ticket order). A waiter with a big exclusive batch (64 keys or
+/// more) keeps its place in line apart, as one row of `locks_claims` (its ticket, its keys
+/// and its end): a *claim*, which keeps later arrivals out of the keys it names as a
+/// reservation does, and writes no key's row. Every call is one statement, a function of
+/// the schema, so that a batch of any size costs one round trip:
 ///
 /// - *acquire* inserts the free keys' rows in one `INSERT … ON CONFLICT DO UPDATE … WHERE
 ///   false`, which also locks the rows that were there, in key order (so two batches never
@@ -50,14 +53,16 @@ const POOL_SIZE: usize = 16;
 ///   (a subtransaction rolled back, so that it keeps no row while it waits for others).
 ///   Every batch of that size then looks without locking (the same probe, counting only
 ///   when a key keeps it out), and is refused without locking any row when it is kept out
-///   (a waiter in line reserves its batch first, and asks the probe once more).
-///   A big waiter in line whose look finds it free (its retry after a release woke it) is
-///   granted by one `UPDATE` of the rows its reservations keep, and goes the way above
-///   only when a key has no such row.
+///   (a waiter in line reserves or claims its batch first, and asks the probe once more).
+///   Before all of that, a batch that an earlier waiter's claim keeps out of a key (one
+///   its owner does not hold) is refused at once, with those keys named, without a look
+///   at the rows; a grant ends its own waiter's claim.
 ///   Nobody sees part of a batch: the statement is one transaction.
 /// - *release* deletes the rows that hold this hold alone, frees those that a waiter
 ///   reserves in one `UPDATE` (both index scans: in key order), and takes the hold off the
-///   others; a row stays while a waiter reserves it.
+///   others; a row stays while a waiter reserves it. The waiters it wakes are the first in
+///   line on the rows it freed, and those of the claims that name one of its keys and
+///   share none with an earlier claim (a waiter whose claim does is kept out by that one).
 /// - A row's line of reservations is kept in ticket order, and its common changes (a
 ///   grant in line takes the head, a reservation of the latest ticket goes at the end, a
 ///   release leaves it as it is) and the question whether a row keeps a batch out are
@@ -91,13 +96,10 @@ const POOL_SIZE: usize = 16;
 ///   poll. Other releases notify nobody: `NOTIFY` serializes the commits of the
 ///   transactions that send one, which the uncontended path must not pay; waiters in no
 ///   line (`Wait::fair(false)`) poll for other processes' releases.
-/// - Under contention, a waiting batch rewrites its rows to reserve them and its grant
-///   rewrites them again, as row versions that a big batch's statement holds the locks of
-///   while it runs: the bench's `contention` section (`docs/bench`) measures it beside
-///   memory and Redis. With 16 clients of 3-key orders and 4 of 2,000-key orders on 3,000
-///   keys, it granted about a fifth of what one Redis granted in the same run, and an
-///   eighth to a twelfth of what the memory store did (two runs, on machines of unlike
-///   speed).
+/// - Under contention, a small waiting batch rewrites its rows to reserve them and its
+///   grant rewrites them again, as row versions that a big batch's statement holds the
+///   locks of while it runs; a big one claims its batch in one row. The bench's
+///   `contention` section (`docs/bench`) measures it beside memory and Redis.
 /// - An acquire waits at most 500 ms for rows that another transaction keeps (a big
 ///   batch's statement, or your transaction under its guard, `Lease::postgres_guard`);
 ///   then the request is refused as contended: it waits on, or gets 409, never 503.

@@ -13,6 +13,8 @@
 --   line: waiters' reservations (ticket, ends), in ticket order: a waiter's place in line,
 --     until its own deadline, whatever happens to the holds (an entry that ended may stay
 --     until a change of the line walks it: every reader skips it).
+-- A waiter with a big exclusive batch keeps its place in line apart from the rows, as one
+-- row of `{T}_claims` (a claim: see there).
 -- Every time is the database's clock (clock_timestamp()), never a client's. A row none of
 -- whose holds and reservations has an end in the future is free, whatever it holds; the
 -- next call on the key overwrites it, and `{T}_sweep` deletes the ones nobody calls on.
@@ -43,6 +45,23 @@ CREATE TABLE IF NOT EXISTS {T} (
   readers {T}_reader[],
   line {T}_place[]
 ) WITH (fillfactor = 50);
+
+-- Claims: the place in line of a waiter with a big exclusive batch (64 keys or more), one
+-- row a waiter: its ticket, its keys (sorted, as the crate sends them), until its own
+-- deadline. Written into its keys' rows, that place cost a refused attempt of 2,000 keys
+-- a write of each row (11-14 ms), its grant and the holder's release a change of each
+-- row's line, and the rows stayed locked while it was written, so the next grant waited
+-- for it; a claim is one row, which locks no key's. A live claim with an earlier ticket
+-- keeps a caller out of the keys it names, as an earlier reservation does, unless the
+-- caller's owner holds the key; a call that frees keys wakes the waiters of the claims
+-- that name one and share no key with an earlier claim ({T}_claim_heads); a grant ends
+-- its waiter's claim, a withdrawal ends it. The rows stay as they are meanwhile: a held
+-- key keeps its hold, a free one stays free (or absent).
+CREATE TABLE IF NOT EXISTS {T}_claims (
+  ticket numeric PRIMARY KEY,
+  keys text[] COLLATE "C" NOT NULL,
+  ends timestamptz NOT NULL
+);
 
 -- Fencing tokens: a sequence never goes backwards, across restarts and crashes (a crash
 -- may skip values, never repeat one).
@@ -322,6 +341,122 @@ BEGIN
                       AND q.ends > p_now + p_reserve_ms * interval '0.5 ms');
 END $$;
 
+-- Whether `p_owner` holds the key `p_key` now, in any mode.
+CREATE OR REPLACE FUNCTION {T}_owner_holds(p_key text, p_owner uuid, p_now timestamptz)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+  SELECT EXISTS (
+    SELECT 1 FROM {T} l WHERE l.key = p_key
+      AND ((l.owner = p_owner AND l.ends > p_now)
+           OR EXISTS (SELECT 1 FROM unnest(l.readers) x
+                      WHERE x.owner = p_owner AND x.ends > p_now)))
+$$;
+
+-- The positions in `p_keys` (in order) of the keys that a live claim with an earlier
+-- ticket than `p_ticket` (any live one, for NULL; never `p_ticket`'s own) names and that
+-- `p_holder` does not hold now: the keys that claims keep the caller out of. `p_holder`:
+-- the caller's owner where it may hold keys; NULL for a waiter in line, which holds none
+-- (a look at each row: 6 ms for 1,333 held keys). Reads only; with no earlier claim, one
+-- look at the claims table. A small batch asks each claim of
+-- each of its keys (3 keys against three claims of 2,000: 0.2 ms); a big one hashes the
+-- claims' keys once (2,000 keys against three claims: 2-3 ms, where `&&` or `= ANY` a key
+-- compared every pair, 50 ms).
+CREATE OR REPLACE FUNCTION {T}_claimed(
+  p_keys text[], p_holder uuid, p_ticket numeric, p_now timestamptz
+) RETURNS int[]
+LANGUAGE plpgsql STABLE
+-- The claims table is a few rows, read whole (the callers' `enable_seqscan = off` made
+-- each of its scans cost ten billion, which turned on JIT: 20 ms a call).
+SET enable_seqscan = on
+AS $$
+DECLARE
+  at int[];
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM {T}_claims c
+                 WHERE c.ends > p_now AND (p_ticket IS NULL OR c.ticket < p_ticket)) THEN
+    RETURN '{}';
+  END IF;
+  IF cardinality(p_keys) < 64 THEN
+    SELECT array_agg(u.i::int ORDER BY u.i) INTO at
+      FROM unnest(p_keys) WITH ORDINALITY u(k, i)
+      WHERE EXISTS (SELECT 1 FROM {T}_claims c
+                    WHERE c.ends > p_now AND (p_ticket IS NULL OR c.ticket < p_ticket)
+                      AND u.k = ANY(c.keys));
+  ELSE
+    SELECT array_agg(u.i::int ORDER BY u.i) INTO at
+      FROM unnest(p_keys) WITH ORDINALITY u(k, i)
+      WHERE u.k IN (SELECT unnest(c.keys) FROM {T}_claims c
+                    WHERE c.ends > p_now AND (p_ticket IS NULL OR c.ticket < p_ticket));
+  END IF;
+  IF at IS NULL THEN
+    RETURN '{}';
+  END IF;
+  IF p_holder IS NOT NULL THEN
+    -- The owner passes the claims on the keys it holds, and only on those.
+    SELECT coalesce(array_agg(a ORDER BY a), '{}') INTO at FROM unnest(at) a
+      WHERE NOT {T}_owner_holds(p_keys[a], p_holder, p_now);
+  END IF;
+  RETURN at;
+END $$;
+
+-- Puts the claim of the waiter with `p_ticket` on the keys `p_keys`, for `p_reserve_ms`:
+-- a claim with more than half its time left stays as it is.
+CREATE OR REPLACE FUNCTION {T}_claim(
+  p_keys text[], p_ticket numeric, p_now timestamptz, p_reserve_ms bigint
+) RETURNS void
+LANGUAGE sql AS $$
+  INSERT INTO {T}_claims AS c (ticket, keys, ends)
+  VALUES (p_ticket, p_keys, p_now + p_reserve_ms * interval '1 ms')
+  ON CONFLICT (ticket) DO UPDATE SET ends = excluded.ends
+    WHERE c.ends <= p_now + p_reserve_ms * interval '0.5 ms'
+$$;
+
+-- The tickets of the waiters with claims that a call freeing keys of `p_keys` may let in:
+-- the live claims that name one of them and share no key with an earlier live claim (a
+-- waiter whose claim does is kept out by that claim, and is woken when its keys are
+-- freed or it ends). Each claim's keys are taken once, and grouped by key with a hash
+-- (three claims of 2,000 keys: 6 ms); with no live claim, one look at the table. For a
+-- small batch (a retail order's release, many a second amid big waiters), the earliest
+-- live claim that names each key, without that test: a waiter it wakes that an earlier
+-- claim keeps out probes once, and sleeps again.
+CREATE OR REPLACE FUNCTION {T}_claim_heads(p_keys text[], p_now timestamptz)
+RETURNS text[]
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = on -- as {T}_claimed
+AS $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM {T}_claims c WHERE c.ends > p_now) THEN
+    RETURN '{}';
+  END IF;
+  IF cardinality(p_keys) < 64 THEN
+    RETURN ARRAY(SELECT DISTINCT f.ticket::text FROM unnest(p_keys) u(k),
+                   LATERAL (SELECT min(c.ticket) AS ticket FROM {T}_claims c
+                            WHERE c.ends > p_now AND u.k = ANY(c.keys)) f
+                 WHERE f.ticket IS NOT NULL);
+  END IF;
+  RETURN (WITH named AS MATERIALIZED (
+    SELECT c.ticket, k.key FROM {T}_claims c, unnest(c.keys) k(key) WHERE c.ends > p_now
+  ), first AS (
+    SELECT n.key, min(n.ticket) AS ticket FROM named n GROUP BY n.key
+  )
+  SELECT coalesce(array_agg(h.ticket::text ORDER BY h.ticket), '{}') FROM (
+    SELECT n.ticket FROM named n JOIN first f ON f.key = n.key
+    GROUP BY n.ticket HAVING bool_and(f.ticket = n.ticket)
+  ) h
+  WHERE EXISTS (SELECT 1 FROM named n WHERE n.ticket = h.ticket
+                  AND n.key IN (SELECT unnest(p_keys))));
+END $$;
+
+-- A grant's fencing token; a waiter granted with a claim (`p_claim`: its ticket) ends it.
+CREATE OR REPLACE FUNCTION {T}_granted(p_claim numeric) RETURNS bigint
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF p_claim IS NOT NULL THEN
+    DELETE FROM {T}_claims WHERE ticket = p_claim;
+  END IF;
+  RETURN nextval('{T}_fence');
+END $$;
+
 -- The rows that grant the keys `p_keys` (each in its mode of `p_modes`) to the hold
 -- `p_hold` of `p_owner` until `p_till`, in the batch's order: what an acquisition inserts
 -- for the keys that have no row.
@@ -345,11 +480,13 @@ $$;
 -- Locks every key of `keys` (sorted, distinct) in its mode (`modes`: one letter, 'x' or
 -- 's', for all, or one a key) for `ttl_ms` under the hold `hold` of `owner`, or none.
 -- `ticket`: the caller's place in line (NULL: in no line); `reserve_ms` > 0: a waiter in
--- line, which reserves the whole batch when it is kept out; `free_first`: whether a big
--- batch tries its keys as new rows first (the store leaves that out under contention, and
--- for a waiter whose reservations are on every key). Returns the fencing token when
--- granted; otherwise how many keys kept it out, the ms until the earliest of the held ones
--- ends (NULL: unknown), up to `report` of them, and whether one is an upgrade.
+-- line, which reserves the whole batch when it is kept out (a big exclusive batch with a
+-- claim); `free_first`: whether a big batch tries its keys as new rows first (the store
+-- leaves that out under contention, and for a waiter's retry). Returns the fencing token
+-- when granted; otherwise how many keys kept it out, the ms until the earliest of the held
+-- ones ends (NULL: unknown), up to `report` of them, and whether one is an upgrade. A
+-- batch that earlier claims keep out is answered with those keys alone, without a look at
+-- the rows.
 CREATE OR REPLACE FUNCTION {T}_acquire(
   p_keys text[], p_modes text, p_owner uuid, p_hold bigint, p_ttl_ms bigint, p_report int,
   p_ticket numeric, p_reserve_ms bigint, p_free_first boolean
@@ -377,8 +514,23 @@ DECLARE
   unreserved int;
   inserted int;
   given int;
+  claiming boolean := p_ticket IS NOT NULL AND p_reserve_ms > 0 AND p_modes = 'x'
+                      AND cardinality(p_keys) >= 64;
+  -- A waiter in line (`reserve_ms` > 0) holds no keys of its own.
+  holder uuid := CASE WHEN p_reserve_ms <= 0 THEN p_owner END;
+  claimed int[] := {T}_claimed(p_keys, holder, p_ticket, now);
+  -- The ticket of the caller's entries in the rows' lines (a claim's waiter has none).
+  entries numeric := CASE WHEN NOT claiming THEN p_ticket END;
 BEGIN
   conflicts := 0;
+  -- Earlier waiters' claims keep the batch out of the keys they name: refused without a
+  -- look at the rows.
+  IF cardinality(claimed) > 0 THEN
+    conflicts := cardinality(claimed);
+    named := (SELECT coalesce(array_agg(p_keys[a] ORDER BY a), '{}')
+              FROM unnest(claimed[:p_report]) a);
+    upgrade := false;
+  END IF;
   -- A big batch tries its keys as new rows first, with a statement that locks no row
   -- already there (`DO NOTHING`): one whose keys are all free, the rule when nothing is
   -- contended, is granted without the look below (which cost a 3,000-key acquisition a
@@ -386,14 +538,14 @@ BEGIN
   -- subtransaction that inserted them, so that it never keeps rows of its own while it
   -- waits for another call's (two batches could then wait for each other crosswise), and
   -- it goes on as any batch.
-  IF cardinality(p_keys) >= 64 AND p_free_first THEN
+  IF cardinality(p_keys) >= 64 AND p_free_first AND conflicts = 0 THEN
     BEGIN
       INSERT INTO {T} (key, owner, holds, modes, ends, readers)
         SELECT * FROM {T}_new_rows(p_keys, p_modes, p_owner, p_hold, till)
         ON CONFLICT (key) DO NOTHING;
       GET DIAGNOSTICS inserted = ROW_COUNT;
       IF inserted = cardinality(p_keys) THEN
-        token := nextval('{T}_fence');
+        token := {T}_granted(NULL);
         RETURN NEXT;
         RETURN;
       END IF;
@@ -411,58 +563,35 @@ BEGIN
   -- releases of their holders waited); a waiter in line whose reservations are all there
   -- writes nothing. A small batch locks its few rows at once: the look would cost it more
   -- (0.2 ms a call) than it saves.
-  IF cardinality(p_keys) >= 64 THEN
+  IF cardinality(p_keys) >= 64 AND conflicts = 0 THEN
     SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
       INTO conflicts, named, upgrade, earliest_ms, unreserved
       FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
   END IF;
   IF conflicts > 0 THEN
-    IF p_ticket IS NULL OR p_reserve_ms <= 0 OR unreserved = 0 THEN
+    IF p_ticket IS NULL OR p_reserve_ms <= 0 OR (unreserved = 0 AND NOT claiming) THEN
       PERFORM {T}_commit_lazily();
       RETURN NEXT;
       RETURN;
     END IF;
-    PERFORM {T}_reserve(p_keys, p_ticket, now, p_reserve_ms);
+    IF claiming THEN
+      PERFORM {T}_claim(p_keys, p_ticket, now, p_reserve_ms);
+    ELSE
+      PERFORM {T}_reserve(p_keys, p_ticket, now, p_reserve_ms);
+    END IF;
     -- A release between the look and the reservation did not see it, and woke nobody:
     -- ask the probe again, and go on if the batch is free now. Refused, the answer is
     -- the look's: a key it names that was freed since only costs the waiter a probe.
     now := clock_timestamp();
     till := now + p_ttl_ms * interval '1 ms';
-    IF {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now) < cardinality(p_keys) THEN
+    IF {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now) < cardinality(p_keys)
+       OR cardinality({T}_claimed(p_keys, holder, p_ticket, now)) > 0 THEN
       PERFORM {T}_commit_lazily();
       RETURN NEXT;
       RETURN;
     END IF;
   END IF;
   conflicts := 0; named := '{}'; upgrade := false; earliest_ms := NULL;
-  -- A big exclusive batch that waits in line and found itself free, the retry that ends a
-  -- wait, is granted by one statement over the rows its reservations keep: each row that
-  -- nothing keeps it out of takes the hold, in key order (the index scan's), and the
-  -- batch is granted if every key had such a row. Otherwise that is undone, and it goes
-  -- on as any batch. (The way below locks the rows, looks again, then writes them: a
-  -- waiter's 2,000-key grant took 16-20 ms that way, 9-12 this way.)
-  IF cardinality(p_keys) >= 64 AND p_modes = 'x' AND p_ticket IS NOT NULL
-     AND NOT p_free_first THEN
-    BEGIN
-      UPDATE {T} l SET owner = p_owner, holds = ARRAY[p_hold], modes = 'x', ends = till,
-          readers = NULL, line = {T}_without(l.line, p_ticket, now)
-        WHERE l.key = ANY(p_keys)
-          AND NOT (l.owner IS NOT NULL AND l.ends > now)
-          AND (l.readers IS NULL
-               OR NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now))
-          AND coalesce({T}_head(l.line, now) >= p_ticket, true);
-      GET DIAGNOSTICS given = ROW_COUNT;
-      IF given = cardinality(p_keys) THEN
-        token := nextval('{T}_fence');
-        RETURN NEXT;
-        RETURN;
-      END IF;
-      RAISE SQLSTATE 'TBL02'; -- a key had no such row: undo the grant (caught below)
-    EXCEPTION WHEN SQLSTATE 'TBL02' THEN NULL;
-    END;
-    now := clock_timestamp();
-    till := now + p_ttl_ms * interval '1 ms';
-  END IF;
   -- Free keys are taken at once; the rows of the others are locked, in key order.
   WITH inserted AS (
     INSERT INTO {T} AS l (key, owner, holds, modes, ends, readers)
@@ -471,7 +600,7 @@ BEGIN
       RETURNING l.key
   ) SELECT coalesce(array_agg(inserted.key), '{}') INTO taken FROM inserted;
   IF cardinality(taken) = cardinality(p_keys) THEN
-    token := nextval('{T}_fence');
+    token := {T}_granted(CASE WHEN claiming THEN p_ticket END);
     RETURN NEXT;
     RETURN;
   END IF;
@@ -485,7 +614,7 @@ BEGIN
     FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
 
   IF conflicts > 0 THEN
-    IF p_ticket IS NOT NULL AND p_reserve_ms > 0 THEN
+    IF p_ticket IS NOT NULL AND p_reserve_ms > 0 AND NOT claiming THEN
       -- A waiter in line reserves its whole batch against later arrivals: the rows it
       -- inserted hold nothing now, and every row gets its reservation (all are locked
       -- already: this waits for nobody).
@@ -494,6 +623,9 @@ BEGIN
       PERFORM {T}_reserve(p_keys, p_ticket, now, p_reserve_ms);
     ELSE
       DELETE FROM {T} WHERE key = ANY(taken);
+      IF claiming THEN
+        PERFORM {T}_claim(p_keys, p_ticket, now, p_reserve_ms);
+      END IF;
     END IF;
     PERFORM {T}_commit_lazily();
     RETURN NEXT;
@@ -504,7 +636,7 @@ BEGIN
   -- own reservations, dead rows) in one statement: a waiter's are all of its batch.
   IF p_modes = 'x' THEN
     UPDATE {T} l SET owner = p_owner, holds = ARRAY[p_hold], modes = 'x', ends = till,
-        readers = NULL, line = {T}_without(l.line, p_ticket, now)
+        readers = NULL, line = {T}_without(l.line, entries, now)
       WHERE l.key = ANY(p_keys)
         AND NOT (l.owner IS NOT NULL AND l.ends > now)
         AND (l.readers IS NULL
@@ -513,7 +645,7 @@ BEGIN
     -- Every key inserted or given this hold: nothing is left for the loop below (a
     -- waiter's grant from under its reservations, the common one in line).
     IF given + cardinality(taken) = cardinality(p_keys) THEN
-      token := nextval('{T}_fence');
+      token := {T}_granted(CASE WHEN claiming THEN p_ticket END);
       RETURN NEXT;
       RETURN;
     END IF;
@@ -530,7 +662,7 @@ BEGIN
   LOOP
     shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
     cur := r.l;
-      cur.line := {T}_requeue(cur.line, p_ticket, NULL, now);
+      cur.line := {T}_requeue(cur.line, entries, NULL, now);
       SELECT array_agg(ROW(x.owner, x.hold, x.ends)::{T}_reader) INTO live
         FROM unnest(cur.readers) x WHERE x.ends > now;
       IF cur.owner IS NOT NULL AND cur.ends > now THEN
@@ -573,7 +705,7 @@ BEGIN
   IF cardinality(heads) > 0 THEN
     PERFORM pg_notify('{C}', left(',' || array_to_string(heads, ','), 7900));
   END IF;
-  token := nextval('{T}_fence');
+  token := {T}_granted(CASE WHEN claiming THEN p_ticket END);
   RETURN NEXT;
 END $$;
 
@@ -601,13 +733,25 @@ BEGIN
   RETURN free;
 END $$;
 
--- {T}_probe_at, now: what a waiter asks of the keys that kept it out.
+-- {T}_probe_at, now, and no further than the first key that an earlier claim keeps the
+-- caller out of: what a waiter asks of the keys that kept it out. (The owner's holds are
+-- looked up from the first claimed key on, up to the first it does not hold: one row for
+-- a waiter in line, which holds none.)
 CREATE OR REPLACE FUNCTION {T}_probe(
   p_keys text[], p_modes text, p_owner uuid, p_ticket numeric
 ) RETURNS int
 LANGUAGE plpgsql STABLE AS $$
+DECLARE
+  now timestamptz := clock_timestamp();
+  free int := {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now);
+  a int;
 BEGIN
-  RETURN {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, clock_timestamp());
+  FOREACH a IN ARRAY {T}_claimed(p_keys[:free], NULL, p_ticket, now) LOOP
+    IF NOT {T}_owner_holds(p_keys[a], p_owner, now) THEN
+      RETURN a - 1;
+    END IF;
+  END LOOP;
+  RETURN free;
 END $$;
 
 -- Extends the hold on every key to at least `ttl_ms` from now if every key still has it;
@@ -726,6 +870,11 @@ BEGIN
       END IF;
     END LOOP;
   END IF;
+  -- The claims' waiters it may let in.
+  IF released > 0 THEN
+    heads := heads || ARRAY(SELECT h FROM unnest({T}_claim_heads(p_keys, now)) h
+                            WHERE NOT h = ANY(heads));
+  END IF;
   IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
   RETURN NEXT;
 END $$;
@@ -745,8 +894,8 @@ BEGIN
 END $$;
 
 -- Takes the reservations of the waiter with `ticket` off the keys (a key nobody holds or
--- reserves any more goes), and wakes the waiters now first in line on a key not held
--- exclusively. Returns how many keys had one, and those waiters' tickets.
+-- reserves any more goes), or ends its claim, and wakes the waiters now first in line on
+-- a key not held exclusively. Returns how many keys had one, and those waiters' tickets.
 CREATE OR REPLACE FUNCTION {T}_withdraw(
   p_keys text[], p_ticket numeric, p_message text
 ) RETURNS TABLE (withdrawn int, heads text[])
@@ -754,8 +903,25 @@ LANGUAGE plpgsql AS $$
 DECLARE
   now timestamptz := clock_timestamp();
   changed_keys text[];
+  claimed text[];
 BEGIN
   PERFORM {T}_commit_lazily();
+  -- A claim's waiter (its batch: the claim's keys) wrote nothing into the rows.
+  DELETE FROM {T}_claims c WHERE c.ticket = p_ticket AND c.ends > now RETURNING c.keys
+    INTO claimed;
+  IF claimed IS NOT NULL THEN
+    withdrawn := cardinality(claimed);
+    -- The waiters it kept out: those of later claims, and those first in line on its
+    -- keys that nobody holds exclusively.
+    heads := {T}_claim_heads(claimed, now) || ARRAY(
+      SELECT DISTINCT {T}_head(l.line, now)::text FROM {T} l
+      WHERE l.key = ANY(claimed) AND l.line IS NOT NULL
+        AND NOT (l.owner IS NOT NULL AND l.ends > now)
+        AND {T}_head(l.line, now) IS NOT NULL);
+    IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
+    RETURN NEXT;
+    RETURN;
+  END IF;
   WITH changed AS (
     UPDATE {T} l SET line = {T}_without(l.line, p_ticket, now)
     FROM (SELECT l2.key FROM {T} l2 WHERE l2.key = ANY(p_keys)
@@ -800,13 +966,18 @@ BEGIN
            coalesce(array_agg(c.key), '{}')
     INTO released, heads, changed_keys FROM changed c;
   DELETE FROM {T} l WHERE l.key = ANY(changed_keys) AND l.line IS NULL;
+  IF released > 0 THEN
+    heads := heads || ARRAY(SELECT h FROM unnest({T}_claim_heads(p_keys, now)) h
+                            WHERE NOT h = ANY(heads));
+  END IF;
   IF cardinality(heads) > 0 THEN PERFORM {T}_announce(p_message, heads); END IF;
   RETURN NEXT;
 END $$;
 
 -- What each key looks like, in the order given: its state (0 free, 1 held exclusively,
 -- 3 held shared), the ms left on its holds (NULL when free), how many holds it has, and
--- how many live reservations. Never an owner or a hold id.
+-- how many waiters stand in line for it (live reservations and claims). Never an owner or
+-- a hold id.
 CREATE OR REPLACE FUNCTION {T}_inspect(p_keys text[])
 RETURNS TABLE (state int, left_ms bigint, holds int, waiters int)
 LANGUAGE sql STABLE AS $$
@@ -818,9 +989,12 @@ LANGUAGE sql STABLE AS $$
               WHEN r.live > 0 THEN floor(extract(epoch FROM r.latest - now.at) * 1000)::bigint END,
          CASE WHEN l.owner IS NOT NULL AND l.ends > now.at THEN cardinality(l.holds)
               ELSE coalesce(r.live, 0) END::int,
-         (SELECT count(*) FROM unnest(l.line) q WHERE q.ends > now.at)::int
+         ((SELECT count(*) FROM unnest(l.line) q WHERE q.ends > now.at)
+          + coalesce(cl.claims, 0))::int
   FROM now, unnest(p_keys) WITH ORDINALITY u(k, i)
   LEFT JOIN {T} l ON l.key = u.k
+  LEFT JOIN (SELECT k.key, count(*) AS claims FROM now n, {T}_claims c, unnest(c.keys) k(key)
+             WHERE c.ends > n.at GROUP BY k.key) cl ON cl.key = u.k
   LEFT JOIN LATERAL (SELECT count(*) AS live, max(x.ends) AS latest
                      FROM unnest(l.readers) x, now n WHERE x.ends > n.at) r ON true
   ORDER BY u.i
@@ -828,7 +1002,8 @@ $$;
 
 -- Deletes up to `batch` rows that hold and reserve nothing any more (their holder and
 -- waiters crashed, or their release was lost), and expired answers; rows in use by a call
--- are skipped, not waited for. Returns how many rows went.
+-- are skipped, not waited for; and the claims that ended (their waiters crashed: a few
+-- rows). Returns how many lock rows and answers went.
 CREATE OR REPLACE FUNCTION {T}_sweep(p_batch int) RETURNS int
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -843,6 +1018,7 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM unnest(d.line) q WHERE q.ends > now)
     LIMIT p_batch FOR UPDATE SKIP LOCKED);
   GET DIAGNOSTICS gone = ROW_COUNT;
+  DELETE FROM {T}_claims c WHERE c.ends <= now;
   DELETE FROM {T}_answers a WHERE a.key IN (
     SELECT e.key FROM {T}_answers e WHERE e.ends <= now LIMIT p_batch FOR UPDATE SKIP LOCKED);
   GET DIAGNOSTICS answers = ROW_COUNT;

@@ -39,7 +39,8 @@ impl Database {
     }
 
     /// The keys under `prefix` of the default table that a request holds or a waiter
-    /// reserves now (rows past every end wait for the sweep, and count for nothing).
+    /// reserves or claims now (rows past every end wait for the sweep, and count for
+    /// nothing).
     // Read by `stores`, which needs Redis too.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn live_keys(&self, prefix: &str) -> Vec<String> {
@@ -48,7 +49,9 @@ impl Database {
              ((owner IS NOT NULL AND ends > clock_timestamp()) \
               OR EXISTS (SELECT 1 FROM unnest(readers) x WHERE x.ends > clock_timestamp()) \
               OR EXISTS (SELECT 1 FROM unnest(line) q WHERE q.ends > clock_timestamp())) \
-             ORDER BY key"
+             UNION SELECT k FROM tower_batch_lock.locks_claims, unnest(keys) k \
+             WHERE starts_with(k, '{prefix}') AND ends > clock_timestamp() \
+             ORDER BY 1"
         ));
         keys.lines().map(str::to_owned).collect()
     }
@@ -62,6 +65,18 @@ impl Database {
              WHERE key = '{key}' AND q.ends > clock_timestamp() ORDER BY q.ticket"
         ));
         tickets.lines().map(|t| t.parse().unwrap()).collect()
+    }
+
+    /// How many live claims (big waiters' places in line) name `key` (a lock key, with its
+    /// prefix).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn claims_on(&self, key: &str) -> usize {
+        self.query(&format!(
+            "SELECT count(*) FROM tower_batch_lock.locks_claims \
+             WHERE '{key}' = ANY(keys) AND ends > clock_timestamp()"
+        ))
+        .parse()
+        .unwrap()
     }
 
     /// Runs `sql` in this database, and gives what it printed (unaligned, tuples only).

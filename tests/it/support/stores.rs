@@ -105,10 +105,14 @@ impl Store {
         )
     }
 
-    /// How many waiters stand in line for `key`, on the first master or in the table: by a
-    /// reservation, or on Redis by a claim (`None` for the memory store).
+    /// How many waiters stand in line for `key`, on the first master or in the database: by
+    /// a reservation, or by a claim (`None` for the memory store).
     pub(crate) fn in_line(&self, key: &str) -> Option<usize> {
         let reserved = self.line(key)?.len();
+        #[cfg(feature = "postgres")]
+        if let Some(database) = &self.database {
+            return Some(reserved + database.claims_on(key));
+        }
         let claims = self
             .observers()
             .first()
