@@ -562,8 +562,11 @@ BEGIN
   -- them up (a refused attempt of 2,000 keys locked 2,000 rows for its statement, and the
   -- releases of their holders waited); a waiter in line whose reservations are all there
   -- writes nothing. A small batch locks its few rows at once: the look would cost it more
-  -- (0.2 ms a call) than it saves.
-  IF cardinality(p_keys) >= 64 AND conflicts = 0 THEN
+  -- (0.2 ms a call) than it saves; so does the retry of a waiter whose claim is there
+  -- (woken, its probe found it free: the look took 2.5 ms of its 15 ms grant).
+  IF cardinality(p_keys) >= 64 AND conflicts = 0
+     AND NOT (claiming AND EXISTS (SELECT 1 FROM {T}_claims c
+                                   WHERE c.ticket = p_ticket AND c.ends > now)) THEN
     SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms, c.unreserved
       INTO conflicts, named, upgrade, earliest_ms, unreserved
       FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
@@ -710,7 +713,10 @@ BEGIN
 END $$;
 
 -- How many keys of `keys`, from the first, would not keep `owner` out at `p_now` (see
--- {T}_keeps_out); it stops at the first that would. Writes nothing.
+-- {T}_keeps_out); it stops at the first that would. Writes nothing. The keys are read 16
+-- first, then four times as many as so far, so that a probe that stops at its first keys
+-- pays for those: read at once, a 2,000-key batch that its first key kept out took 1.2
+-- ms, two keys 0.1.
 CREATE OR REPLACE FUNCTION {T}_probe_at(
   p_keys text[], p_modes text, p_owner uuid, p_ticket numeric, p_now timestamptz
 ) RETURNS int
@@ -718,17 +724,22 @@ LANGUAGE plpgsql STABLE AS $$
 DECLARE
   r record;
   free int := 0;
+  upto int := 0;
 BEGIN
-  FOR r IN
-    SELECT l, u.i FROM unnest(p_keys) WITH ORDINALITY u(k, i) LEFT JOIN {T} l ON l.key = u.k
-    ORDER BY u.i
-  LOOP
-    IF {T}_keeps_out(r.l, p_owner,
-        (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's',
-        p_ticket, p_now) > 0 THEN
-      RETURN free;
-    END IF;
-    free := free + 1;
+  WHILE upto < cardinality(p_keys) LOOP
+    upto := least(cardinality(p_keys), upto + greatest(16, 3 * upto));
+    FOR r IN
+      SELECT l, free + u.i AS i
+      FROM unnest(p_keys[free + 1:upto]) WITH ORDINALITY u(k, i) LEFT JOIN {T} l ON l.key = u.k
+      ORDER BY u.i
+    LOOP
+      IF {T}_keeps_out(r.l, p_owner,
+          (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's',
+          p_ticket, p_now) > 0 THEN
+        RETURN free;
+      END IF;
+      free := free + 1;
+    END LOOP;
   END LOOP;
   RETURN free;
 END $$;
