@@ -656,6 +656,41 @@ async fn a_claim_keeps_later_arrivals_out_and_a_release_wakes_its_waiter_first()
     assert_eq!(claims(), "");
 }
 
+/// A small waiter's withdrawal wakes the big waiter whose claim it kept out of a free key
+/// (its reservation came first there), as a release does; and a claim's waiter granted by
+/// any way, inserts first included, ends its claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_waiters_withdrawal_wakes_the_claim_it_kept_out() {
+    let db = database_with_schema().await;
+    let acquire = |keys: &str, owner: u8, ticket: &str, reserve: u32, free_first: bool| {
+        db.query(&format!(
+            "SELECT coalesce(token::text, 'refused ' || named::text) \
+             FROM tower_batch_lock.locks_acquire({keys}, 'x', \
+               '00000000-0000-0000-0000-0000000000{owner:02x}', {owner}, 10000, 3, \
+               {ticket}, {reserve}, {free_first})"
+        ))
+    };
+    let big = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
+               FROM generate_series(1, 100) i)";
+    assert!(!acquire("ARRAY['lock:k000']", 1, "NULL", 0, true).starts_with("refused"));
+    let small = "ARRAY['lock:k000', 'lock:k001']";
+    assert_eq!(acquire(small, 2, "1", 30000, true), "refused {lock:k000}");
+    assert_eq!(acquire(big, 3, "2", 30000, true), "refused {lock:k001}");
+    assert_eq!(
+        db.query(&format!(
+            "SELECT withdrawn || ' ' || heads::text \
+             FROM tower_batch_lock.locks_withdraw({small}, 1, 'm')"
+        )),
+        "2 {2}"
+    );
+    assert!(!acquire(big, 3, "2", 30000, true).starts_with("refused"));
+    assert_eq!(
+        db.query("SELECT count(*) FROM tower_batch_lock.locks_claims"),
+        "0",
+        "the grant ended the claim"
+    );
+}
+
 /// A big waiter's retry that one key keeps out (an earlier arrival holds it) takes nothing
 /// and keeps its place: refused, with that key named, and its claim as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

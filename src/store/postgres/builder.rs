@@ -53,16 +53,19 @@ const POOL_SIZE: usize = 16;
 ///   (a subtransaction rolled back, so that it keeps no row while it waits for others).
 ///   Every batch of that size then looks without locking (the same probe, counting only
 ///   when a key keeps it out), and is refused without locking any row when it is kept out
-///   (a waiter in line reserves or claims its batch first, and asks the probe once more).
-///   Before all of that, a batch that an earlier waiter's claim keeps out of a key (one
-///   its owner does not hold) is refused at once, with those keys named, without a look
-///   at the rows; a grant ends its own waiter's claim.
+///   (a waiter in line reserves or claims its batch first, and asks the probe once more);
+///   a claim's retry (its probe found it free) locks at once. Before all of that, a batch
+///   that an earlier waiter's claim keeps out of a key (one its owner does not hold) is
+///   refused at once, with those keys named, without a look at the rows; and a batch
+///   that waited for rows asks the claims again once it has them (a claim locks no row).
+///   A grant ends its own waiter's claim.
 ///   Nobody sees part of a batch: the statement is one transaction.
 /// - *release* deletes the rows that hold this hold alone, frees those that a waiter
 ///   reserves in one `UPDATE` (both index scans: in key order), and takes the hold off the
 ///   others; a row stays while a waiter reserves it. The waiters it wakes are the first in
-///   line on the rows it freed, and those of the claims that name one of its keys and
-///   share none with an earlier claim (a waiter whose claim does is kept out by that one).
+///   line on the rows it freed, and those of the claims that name one of its keys and are
+///   behind no live claim (a claim is behind the earlier live claims that shared a key
+///   with it when it was made: those keep its waiter out).
 /// - A row's line of reservations is kept in ticket order, and its common changes (a
 ///   grant in line takes the head, a reservation of the latest ticket goes at the end, a
 ///   release leaves it as it is) and the question whether a row keeps a batch out are
