@@ -691,6 +691,49 @@ async fn a_small_waiters_withdrawal_wakes_the_claim_it_kept_out() {
     );
 }
 
+/// A release leaves asleep the waiters first in line on its keys that an earlier claim
+/// keeps out of them (they would only probe and sleep again), and wakes the claim's
+/// waiter: with one such key, and with ten (where the claims are hashed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_leaves_asleep_a_waiter_that_an_earlier_claim_keeps_out() {
+    for held in [1, 10] {
+        let db = database_with_schema().await;
+        let keys = |from: u32, to: u32| {
+            format!(
+                "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
+                 FROM generate_series({from}, {to}) i)"
+            )
+        };
+        let acquire = |keys: &str, owner: u8, ticket: &str, reserve: u32| {
+            db.query(&format!(
+                "SELECT token IS NOT NULL FROM tower_batch_lock.locks_acquire({keys}, 'x', \
+                 '00000000-0000-0000-0000-0000000000{owner:02x}', {owner}, 10000, 3, \
+                 {ticket}, {reserve}, true)"
+            ))
+        };
+        assert_eq!(acquire(&keys(0, held - 1), 1, "NULL", 0), "t");
+        assert_eq!(
+            acquire(&keys(0, 99), 2, "2", 30000),
+            "f",
+            "the big waiter claims"
+        );
+        assert_eq!(
+            acquire(&keys(0, held - 1), 3, "3", 30000),
+            "f",
+            "the small one reserves"
+        );
+        assert_eq!(db.line("lock:k000"), [3]);
+        assert_eq!(
+            db.query(&format!(
+                "SELECT released || ' ' || heads::text FROM tower_batch_lock.locks_release(\
+                 {}, '00000000-0000-0000-0000-000000000001', 1, 'm')",
+                keys(0, held - 1)
+            )),
+            format!("{held} {{2}}")
+        );
+    }
+}
+
 /// A big waiter's retry that one key keeps out (an earlier arrival holds it) takes nothing
 /// and keeps its place: refused, with that key named, and its claim as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -63,9 +63,10 @@ const POOL_SIZE: usize = 16;
 /// - *release* deletes the rows that hold this hold alone, frees those that a waiter
 ///   reserves in one `UPDATE` (both index scans: in key order), and takes the hold off the
 ///   others; a row stays while a waiter reserves it. The waiters it wakes are the first in
-///   line on the rows it freed, and those of the claims that name one of its keys and are
-///   behind no live claim (a claim is behind the earlier live claims that shared a key
-///   with it when it was made: those keep its waiter out).
+///   line on the rows it freed (but those that an earlier claim keeps out of that key),
+///   and those of the claims that name one of its keys and are behind no live claim (a
+///   claim is behind the earlier live claims that shared a key with it when it was made:
+///   those keep its waiter out).
 /// - A row's line of reservations is kept in ticket order, and its common changes (a
 ///   grant in line takes the head, a reservation of the latest ticket goes at the end, a
 ///   release leaves it as it is) and the question whether a row keeps a batch out are
