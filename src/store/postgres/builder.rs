@@ -75,6 +75,9 @@ const POOL_SIZE: usize = 16;
 /// - The table leaves half of each page free (`fillfactor = 50`), so that the row versions
 ///   of contended keys are written in their own page, without new index entries, and
 ///   pruned there (HOT updates).
+/// - The functions plan their queries once a connection (generic plans: `plan_cache_mode`
+///   is theirs), where PL/pgSQL planned them again at every call for its few keys (a
+///   waiter's refused attempt of one key spent nearly half its time planning).
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
