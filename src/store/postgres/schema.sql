@@ -108,11 +108,12 @@ END $$;
 -- an array parameter, where most calls pass a few keys, so every call planned every query
 -- again. A waiter's refused attempt of one key took 0.81 ms, 0.35 of them planning
 -- {T}_conflicts' count, its withdrawal 0.61, a probe 0.16 (pgbench, a key with a line of
--- 64). The functions the store calls (and, with them, the helpers they call) take the
--- generic plan at once (`plan_cache_mode`): 0.38, 0.31 and 0.10 ms. Big batches lose
--- nothing by it: their queries find rows by the primary key's index whatever the count,
--- and those that join two arrays of keys are planned at each call with EXECUTE (see
--- {T}_claim), or keep a hash under a generic plan ({T}_claimed).
+-- 64). The functions on a request's path (acquire, probe, release, withdraw, extend,
+-- guard, force_release; and with them the helpers they call) take the generic plan at
+-- once (`plan_cache_mode`): 0.38, 0.31 and 0.10 ms. Big batches lose nothing by it:
+-- their queries find rows by the primary key's index whatever the count, and those that
+-- join two arrays of keys are planned at each call with EXECUTE (see {T}_claim), or keep
+-- a hash under a generic plan ({T}_claimed).
 
 -- The helpers below run once a row of a batch. Those that walk an array do it with
 -- FOREACH and plain comparisons, which PL/pgSQL evaluates without a query (written as
@@ -415,8 +416,8 @@ BEGIN
 END $$;
 
 -- The keys of `p_keys` at the positions `p_at`, in order. (An SQL function with an
--- aggregate is not inlined: each call plans its query, 66 us, so callers ask it only for
--- a refusal's names.)
+-- aggregate is not inlined, and each transaction that calls it plans its query again, 66
+-- us: callers ask it only for a refusal's names.)
 CREATE OR REPLACE FUNCTION {T}_at(p_keys text[], p_at int[]) RETURNS text[]
 LANGUAGE sql IMMUTABLE AS $$
   SELECT coalesce(array_agg(p_keys[a] ORDER BY a), '{}') FROM unnest(p_at) a
