@@ -104,16 +104,24 @@ END $$;
 
 -- Plans. PL/pgSQL prepares each query of a function once a session, and plans it again
 -- for the values of each call (a custom plan) for as long as a plan made for any values
--- (a generic one) looks dearer. Here it always does: a generic plan counts ten elements in
--- an array parameter, where most calls pass a few keys, so every call planned every query
--- again. A waiter's refused attempt of one key took 0.81 ms, 0.35 of them planning
+-- (a generic one) looks dearer. Here it always does: a generic plan counts ten elements
+-- in an array parameter, where most calls pass a few keys, so every call planned every
+-- query again. A waiter's refused attempt of one key took 0.81 ms, 0.35 of them planning
 -- {T}_conflicts' count, its withdrawal 0.61, a probe 0.16 (pgbench, a key with a line of
 -- 64). The functions on a request's path (acquire, probe, release, withdraw, extend,
--- guard, force_release; and with them the helpers they call) take the generic plan at
--- once (`plan_cache_mode`): 0.38, 0.31 and 0.10 ms. Big batches lose nothing by it:
--- their queries find rows by the primary key's index whatever the count, and those that
--- join two arrays of keys are planned at each call with EXECUTE (see {T}_claim), or keep
--- a hash under a generic plan ({T}_claimed).
+-- guard, force_release) take the generic plan at once (`plan_cache_mode`), and the
+-- helpers they call with them: 0.38, 0.31 and 0.10 ms. A generic plan is made for any
+-- size of the table too, and kept until the connection closes or the table's statistics
+-- change: made while the table was a few rows, one that read it whole and compared each
+-- row with each key (`= ANY` of an array parameter is not hashed) renewed 20,000 keys in
+-- 4.7 s once the table had grown, against 60 ms. So each of these functions finds rows by
+-- the key's index, whatever the table's size when it planned (`enable_seqscan = off`;
+-- {T}_acquire and {T}_release need it for the key order besides), and a helper, whose
+-- plan serves all its callers, is planned under that one setting. Their queries on the
+-- claims table go by its key or through helpers that read it whole ({T}_claimed). Big
+-- batches lose nothing: their queries find rows by the index whatever the count, and
+-- those that join two arrays of keys are planned at each call with EXECUTE (see
+-- {T}_claim), or keep a hash under a generic plan ({T}_claimed).
 
 -- The helpers below run once a row of a batch. Those that walk an array do it with
 -- FOREACH and plain comparisons, which PL/pgSQL evaluates without a query (written as
@@ -835,6 +843,7 @@ CREATE OR REPLACE FUNCTION {T}_probe(
 ) RETURNS int
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -856,6 +865,7 @@ CREATE OR REPLACE FUNCTION {T}_extend(
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1003,6 +1013,7 @@ CREATE OR REPLACE FUNCTION {T}_withdraw(
 ) RETURNS TABLE (withdrawn int, heads text[])
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1061,6 +1072,7 @@ CREATE OR REPLACE FUNCTION {T}_force_release(p_keys text[], p_message text)
 RETURNS TABLE (released int, heads text[])
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1165,6 +1177,7 @@ $$;
 CREATE OR REPLACE FUNCTION {T}_guard(p_keys text[], p_owner uuid) RETURNS void
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
