@@ -114,18 +114,15 @@ END $$;
 -- size of the table too, and kept until the connection closes or the table's statistics
 -- change: made while the table was a few rows, one that read it whole and compared each
 -- row with each key (`= ANY` of an array parameter is not hashed) renewed 20,000 keys in
--- 4.7 s once the table had grown, against 60 ms. So each of these functions that looks
--- keys up with `= ANY` finds rows by the key's index, whatever the table's size when it
--- planned (`enable_seqscan = off`; {T}_acquire and {T}_release need it for the key order
--- besides); their queries on the claims table go by its key or through helpers that read
--- it whole ({T}_claimed). The probe's one query on the table ({T}_probe_at's, whose plan
--- serves both the probe and the acquire) joins a chunk of keys with it, which a hash of
--- the table or its index serves alike: left to the planner, it kept `4 purchase alone` at
--- 42-43 grants/s and 16 retail + 4 purchase at 96-98 · 23, against 39-41 and 90-93 ·
--- 21-22 with the index alone (two alternate `--only` rounds). Big batches lose nothing:
--- their queries find rows by the index (or, the probe's, a hash) whatever the count, and
--- those that join two arrays of keys are planned at each call with EXECUTE (see
--- {T}_claim), or keep a hash under a generic plan ({T}_claimed).
+-- 4.7 s once the table had grown, against 60 ms. So each of these functions finds rows by
+-- the key's index, whatever the table's size when it planned (`enable_seqscan = off`;
+-- {T}_acquire and {T}_release need it for the key order besides), and a helper, whose
+-- plan serves all its callers (the probe's and the acquire's {T}_probe_at), is planned
+-- under that one setting; their queries on the claims table go by its key or through
+-- helpers that read it whole ({T}_claimed). Big batches lose nothing: their queries find
+-- rows by the index whatever the count, and those that join two arrays of keys are
+-- planned at each call with EXECUTE (see {T}_claim), or keep a hash under a generic plan
+-- ({T}_claimed).
 
 -- The helpers below run once a row of a batch. Those that walk an array do it with
 -- FOREACH and plain comparisons, which PL/pgSQL evaluates without a query (written as
@@ -847,6 +844,7 @@ CREATE OR REPLACE FUNCTION {T}_probe(
 ) RETURNS int
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
