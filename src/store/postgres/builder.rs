@@ -77,7 +77,8 @@ const POOL_SIZE: usize = 16;
 ///   pruned there (HOT updates).
 /// - The functions plan their queries once a connection (generic plans: `plan_cache_mode`
 ///   is theirs), where PL/pgSQL planned them again at every call for its few keys (a
-///   waiter's refused attempt of one key spent nearly half its time planning).
+///   waiter's refused attempt of one key spent nearly half its time planning); such a
+///   plan finds rows by the key's index, whatever the table's size when it was made.
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
