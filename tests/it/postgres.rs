@@ -566,6 +566,15 @@ async fn database_with_schema() -> Database {
 const KEYS_100: &str = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
                         FROM generate_series(0, 99) i)";
 
+/// The keys `lock:k<from>` to `lock:k<to>` (three digits), sorted, as an SQL array: those
+/// of [`KEYS_100`] from 0 to 99.
+fn key_range(from: u32, to: u32) -> String {
+    format!(
+        "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
+         FROM generate_series({from}, {to}) i)"
+    )
+}
+
 /// Claims, as the store calls the functions: a big waiter's claim keeps later arrivals out
 /// of its keys, held or free (a small one in no line, a later small waiter, which reserves
 /// its key, and a later big waiter, which claims), and nobody out of the keys it does not
@@ -590,8 +599,7 @@ async fn a_claim_keeps_later_arrivals_out_and_a_release_wakes_its_waiter_first()
         db.query("SELECT string_agg(ticket || ':' || cardinality(keys), ',' ORDER BY ticket) FROM tower_batch_lock.locks_claims")
     };
     let one = |k: &str| format!("ARRAY['lock:{k}']");
-    let later_100 = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
-                     FROM generate_series(50, 149) i)";
+    let later_100 = key_range(50, 149);
 
     assert!(!acquire(&one("k050"), 1, 1, "NULL", 0, true).starts_with("refused"));
     assert_eq!(
@@ -614,7 +622,7 @@ async fn a_claim_keeps_later_arrivals_out_and_a_release_wakes_its_waiter_first()
         "the small waiter reserved its key"
     );
     assert_eq!(
-        acquire(later_100, 5, 5, "9", 30000, true),
+        acquire(&later_100, 5, 5, "9", 30000, true),
         "refused 50 {lock:k050,lock:k051,lock:k052}"
     );
     assert_eq!(claims(), "5:100,9:100");
@@ -670,12 +678,11 @@ async fn a_small_waiters_withdrawal_wakes_the_claim_it_kept_out() {
                {ticket}, {reserve}, {free_first})"
         ))
     };
-    let big = "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
-               FROM generate_series(1, 100) i)";
+    let big = key_range(1, 100);
     assert!(!acquire("ARRAY['lock:k000']", 1, "NULL", 0, true).starts_with("refused"));
     let small = "ARRAY['lock:k000', 'lock:k001']";
     assert_eq!(acquire(small, 2, "1", 30000, true), "refused {lock:k000}");
-    assert_eq!(acquire(big, 3, "2", 30000, true), "refused {lock:k001}");
+    assert_eq!(acquire(&big, 3, "2", 30000, true), "refused {lock:k001}");
     assert_eq!(
         db.query(&format!(
             "SELECT withdrawn || ' ' || heads::text \
@@ -683,7 +690,7 @@ async fn a_small_waiters_withdrawal_wakes_the_claim_it_kept_out() {
         )),
         "2 {2}"
     );
-    assert!(!acquire(big, 3, "2", 30000, true).starts_with("refused"));
+    assert!(!acquire(&big, 3, "2", 30000, true).starts_with("refused"));
     assert_eq!(
         db.query("SELECT count(*) FROM tower_batch_lock.locks_claims"),
         "0",
@@ -698,12 +705,6 @@ async fn a_small_waiters_withdrawal_wakes_the_claim_it_kept_out() {
 async fn a_release_leaves_asleep_a_waiter_that_an_earlier_claim_keeps_out() {
     for held in [1, 10] {
         let db = database_with_schema().await;
-        let keys = |from: u32, to: u32| {
-            format!(
-                "(SELECT array_agg('lock:k' || lpad(i::text, 3, '0') ORDER BY i) \
-                 FROM generate_series({from}, {to}) i)"
-            )
-        };
         let acquire = |keys: &str, owner: u8, ticket: &str, reserve: u32| {
             db.query(&format!(
                 "SELECT token IS NOT NULL FROM tower_batch_lock.locks_acquire({keys}, 'x', \
@@ -711,14 +712,14 @@ async fn a_release_leaves_asleep_a_waiter_that_an_earlier_claim_keeps_out() {
                  {ticket}, {reserve}, true)"
             ))
         };
-        assert_eq!(acquire(&keys(0, held - 1), 1, "NULL", 0), "t");
+        assert_eq!(acquire(&key_range(0, held - 1), 1, "NULL", 0), "t");
         assert_eq!(
-            acquire(&keys(0, 99), 2, "2", 30000),
+            acquire(&key_range(0, 99), 2, "2", 30000),
             "f",
             "the big waiter claims"
         );
         assert_eq!(
-            acquire(&keys(0, held - 1), 3, "3", 30000),
+            acquire(&key_range(0, held - 1), 3, "3", 30000),
             "f",
             "the small one reserves"
         );
@@ -727,7 +728,7 @@ async fn a_release_leaves_asleep_a_waiter_that_an_earlier_claim_keeps_out() {
             db.query(&format!(
                 "SELECT released || ' ' || heads::text FROM tower_batch_lock.locks_release(\
                  {}, '00000000-0000-0000-0000-000000000001', 1, 'm')",
-                keys(0, held - 1)
+                key_range(0, held - 1)
             )),
             format!("{held} {{2}}")
         );
