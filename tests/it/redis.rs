@@ -805,6 +805,53 @@ fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
     assert_eq!(heads, [free_to_go]);
 }
 
+/// A release wakes, on a key with a line, the earlier of its first reservation and the
+/// earliest claim that names it; on a key without one, a claim that names it. A claim
+/// later than a key's first reservation, or that names no key freed, sleeps on.
+#[test]
+fn a_release_wakes_on_each_key_the_earliest_of_its_line_and_its_claims() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
+    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
+    let ticket = |n: u64| format!("{}{n:020}", "0061420580338024");
+    // `elsewhere` names a key that stays held; `behind_line` names `a`, after the
+    // reservation there; `on_free_key` names `c`, which has no line.
+    let (elsewhere, reserved, behind_line, on_free_key) =
+        (ticket(1), ticket(4), ticket(5), ticket(6));
+    observer.claim(&elsewhere, &["lock:d"]);
+    observer.claim(&behind_line, &["lock:a"]);
+    observer.claim(&on_free_key, &["lock:c"]);
+    let (owner, hold) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
+    for key in ["lock:a", "lock:c", "lock:d"] {
+        let value = format!("{owner}:{hold}");
+        observer.cmd::<()>(redis::cmd("SET").arg(key).arg(value).arg("PX").arg(10_000));
+    }
+    let blockers: Vec<i64> = reserve
+        .key("lock:a")
+        .arg(&reserved)
+        .arg(10_000)
+        .invoke(&mut observer.connection())
+        .unwrap();
+    assert_eq!(blockers, [1], "the reservation waits behind the hold");
+    let released: Vec<redis::Value> = release
+        .key("lock:a")
+        .key("lock:c")
+        .arg(owner)
+        .arg(hold)
+        .arg("tower-batch-lock:released")
+        .arg("")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    let mut heads: Vec<String> = released[1..]
+        .iter()
+        .map(|head| redis::from_redis_value(head.clone()).unwrap())
+        .collect();
+    heads.sort();
+    assert_eq!(released[0], redis::Value::Int(2));
+    assert_eq!(heads, [reserved, on_free_key]);
+}
+
 /// Two waiters of two processes that drew the same milliseconds and the same bits below
 /// them still have two places in line: the withdrawal of one leaves the other's. (Tickets
 /// were numbers with 10 random bits: two such waiters shared one place, once in 1,024
