@@ -43,7 +43,7 @@ end
 -- For each of the key names `names` (a list) that one of `claims` (tickets in order) names,
 -- the earliest that does: a table from position in `names` to ticket. One command a claim
 -- for a thousand names, each claim asked only of the names no earlier one named: big
--- batches overlap, and most of a release's keys that a later claim names, an earlier one
+-- batches overlap, and most of a batch's keys that a later claim names, an earlier one
 -- names too.
 local function claimed(claims, names)
   local by = {}
