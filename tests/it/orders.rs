@@ -1285,28 +1285,24 @@ mod binary {
     }
 
     /// The running example, and its admin port; killed when dropped, whatever the test
-    /// did.
+    /// did (`kill_on_drop`).
     struct Example(Child, SocketAddr);
 
-    impl Drop for Example {
-        fn drop(&mut self) {
-            let _ = self.0.start_kill();
-        }
-    }
-
-    /// A free loopback address, for the example to listen on.
-    fn free_addr() -> SocketAddr {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap()
+    /// The address in a log line of the example's after `prefix`, such as
+    /// `orders listening on http://127.0.0.1:41234, …`.
+    fn address_after(line: &str, prefix: &str) -> Option<SocketAddr> {
+        let rest = &line[line.find(prefix)? + prefix.len()..];
+        let end = rest.find([',', ' ']).unwrap_or(rest.len());
+        rest[..end].parse().ok()
     }
 
     impl Example {
-        /// Builds and starts the example on a free loopback port with `env` (over a clean
-        /// slate of its variables), waits until it listens, and gives back its address and
-        /// its start-up log line.
+        /// Builds and starts the example with `env` (over a clean slate of its variables)
+        /// on ports the system picks (the example binds port 0 and logs where it listens:
+        /// a port picked here and freed for it could be taken by another test first), waits
+        /// until it listens, and gives back its address and its start-up log line.
         async fn start(env: &[(&str, &str)]) -> (Self, SocketAddr, String) {
             let binary = build_example().await;
-            let (addr, admin) = (free_addr(), free_addr());
             let mut command = Command::new(&binary);
             for variable in [
                 "REDIS_URL",
@@ -1320,36 +1316,38 @@ mod binary {
                 command.env_remove(variable);
             }
             command
-                .env("ORDERS_ADDR", addr.to_string())
-                .env("ADMIN_ADDR", admin.to_string())
+                .env("ORDERS_ADDR", "127.0.0.1:0")
+                .env("ADMIN_ADDR", "127.0.0.1:0")
                 .env("RUST_LOG", "info");
             command.envs(env.iter().copied());
-            let child = command
+            let mut child = command
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
+                .kill_on_drop(true)
                 .spawn()
                 .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
-            let mut example = Self(child, admin);
-
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            while TcpStream::connect(addr).await.is_err() {
-                if let Some(exit) = example.0.try_wait().unwrap() {
-                    panic!("the example exited before listening: {exit}");
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            // The example logs where it listens once it does, the orders' port first.
+            let (first_line, addr, admin) = within(Duration::from_secs(10), "listening", async {
+                let (mut start_up, mut admin) = (None, None);
+                while let Some(line) = lines.next_line().await.expect("read the log") {
+                    if let Some(addr) = address_after(&line, "orders listening on http://") {
+                        start_up = Some((line.clone(), addr));
+                    }
+                    admin = admin.or_else(|| address_after(&line, "admin (metrics) on http://"));
+                    if let (Some((line, addr)), Some(admin)) = (&start_up, admin) {
+                        return (line.clone(), *addr, admin);
+                    }
                 }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "the example never listened on {addr}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            let stdout = example.0.stdout.take().unwrap();
-            let first_line = within(Duration::from_secs(5), "the start-up log line", async {
-                BufReader::new(stdout).lines().next_line().await
+                panic!(
+                    "the example exited before listening: {:?}",
+                    child.wait().await
+                )
             })
-            .await
-            .expect("read the log")
-            .expect("a log line");
-            (example, addr, first_line)
+            .await;
+            // The rest of its log is read and dropped, so that its writes never fail.
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            (Self(child, admin), addr, first_line)
         }
     }
 
