@@ -176,8 +176,10 @@ local function note_heads(heads, names, queues, claims)
     if behind_claim(head, claims) then heads[head] = nil end
   end
   if #plain == 0 then return end
+  -- Whether a claim names a freed key first: claims with no key in common cost
+  -- `behind_claim` a whole set's walk each pair, and only those that do can be woken.
   for _, ticket in ipairs(claims) do
-    if heads[ticket] == nil and not behind_claim(ticket, claims) and names_any(ticket, plain) then
+    if heads[ticket] == nil and names_any(ticket, plain) and not behind_claim(ticket, claims) then
       heads[ticket] = true
     end
   end
