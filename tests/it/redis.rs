@@ -769,6 +769,32 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
     assert_eq!(value.reservations, [ticket.parse::<u128>().unwrap()]);
 }
 
+/// The owner and hold that the release tests' keys are held by.
+const HOLDER: (&str, &str) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
+
+/// Runs the release script for [`HOLDER`] on `keys`: how many keys had the hold, and the
+/// tickets of the waiters it wakes, sorted.
+fn release_by_holder(observer: &Observer, keys: &[&str]) -> (redis::Value, Vec<String>) {
+    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
+    let mut call = release.prepare_invoke();
+    for key in keys {
+        call.key(*key);
+    }
+    let released: Vec<redis::Value> = call
+        .arg(HOLDER.0)
+        .arg(HOLDER.1)
+        .arg("tower-batch-lock:released")
+        .arg("")
+        .invoke(&mut observer.connection())
+        .unwrap();
+    let mut heads: Vec<String> = released[1..]
+        .iter()
+        .map(|head| redis::from_redis_value(head.clone()).unwrap())
+        .collect();
+    heads.sort();
+    (released[0].clone(), heads)
+}
+
 /// A release wakes the claim first in line on a key it frees, unless an earlier claim names
 /// a key that claim names too: that waiter could only probe and find the earlier one in
 /// its way, and is woken when that claim's keys are freed.
@@ -776,7 +802,6 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
 fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
     let ticket = |n: u64| format!("{}{n:020}", "0061420580338024");
     // `earlier` names b; `free_to_go` names c alone; `kept_out` names a, and b after
     // `earlier`.
@@ -784,24 +809,11 @@ fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
     observer.claim(&earlier, &["lock:b"]);
     observer.claim(&free_to_go, &["lock:c"]);
     observer.claim(&kept_out, &["lock:a", "lock:b"]);
-    let (owner, hold) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
     for key in ["lock:a", "lock:c"] {
-        observer.set(key, &format!("{owner}:{hold}"));
+        observer.set(key, &format!("{}:{}", HOLDER.0, HOLDER.1));
     }
-    let released: Vec<redis::Value> = release
-        .key("lock:a")
-        .key("lock:c")
-        .arg(owner)
-        .arg(hold)
-        .arg("tower-batch-lock:released")
-        .arg("")
-        .invoke(&mut observer.connection())
-        .unwrap();
-    let heads: Vec<String> = released[1..]
-        .iter()
-        .map(|head| redis::from_redis_value(head.clone()).unwrap())
-        .collect();
-    assert_eq!(released[0], redis::Value::Int(2));
+    let (released, heads) = release_by_holder(&observer, &["lock:a", "lock:c"]);
+    assert_eq!(released, redis::Value::Int(2));
     assert_eq!(heads, [free_to_go]);
 }
 
@@ -813,7 +825,6 @@ fn a_release_wakes_on_each_key_the_earliest_of_its_line_and_its_claims() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
     let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
-    let release = crate_script(include_str!("../../src/store/redis/scripts/release.lua"));
     let ticket = |n: u64| format!("{}{n:020}", "0061420580338024");
     // `elsewhere` names a key that stays held; `behind_line` names `a`, after the
     // reservation there; `on_free_key` names `c`, which has no line.
@@ -822,9 +833,8 @@ fn a_release_wakes_on_each_key_the_earliest_of_its_line_and_its_claims() {
     observer.claim(&elsewhere, &["lock:d"]);
     observer.claim(&behind_line, &["lock:a"]);
     observer.claim(&on_free_key, &["lock:c"]);
-    let (owner, hold) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
     for key in ["lock:a", "lock:c", "lock:d"] {
-        let value = format!("{owner}:{hold}");
+        let value = format!("{}:{}", HOLDER.0, HOLDER.1);
         observer.cmd::<()>(redis::cmd("SET").arg(key).arg(value).arg("PX").arg(10_000));
     }
     let blockers: Vec<i64> = reserve
@@ -834,21 +844,8 @@ fn a_release_wakes_on_each_key_the_earliest_of_its_line_and_its_claims() {
         .invoke(&mut observer.connection())
         .unwrap();
     assert_eq!(blockers, [1], "the reservation waits behind the hold");
-    let released: Vec<redis::Value> = release
-        .key("lock:a")
-        .key("lock:c")
-        .arg(owner)
-        .arg(hold)
-        .arg("tower-batch-lock:released")
-        .arg("")
-        .invoke(&mut observer.connection())
-        .unwrap();
-    let mut heads: Vec<String> = released[1..]
-        .iter()
-        .map(|head| redis::from_redis_value(head.clone()).unwrap())
-        .collect();
-    heads.sort();
-    assert_eq!(released[0], redis::Value::Int(2));
+    let (released, heads) = release_by_holder(&observer, &["lock:a", "lock:c"]);
+    assert_eq!(released, redis::Value::Int(2));
     assert_eq!(heads, [reserved, on_free_key]);
 }
 
