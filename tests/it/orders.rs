@@ -1328,7 +1328,7 @@ mod binary {
                 .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
             let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
             // The example logs where it listens once it does, the orders' port first.
-            let (first_line, addr, admin) = within(Duration::from_secs(10), "listening", async {
+            let (started, addr, admin) = within(Duration::from_secs(10), "listening", async {
                 let (mut start_up, mut admin) = (None, None);
                 while let Some(line) = lines.next_line().await.expect("read the log") {
                     if let Some(addr) = address_after(&line, "orders listening on http://") {
@@ -1347,7 +1347,7 @@ mod binary {
             .await;
             // The rest of its log is read and dropped, so that its writes never fail.
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            (Self(child, admin), addr, first_line)
+            (Self(child, admin), addr, started)
         }
     }
 

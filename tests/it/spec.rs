@@ -367,6 +367,19 @@ struct Driver {
     waiters: usize,
 }
 
+/// `request`'s status from `app`, once its body has ended, as a server sends it: the
+/// layer releases the request's keys before it reports the end. (A response dropped
+/// unread releases them in the background, and the next step could find them held: the
+/// cluster, whose release takes longest, answered a lock 409 there now and then.)
+async fn served(app: Router, request: Request<Body>) -> StatusCode {
+    let response = app.oneshot(request).await.unwrap();
+    let status = response.status();
+    axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    status
+}
+
 /// How long the driver gives a request the model says ends now.
 const PROMPTLY: Duration = Duration::from_secs(5);
 
@@ -460,8 +473,7 @@ impl Driver {
                 .body(Body::empty())
                 .unwrap();
             let app = self.app.clone();
-            let response =
-                tokio::spawn(async move { app.oneshot(request).await.unwrap().status() });
+            let response = tokio::spawn(served(app, request));
             self.owners[owner] = Some((send, response));
         }
         self.owners[owner].as_ref().unwrap().0.clone()
@@ -551,8 +563,7 @@ impl Driver {
                     .body(Body::empty())
                     .unwrap();
                 let app = self.waiting.clone();
-                let mut waiter =
-                    tokio::spawn(async move { app.oneshot(request).await.unwrap().status() });
+                let mut waiter = tokio::spawn(served(app, request));
                 if *expected == Answer::Granted {
                     let status = tokio::time::timeout(PROMPTLY, &mut waiter).await;
                     return match status {
