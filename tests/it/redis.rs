@@ -772,6 +772,14 @@ fn a_retry_reserves_a_free_key_that_an_earlier_claim_names() {
 /// The owner and hold that the release tests' keys are held by.
 const HOLDER: (&str, &str) = ("fedcba9876543210fedcba9876543210", "00000000000000cc");
 
+/// Puts [`HOLDER`]'s hold on `keys`, for 10 s, as a grant writes it.
+fn hold_by_holder(observer: &Observer, keys: &[&str]) {
+    for key in keys {
+        let value = format!("{}:{}", HOLDER.0, HOLDER.1);
+        observer.cmd::<()>(redis::cmd("SET").arg(key).arg(value).arg("PX").arg(10_000));
+    }
+}
+
 /// Runs the release script for [`HOLDER`] on `keys`: how many keys had the hold, and the
 /// tickets of the waiters it wakes, sorted.
 fn release_by_holder(observer: &Observer, keys: &[&str]) -> (redis::Value, Vec<String>) {
@@ -809,9 +817,7 @@ fn a_release_leaves_asleep_a_claims_waiter_that_an_earlier_claim_keeps_out() {
     observer.claim(&earlier, &["lock:b"]);
     observer.claim(&free_to_go, &["lock:c"]);
     observer.claim(&kept_out, &["lock:a", "lock:b"]);
-    for key in ["lock:a", "lock:c"] {
-        observer.set(key, &format!("{}:{}", HOLDER.0, HOLDER.1));
-    }
+    hold_by_holder(&observer, &["lock:a", "lock:c"]);
     let (released, heads) = release_by_holder(&observer, &["lock:a", "lock:c"]);
     assert_eq!(released, redis::Value::Int(2));
     assert_eq!(heads, [free_to_go]);
@@ -833,10 +839,7 @@ fn a_release_wakes_on_each_key_the_earliest_of_its_line_and_its_claims() {
     observer.claim(&elsewhere, &["lock:d"]);
     observer.claim(&behind_line, &["lock:a"]);
     observer.claim(&on_free_key, &["lock:c"]);
-    for key in ["lock:a", "lock:c", "lock:d"] {
-        let value = format!("{}:{}", HOLDER.0, HOLDER.1);
-        observer.cmd::<()>(redis::cmd("SET").arg(key).arg(value).arg("PX").arg(10_000));
-    }
+    hold_by_holder(&observer, &["lock:a", "lock:c", "lock:d"]);
     let blockers: Vec<i64> = reserve
         .key("lock:a")
         .arg(&reserved)
