@@ -7,13 +7,13 @@
 local owner, modes = ARGV[1], ARGV[3]
 local ticket = ARGV[2] ~= '' and ARGV[2] or nil
 local before = claims_before(ticket)
--- Which keys earlier claims name, looked up a chunk at a time (16 keys, then four times
--- as many as so far), so that a probe that stops at its first keys pays for those.
+-- Which keys earlier claims name, looked up a chunk at a time (`chunk_after`), so that a
+-- probe that stops at its first keys pays for those.
 local claimed_by, looked = {}, 0
 local function claimed_at(i)
   if #before == 0 then return nil end
   while i > looked do
-    local to = math.min(#KEYS, looked + math.max(16, 3 * looked))
+    local to = math.min(#KEYS, looked + chunk_after(looked))
     for at, claim in pairs(claimed(before, names_from(looked + 1, to))) do
       claimed_by[looked + at] = claim
     end
