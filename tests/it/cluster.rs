@@ -574,20 +574,7 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
     let (_serial, cluster) = Cluster::start_in_turn().await;
     let masters = cluster.masters();
     // `held` on one master, `wanted` on another.
-    let on = |port: u16| {
-        (0..)
-            .map(|i| format!("key{i}"))
-            .find(|key| {
-                let slot: u16 = cluster.cmd(
-                    port,
-                    redis::cmd("CLUSTER")
-                        .arg("KEYSLOT")
-                        .arg(format!("lock:{key}")),
-                );
-                owns(&cluster, port, slot)
-            })
-            .unwrap()
-    };
+    let on = |port: u16| keys_on(&cluster, port, "key", 1).remove(0);
     let (held, wanted) = (on(masters[0]), on(masters[1]));
     let (first, second) = (locks(&cluster), locks(&cluster));
     let gate = Gate::new();
@@ -625,4 +612,105 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
     assert_eq!(holding.await.unwrap().status, StatusCode::OK);
     assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
     assert_emptied(&cluster).await;
+}
+
+/// The first `count` keys `{prefix}{i}` whose slots the master at `port` serves.
+fn keys_on(cluster: &Cluster, port: u16, prefix: &str, count: usize) -> Vec<String> {
+    (0..)
+        .map(|i| format!("{prefix}{i}"))
+        .filter(|key| {
+            let slot: u16 = cluster.cmd(
+                port,
+                redis::cmd("CLUSTER")
+                    .arg("KEYSLOT")
+                    .arg(format!("lock:{key}")),
+            );
+            owns(cluster, port, slot)
+        })
+        .take(count)
+        .collect()
+}
+
+/// The claims (`claims.lua`) that the master at `port` keeps: its registry and each
+/// claim's set.
+fn claims_on(cluster: &Cluster, port: u16) -> Vec<String> {
+    cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"))
+}
+
+/// A big waiter keeps its place on each master with a claim (its keys stay as they are),
+/// on the masters that refused its groups and on those that granted theirs and rolled
+/// them back; a later request is kept out of a free key that the claim names, and the
+/// grant ends every claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let masters = cluster.masters();
+    // A group of 64 keys or more on each master: each keeps its place with a claim. One
+    // key of the first master's is held.
+    let groups: Vec<Vec<String>> = masters
+        .iter()
+        .map(|&port| keys_on(&cluster, port, "big", 80))
+        .collect();
+    let big = groups.concat();
+    let held = groups[0][0].clone();
+    let (first, second) = (locks(&cluster), locks(&cluster));
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let holding = {
+        let held = held.clone();
+        tokio::spawn(async move { send(&holder, batch(&[&held])).await })
+    };
+    gate.wait_entered().await;
+
+    let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
+    let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
+    let waiting = {
+        let big = big.clone();
+        tokio::spawn(async move { send(&waiter, batch(&big)).await })
+    };
+    // Free keys on the other masters, which granted their groups and rolled them back.
+    let elsewhere = [&groups[1][0], &groups[2][79]];
+    within(Duration::from_secs(5), "the waiter stands in line", async {
+        while first.inspect([elsewhere[0].clone()]).await.unwrap()[0].waiters() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    for &port in &masters {
+        assert_eq!(
+            claims_on(&cluster, port).len(),
+            2,
+            "master {port} keeps the waiter's claim: {:?}",
+            claims_on(&cluster, port)
+        );
+    }
+    assert_eq!(
+        cluster
+            .locks_on_masters()
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>(),
+        vec![format!("lock:{held}")],
+        "a claim leaves its free keys as they are"
+    );
+    // A later request that does not wait is kept out of free keys the claim names.
+    let later = batch_router(&first, counting_handler(&Arc::default()));
+    for key in elsewhere {
+        let reply = send(&later, batch(&[key])).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CONFLICT,
+            "{key}: {}",
+            reply.text()
+        );
+    }
+
+    gate.open();
+    assert_eq!(holding.await.unwrap().status, StatusCode::OK);
+    let waited = within(Duration::from_secs(5), "the waiter", waiting).await;
+    assert_eq!(waited.unwrap().status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+    for &port in &masters {
+        assert_eq!(claims_on(&cluster, port), Vec::<String>::new());
+    }
 }

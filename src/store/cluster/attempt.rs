@@ -128,8 +128,11 @@ impl Nodes {
                     &subset,
                     deadline,
                     None,
-                    // A cluster node keeps no claims (`claims.lua`).
-                    |node, keys| async move { node.reserve(&keys, ticket, reserve, false).await },
+                    // A claim where the group's acquisition claimed (`claims.lua`).
+                    |node, keys| async move {
+                        let claim = node.claims(keys.len());
+                        node.reserve(&keys, ticket, reserve, claim).await
+                    },
                 )
                 .await;
             if let Err(error) = reserved {

@@ -73,8 +73,12 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 /// The same as one Redis ([`Redis`](super::Redis)), batch by batch: all or nothing (a batch
 /// refused on one master is released on every master that granted its group, and a group
 /// that lands after its batch was released undoes itself), owner-only release, re-entry,
-/// TTLs and renewal, fair waiting (each key keeps its waiters' reservations where it lives),
-/// release on drop.
+/// TTLs and renewal, fair waiting, release on drop. A waiter with a small batch keeps its
+/// place in line with a reservation in each key, where the key lives; one with a big batch
+/// (64 keys or more on a master) with a *claim* on each master its keys live on, as on one
+/// Redis: a set of its keys there and its ticket in that master's registry of claims (a
+/// sorted set under `tower-batch-lock:claims{<tag>}`, the hash tag of a slot the master
+/// serves, which every process with the same slot map names alike).
 ///
 /// - **An attempt in flight.** The groups of one attempt are decided by their masters
 ///   independently: until a refused attempt's granted groups are released (a round trip
@@ -98,6 +102,10 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   attempt is released and made again after a pause, on a fresh map once the slot has
 ///   moved (`MOVED`), until [`retry_for`](Self::retry_for) runs out (then 503). A lock
 ///   value migrates with its ttl like any key, so a held key stays held where it goes.
+///   When the slot of a master's registry of claims moves, calls there fail alike until the
+///   map shows it, and then name a registry of a slot the master still serves: the claims
+///   left in the old one only end, and their waiters claim again when next refused
+///   (meanwhile a later arrival may pass them; no one is let into a held key).
 /// - **The counter's master.** While the master that serves the counter's slot is down,
 ///   no batch can be granted (503) until its replica takes over.
 /// - **Failover.** A master that dies makes the calls for its keys fail (after the node
@@ -129,10 +137,12 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   `tower-batch-lock:released`, `SSUBSCRIBE` in each process: only the shard of the
 ///   channel carries them, where a plain `PUBLISH` goes to every node).
 /// - **ACL.** The user needs `FCALL`, `FUNCTION LOAD`, `EVALSHA`, `EVAL` (the fencing
-///   counter's script), `SET`, `GET`, `MGET`, `DEL`, `EXISTS`, `PTTL`, `PEXPIRE`, `TIME`,
-///   `PING`, `INFO`, `CLUSTER SLOTS`, `SPUBLISH` and `SSUBSCRIBE` (and `WAIT` with
-///   [`replicas`](Self::replicas)) on the prefix's keys (and `idempotency:*` for the
-///   idempotency layer) and on the channel.
+///   counter's script), `SET`, `GET`, `MGET`, `DEL`, `EXISTS`, `PTTL`, `PEXPIRE`,
+///   `PEXPIREAT`, `TIME`, `PING`, `INFO`, `CLUSTER SLOTS`, `ZRANGE`, `ZADD`, `ZREM`,
+///   `ZREMRANGEBYSCORE`, `SADD`, `SREM`, `SMISMEMBER`, `SINTERCARD`, `SPUBLISH` and
+///   `SSUBSCRIBE` (and `WAIT` with [`replicas`](Self::replicas)) on the prefix's keys (and
+///   `idempotency:*` for the idempotency layer), on `tower-batch-lock:claims*` (waiters'
+///   claims) and on the channel.
 /// - **Keys and slots.** Redis puts a key in the hash slot of its `{hash tag}`, when it
 ///   has one. A [prefix](crate::Locks::prefix) with a tag would put every lock on one
 ///   master (the crate logs a warning); braces in the keys a client sends choose their

@@ -10,7 +10,10 @@ use std::{collections::HashMap, sync::Arc};
 
 use redis::{cluster_routing::Slot, Value};
 
-use crate::store::{error::StoreError, redis::RedisStore};
+use crate::store::{
+    error::StoreError,
+    redis::{scripts::CLAIMS, RedisStore},
+};
 
 /// The number of hash slots of a Redis Cluster.
 const SLOTS: u16 = 16384;
@@ -95,7 +98,25 @@ impl Topology {
                 topology.owners.insert(slot.ok_or_else(invalid)?, index);
             }
         }
+        for (index, master) in topology.masters.iter().enumerate() {
+            let registry = topology.claims_registry(index).ok_or_else(invalid)?;
+            master.node.name_claims_registry(registry);
+        }
         Ok(topology)
+    }
+
+    /// The claims registry of the master at `index` (`claims.lua`): [`CLAIMS`] with the
+    /// first hash tag, counting from 0, of a slot that the master serves. Every process
+    /// with this map names the same one, and a waiter's claims on that master are all
+    /// there; once the slot moves, the next map names another (the claims left in the old
+    /// one only end: waiters whose claims they were claim again when next refused). None
+    /// for a master that serves no slot.
+    fn claims_registry(&self, index: usize) -> Option<Arc<str>> {
+        // A master that serves one slot of 16,384 finds it in about as many tries.
+        (0..1_u32 << 20)
+            .map(|tag| format!("{CLAIMS}{{{tag}}}"))
+            .find(|name| self.owners.get(&Slot::for_key(name)) == Some(&index))
+            .map(Into::into)
     }
 
     /// Whether every hash slot has a master.

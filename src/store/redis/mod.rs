@@ -4,7 +4,7 @@
 
 use std::{
     fmt,
-    sync::{Arc, OnceLock},
+    sync::{Arc, OnceLock, PoisonError, RwLock},
     time::Duration,
 };
 
@@ -31,7 +31,7 @@ use pubsub::{listen_for_releases, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
 #[cfg(feature = "cluster")]
 use scripts::CLUSTER;
-use scripts::{Invocation, Scripts, SINGLE};
+use scripts::{Function, Invocation, Scripts, CLAIMS, SINGLE};
 
 pub(super) mod builder;
 mod connection;
@@ -61,6 +61,9 @@ pub(crate) struct RedisStore {
     step: usize,
     /// When this store last refused a batch: big ones skip the plain pass for a while after.
     last_refusal: LastRefusal,
+    /// The claims registry of this Redis (`claims.lua`): [`CLAIMS`], or a cluster node's
+    /// own, named from the slot map.
+    claims: RwLock<Arc<str>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -114,6 +117,7 @@ impl RedisStore {
             replicas: None,
             step: DEFAULT_STEP,
             last_refusal: LastRefusal::default(),
+            claims: RwLock::new(CLAIMS.into()),
         };
         // Built inside a runtime (the usual case), subscribe now, so that the first waiter
         // already hears of releases; otherwise on first use.
@@ -139,6 +143,27 @@ impl RedisStore {
     pub(crate) fn with_step(mut self, step: usize) -> Self {
         self.step = step;
         self
+    }
+
+    /// The claims registry of this Redis (`claims.lua`).
+    pub(crate) fn claims_registry(&self) -> Arc<str> {
+        self.claims
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Names a cluster node's claims registry: a key of a slot it serves, from the slot map.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn name_claims_registry(&self, registry: Arc<str>) {
+        *self.claims.write().unwrap_or_else(PoisonError::into_inner) = registry;
+    }
+
+    /// A call of `function` of this store's scripts on `keys`, after `lead` (see
+    /// [`Scripts::prepare`]).
+    fn prepare(&self, function: &Function, lead: Option<&str>, keys: &[String]) -> Invocation {
+        self.scripts
+            .prepare(function, &self.claims_registry(), lead, keys)
     }
 
     /// Starts relaying other processes' releases to this process's waiters, once.
@@ -175,18 +200,16 @@ impl RedisStore {
             .map(|step| {
                 let mut invocation = match how {
                     Freeing::Release(holder) | Freeing::RollBack(holder, _) => {
-                        let mut call = self.scripts.prepare(&self.scripts.release, None, step);
+                        let mut call = self.prepare(&self.scripts.release, None, step);
                         call.arg(holder.owner.as_hex()).arg(holder.hold_hex());
                         call
                     }
                     Freeing::Withdraw(ticket) => {
-                        let mut call = self.scripts.prepare(&self.scripts.withdraw, None, step);
+                        let mut call = self.prepare(&self.scripts.withdraw, None, step);
                         call.arg(ticket.as_arg());
                         call
                     }
-                    Freeing::Force => self
-                        .scripts
-                        .prepare(&self.scripts.force_release, None, step),
+                    Freeing::Force => self.prepare(&self.scripts.force_release, None, step),
                 };
                 let slots = slots_of(step);
                 invocation
@@ -257,7 +280,7 @@ impl RedisStore {
     ) -> Result<Vec<usize>, StoreError> {
         let mut blockers = Vec::new();
         for (n, step) in keys.chunks(self.step).enumerate() {
-            let mut script = self.scripts.prepare(&self.scripts.reserve, None, step);
+            let mut script = self.prepare(&self.scripts.reserve, None, step);
             script
                 .arg(ticket.as_arg())
                 .arg(millis(reserve))
@@ -272,9 +295,7 @@ impl RedisStore {
 
     /// Raises the fencing counter of `namespace` to at least `floor`.
     pub(crate) async fn raise_fence(&self, namespace: &str, floor: u64) -> Result<(), StoreError> {
-        let mut script = self
-            .scripts
-            .prepare(&self.scripts.raise_fence, Some(namespace), &[]);
+        let mut script = self.prepare(&self.scripts.raise_fence, Some(namespace), &[]);
         script.arg(floor);
         self.invoke::<i64>(&script).await?;
         Ok(())
@@ -379,9 +400,7 @@ impl RedisStore {
         } else {
             &request.namespace
         };
-        let mut script = self
-            .scripts
-            .prepare(&self.scripts.acquire, Some(counter), keys);
+        let mut script = self.prepare(&self.scripts.acquire, Some(counter), keys);
         script
             .arg(request.holder.owner.as_hex())
             .arg(request.holder.hold_hex())
@@ -466,7 +485,7 @@ impl LockStore for RedisStore {
             let mut free = 0;
             for step in request.keys.chunks(self.step) {
                 let indices: Vec<usize> = (free..free + step.len()).collect();
-                let mut script = self.scripts.prepare(&self.scripts.probe, None, step);
+                let mut script = self.prepare(&self.scripts.probe, None, step);
                 script
                     .arg(&owner)
                     .arg(&line)
@@ -488,7 +507,7 @@ impl LockStore for RedisStore {
             // of the steps before stay extended until the request releases them (or their
             // TTL ends).
             for step in keys.chunks(self.step) {
-                let mut script = self.scripts.prepare(&self.scripts.extend, None, step);
+                let mut script = self.prepare(&self.scripts.extend, None, step);
                 script.arg(&owner).arg(&hold).arg(millis(ttl));
                 if self.invoke::<i64>(&script).await? != 1 {
                     return Ok(false);
@@ -510,7 +529,7 @@ impl LockStore for RedisStore {
         Box::pin(async move {
             let mut views = Vec::with_capacity(keys.len());
             for step in keys.chunks(self.step) {
-                let script = self.scripts.prepare(&self.scripts.inspect, None, step);
+                let script = self.prepare(&self.scripts.inspect, None, step);
                 let reply: Vec<i64> = self.invoke(&script).await?;
                 if reply.len() != step.len() * 4 {
                     return Err(StoreError::unknown(format!(

@@ -19,8 +19,9 @@ const CLOCK: &str = include_str!("scripts/clock.lua");
 
 /// The registry of the claims of waiters with big batches (`claims.lua`), and the start of
 /// each claim's key, on one Redis and each Redlock master: outside the keys of the default
-/// namespace (`lock:`), and of every namespace that does not start with it.
-pub(super) const CLAIMS: &str = "tower-batch-lock:claims";
+/// namespace (`lock:`), and of every namespace that does not start with it. A cluster
+/// node's registry is this with a hash tag of one of its slots (`cluster/topology.rs`).
+pub(crate) const CLAIMS: &str = "tower-batch-lock:claims";
 
 /// The functions of one library: the scripts that read or write lock values, each behind
 /// its topology's prelude (`single.lua` or `cluster.lua`: where the keys come from, and
@@ -89,6 +90,7 @@ impl Scripts {
         let mut code = [
             "-- The call's keys and arguments, which each function sets (below).\n",
             "local KEYS, ARGV\n",
+            "-- The claims registry (claims.lua): one Redis's; a cluster node's call names its own.\n",
             &format!("local CLAIMS = '{CLAIMS}'\n"),
             prelude,
             CLOCK,
@@ -144,18 +146,13 @@ impl Scripts {
         !self.keys_as_args
     }
 
-    /// Whether waiters with big batches keep their place in line with claims
-    /// (`claims.lua`): on one Redis and a Redlock master, where a script may touch keys it
-    /// was not given; not on a cluster node.
-    pub(super) fn keeps_claims(&self) -> bool {
-        !self.keys_as_args
-    }
-
     /// A call of `function` (one of these) on `keys`, after `lead`, a key that goes first
-    /// when given (the acquire script's counter).
+    /// when given (the acquire script's counter). `claims`: the claims registry of the
+    /// node, which a cluster node's call names (one Redis's is in the library).
     pub(super) fn prepare(
         &'static self,
         function: &Function,
+        claims: &str,
         lead: Option<&str>,
         keys: &[String],
     ) -> Invocation {
@@ -163,7 +160,7 @@ impl Scripts {
         let mut command = redis::cmd("FCALL");
         command.arg(&function.name);
         if self.keys_as_args {
-            command.arg(0);
+            command.arg(0).arg(claims);
         }
         command.arg(count);
         if let Some(lead) = lead {

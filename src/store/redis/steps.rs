@@ -60,9 +60,7 @@ use super::{
         error::StoreError,
     },
     connection::Command,
-    line_arg, millis,
-    scripts::CLAIMS,
-    Freeing, RedisStore,
+    line_arg, millis, Freeing, RedisStore,
 };
 
 /// The smallest batch whose free keys are taken with plain commands. That costs a round
@@ -136,8 +134,9 @@ impl RedisStore {
                 })?;
             return self.acquire_in_steps(request, Taken::NONE, claim).await;
         }
-        if found.is_empty() && !self.scripts.counts_grants() {
-            // Every key was free, and a cluster node has no grant to count.
+        if found.is_empty() && !self.scripts.counts_grants() && !claim {
+            // Every key was free, and a cluster node has no grant to count; a claim's
+            // grant goes on to an empty step, which ends the claim.
             return Ok(Acquire::Granted(FencingToken::new(0)));
         }
         self.acquire_in_steps(&request.of(&found), taken, claim)
@@ -147,7 +146,7 @@ impl RedisStore {
     /// Whether a waiter in line with a batch of `keys` keeps its place with a claim
     /// (`claims.lua`) rather than with a reservation in each key.
     pub(crate) fn claims(&self, keys: usize) -> bool {
-        self.scripts.keeps_claims() && keys >= CLAIM_FROM
+        keys >= CLAIM_FROM
     }
 
     /// Sends `SET key value PX ttl NX` for every key of `request`, pipelined. Returns the
@@ -179,11 +178,13 @@ impl RedisStore {
                 .arg(ttl)
                 .arg("NX");
         }
-        if self.scripts.keeps_claims() {
-            pipeline.cmd("ZRANGE").arg(CLAIMS).arg(0).arg(-1);
-        }
+        pipeline
+            .cmd("ZRANGE")
+            .arg(&*self.claims_registry())
+            .arg(0)
+            .arg(-1);
         let mut replies: Vec<Value> = self.connection.send(Command::Pipeline(&pipeline)).await?;
-        let claimed = self.scripts.keeps_claims() && {
+        let claimed = {
             // Tickets are strings of digits, all of one length: they compare as strings.
             let mine = line_arg(request.line);
             let earlier = |ticket: &String| mine.is_empty() || *ticket < mine;

@@ -7,8 +7,8 @@
 -- Redis. So a big batch's waiter (the store decides which, and says so to the scripts)
 -- keeps its place as one record, a claim: the set `CLAIMS .. ':' .. <ticket>` of its
 -- keys, living until its reservation ends, and its ticket in the registry `CLAIMS`, a
--- sorted set scored by that end (Redis ms). `CLAIMS` (set by the store, before this file)
--- is outside every namespace's keys.
+-- sorted set scored by that end (Redis ms). `CLAIMS` (set by the store, before this file,
+-- or by each call on a cluster node: cluster.lua) is outside every namespace's keys.
 --
 -- A live claim with an earlier ticket keeps a caller out of the keys it names, as an
 -- earlier reservation in a key's value does, unless the caller's owner holds the key; and
@@ -16,8 +16,9 @@
 -- The keys stay as they are while their waiter waits: a held key keeps its hold, a free
 -- key stays free (or absent), and a key whose hold expires keeps its claims, which do not
 -- live in it. A grant ends its waiter's claim; a withdrawal takes its keys out of it.
--- Only one Redis and Redlock's masters keep claims (`keeps_claims`, from the prelude): a
--- cluster node's scripts may touch only the keys of the slots they are given.
+-- A cluster node keeps the claims of the groups it serves, in a registry of its own (a
+-- waiter's groups each claim their keys on their node), and each claim's set has the
+-- registry's hash tag: the commands here name one slot each.
 
 -- The set of the keys `ticket`'s waiter claims.
 local function claim_key(ticket)
@@ -27,7 +28,6 @@ end
 -- The tickets of the live claims earlier than `ticket` (every live one for nil; never
 -- `ticket`'s own), in ticket order. Without claims, one read of an absent key.
 local function claims_before(ticket)
-  if not keeps_claims then return {} end
   local flat = redis.call('ZRANGE', CLAIMS, 0, -1, 'WITHSCORES')
   local out = {}
   for j = 1, #flat, 2 do
@@ -100,7 +100,7 @@ end
 -- that it named.
 local function unclaim_part(ticket, names)
   local named = {}
-  if not keeps_claims or #names == 0 then return named end
+  if #names == 0 then return named end
   local key = claim_key(ticket)
   for from = 1, #names, 1000 do
     local to = math.min(from + 999, #names)

@@ -7,7 +7,7 @@ local function register(name, body, flags)
   redis.register_function{
     function_name = PREFIX .. name,
     callback = function(keys, args)
-      KEYS, ARGV = inputs(keys, args)
+      KEYS, ARGV, CLAIMS = inputs(keys, args)
       clock_ms = nil
       return body()
     end,
