@@ -146,7 +146,7 @@ impl RedisStore {
     }
 
     /// The claims registry of this Redis (`claims.lua`).
-    pub(crate) fn claims_registry(&self) -> Arc<str> {
+    fn claims_registry(&self) -> Arc<str> {
         self.claims
             .read()
             .unwrap_or_else(PoisonError::into_inner)
