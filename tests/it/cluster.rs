@@ -714,3 +714,40 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
         assert_eq!(claims_on(&cluster, port), Vec::<String>::new());
     }
 }
+
+/// A big group refused by its master, right after a refusal (no plain pass then), reads its
+/// keys and writes none, where taking its free keys to give them back cost Redis two writes
+/// a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_big_group_reads_its_keys_and_writes_none() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let group = keys_on(&cluster, cluster.masters()[0], "one", 80);
+    let (first, second) = (locks(&cluster), locks(&cluster));
+    let gate = Gate::new();
+    let holder = batch_router(&first, gated_handler(&gate));
+    let holding = {
+        let held = group[40].clone();
+        tokio::spawn(async move { send(&holder, batch(&[&held])).await })
+    };
+    gate.wait_entered().await;
+
+    let contender = batch_router(&second, counting_handler(&Arc::default()));
+    let reply = send(&contender, batch(&group)).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
+    let (sets, dels) = (cluster.calls_of("set"), cluster.calls_of("del"));
+    let reply = send(&contender, batch(&group)).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
+    assert_eq!(
+        (
+            cluster.calls_of("set") - sets,
+            cluster.calls_of("del") - dels
+        ),
+        (0, 0),
+        "the refused group wrote keys"
+    );
+    assert!(cluster.calls_of("get") >= 80, "the group read its keys");
+
+    gate.open();
+    assert_eq!(holding.await.unwrap().status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}

@@ -414,12 +414,9 @@ impl RedisStore {
             .arg(request.modes.script_arg())
             .arg(if count { "1" } else { "0" })
             .arg(RELEASED_CHANNEL)
-            // A claim leaves the keys as they were: a retry finds no reservation on them. A
-            // cluster node reads a key a command, which costs as much as taking it.
+            // A claim leaves the keys as they were: a retry finds no reservation on them.
             .arg(
-                if (request.retry && !claim)
-                    || (keys.len() >= steps::PLAIN_FROM && !self.scripts.keys_as_args)
-                {
+                if (request.retry && !claim) || keys.len() >= steps::PLAIN_FROM {
                     "1"
                 } else {
                     "0"
