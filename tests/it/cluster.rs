@@ -15,7 +15,7 @@ use tower_batch_lock::{store::RedisCluster, Locks, Wait};
 use crate::support::{
     cluster::Cluster,
     handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
-    http::{batch, batch_router, poll_every, send, within},
+    http::{batch, batch_router, poll_every, send, within, Reply},
     Rng,
 };
 
@@ -530,15 +530,7 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
     let served_by = |port: u16, not: bool| {
         (0..)
             .map(|i| format!("key{i}"))
-            .find(|key| {
-                let slot: u16 = cluster.cmd(
-                    port,
-                    redis::cmd("CLUSTER")
-                        .arg("KEYSLOT")
-                        .arg(format!("lock:{key}")),
-                );
-                owns(&cluster, port, slot) != not
-            })
+            .find(|key| serves(&cluster, port, key) != not)
             .unwrap()
     };
     let (frozen_key, free_key) = (served_by(victim, false), served_by(victim, true));
@@ -576,59 +568,89 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
     // `held` on one master, `wanted` on another.
     let on = |port: u16| keys_on(&cluster, port, "key", 1).remove(0);
     let (held, wanted) = (on(masters[0]), on(masters[1]));
-    let (first, second) = (locks(&cluster), locks(&cluster));
-    let gate = Gate::new();
-    let holder = batch_router(&first, gated_handler(&gate));
-    let holding = {
-        let held = held.clone();
-        tokio::spawn(async move { send(&holder, batch(&[&held])).await })
-    };
-    gate.wait_entered().await;
 
     // A waiter for both: the master of `wanted` grants its group, the other refuses, and
     // the grant is rolled back; the waiter's reservation stays on `wanted` all the same.
-    let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
-    let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
-    let waiting = {
-        let (held, wanted) = (held.clone(), wanted.clone());
-        tokio::spawn(async move { send(&waiter, batch(&[&held, &wanted])).await })
-    };
-    within(
-        Duration::from_secs(5),
-        "the waiter reserves `wanted`",
-        async {
-            while first.inspect([wanted.clone()]).await.unwrap()[0].waiters() == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        },
-    )
-    .await;
+    let line =
+        Line::behind_a_hold(&cluster, &held, vec![held.clone(), wanted.clone()], &wanted).await;
     // A later request that does not wait is kept out of `wanted`, free as it is.
-    let later = batch_router(&first, counting_handler(&Arc::default()));
+    let later = batch_router(&line.first, counting_handler(&Arc::default()));
     let reply = send(&later, batch(&[&wanted])).await;
     assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
 
-    gate.open();
-    assert_eq!(holding.await.unwrap().status, StatusCode::OK);
-    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+    line.served().await;
     assert_emptied(&cluster).await;
+}
+
+/// A waiter in one process (the second) for `batch`, in line behind `held`, which the first
+/// holds until [`served`](Self::served).
+struct Line {
+    first: Locks,
+    gate: Arc<Gate>,
+    holding: tokio::task::JoinHandle<Reply>,
+    waiting: tokio::task::JoinHandle<Reply>,
+}
+
+impl Line {
+    /// Once the first process sees a waiter on `watched`.
+    async fn behind_a_hold(
+        cluster: &Cluster,
+        held: &str,
+        batch: Vec<String>,
+        watched: &str,
+    ) -> Self {
+        let (first, second) = (locks(cluster), locks(cluster));
+        let gate = Gate::new();
+        let holder = batch_router(&first, gated_handler(&gate));
+        let holding = {
+            let held = held.to_owned();
+            tokio::spawn(async move { send(&holder, self::batch(&[&held])).await })
+        };
+        gate.wait_entered().await;
+        let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
+        let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
+        let waiting = tokio::spawn(async move { send(&waiter, self::batch(&batch)).await });
+        within(Duration::from_secs(5), "the waiter stands in line", async {
+            while first.inspect([watched.to_owned()]).await.unwrap()[0].waiters() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        Self {
+            first,
+            gate,
+            holding,
+            waiting,
+        }
+    }
+
+    /// Ends the hold: the holder and then the waiter are served.
+    async fn served(self) {
+        self.gate.open();
+        assert_eq!(self.holding.await.unwrap().status, StatusCode::OK);
+        let waited = within(Duration::from_secs(5), "the waiter", self.waiting).await;
+        assert_eq!(waited.unwrap().status, StatusCode::OK);
+    }
 }
 
 /// The first `count` keys `{prefix}{i}` whose slots the master at `port` serves.
 fn keys_on(cluster: &Cluster, port: u16, prefix: &str, count: usize) -> Vec<String> {
     (0..)
         .map(|i| format!("{prefix}{i}"))
-        .filter(|key| {
-            let slot: u16 = cluster.cmd(
-                port,
-                redis::cmd("CLUSTER")
-                    .arg("KEYSLOT")
-                    .arg(format!("lock:{key}")),
-            );
-            owns(cluster, port, slot)
-        })
+        .filter(|key| serves(cluster, port, key))
         .take(count)
         .collect()
+}
+
+/// Whether the master at `port` serves the lock key of `key`, by its own map.
+fn serves(cluster: &Cluster, port: u16, key: &str) -> bool {
+    let slot: u16 = cluster.cmd(
+        port,
+        redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(format!("lock:{key}")),
+    );
+    owns(cluster, port, slot)
 }
 
 /// The claims (`claims.lua`) that the master at `port` keeps: its registry and each
@@ -652,30 +674,9 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
         .map(|&port| keys_on(&cluster, port, "big", 80))
         .collect();
     let big = groups.concat();
-    let held = groups[0][0].clone();
-    let (first, second) = (locks(&cluster), locks(&cluster));
-    let gate = Gate::new();
-    let holder = batch_router(&first, gated_handler(&gate));
-    let holding = {
-        let held = held.clone();
-        tokio::spawn(async move { send(&holder, batch(&[&held])).await })
-    };
-    gate.wait_entered().await;
-
-    let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
-    let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
-    let waiting = {
-        let big = big.clone();
-        tokio::spawn(async move { send(&waiter, batch(&big)).await })
-    };
     // Free keys on the other masters, which granted their groups and rolled them back.
     let elsewhere = [&groups[1][0], &groups[2][79]];
-    within(Duration::from_secs(5), "the waiter stands in line", async {
-        while first.inspect([elsewhere[0].clone()]).await.unwrap()[0].waiters() == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    let line = Line::behind_a_hold(&cluster, &groups[0][0], big, elsewhere[0]).await;
     for &port in &masters {
         assert_eq!(
             claims_on(&cluster, port).len(),
@@ -690,11 +691,11 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
             .into_iter()
             .flatten()
             .collect::<Vec<_>>(),
-        vec![format!("lock:{held}")],
+        vec![format!("lock:{}", groups[0][0])],
         "a claim leaves its free keys as they are"
     );
     // A later request that does not wait is kept out of free keys the claim names.
-    let later = batch_router(&first, counting_handler(&Arc::default()));
+    let later = batch_router(&line.first, counting_handler(&Arc::default()));
     for key in elsewhere {
         let reply = send(&later, batch(&[key])).await;
         assert_eq!(
@@ -705,10 +706,7 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
         );
     }
 
-    gate.open();
-    assert_eq!(holding.await.unwrap().status, StatusCode::OK);
-    let waited = within(Duration::from_secs(5), "the waiter", waiting).await;
-    assert_eq!(waited.unwrap().status, StatusCode::OK);
+    line.served().await;
     assert_emptied(&cluster).await;
     for &port in &masters {
         assert_eq!(claims_on(&cluster, port), Vec::<String>::new());
