@@ -571,8 +571,14 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
 
     // A waiter for both: the master of `wanted` grants its group, the other refuses, and
     // the grant is rolled back; the waiter's reservation stays on `wanted` all the same.
-    let line =
-        Line::behind_a_hold(&cluster, &held, vec![held.clone(), wanted.clone()], &wanted).await;
+    let processes = (&locks(&cluster), &locks(&cluster));
+    let line = Line::behind_a_hold(
+        processes,
+        &held,
+        vec![held.clone(), wanted.clone()],
+        &wanted,
+    )
+    .await;
     // A later request that does not wait is kept out of `wanted`, free as it is.
     let later = batch_router(&line.first, counting_handler(&Arc::default()));
     let reply = send(&later, batch(&[&wanted])).await;
@@ -582,8 +588,8 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
     assert_emptied(&cluster).await;
 }
 
-/// A waiter in one process (the second) for `batch`, in line behind `held`, which the first
-/// holds until [`served`](Self::served).
+/// A waiter in one process (the second of two `Locks`) for `batch`, in line behind `held`,
+/// which the first holds until [`served`](Self::served).
 struct Line {
     first: Locks,
     gate: Arc<Gate>,
@@ -594,12 +600,12 @@ struct Line {
 impl Line {
     /// Once the first process sees a waiter on `watched`.
     async fn behind_a_hold(
-        cluster: &Cluster,
+        (first, second): (&Locks, &Locks),
         held: &str,
         batch: Vec<String>,
         watched: &str,
     ) -> Self {
-        let (first, second) = (locks(cluster), locks(cluster));
+        let first = first.clone();
         let gate = Gate::new();
         let holder = batch_router(&first, gated_handler(&gate));
         let holding = {
@@ -607,7 +613,7 @@ impl Line {
             tokio::spawn(async move { send(&holder, self::batch(&[&held])).await })
         };
         gate.wait_entered().await;
-        let waiting_locks = second.wait(Wait::up_to(Duration::from_secs(10)));
+        let waiting_locks = second.clone().wait(Wait::up_to(Duration::from_secs(10)));
         let waiter = batch_router(&waiting_locks, counting_handler(&Arc::default()));
         let waiting = tokio::spawn(async move { send(&waiter, self::batch(&batch)).await });
         within(Duration::from_secs(5), "the waiter stands in line", async {
@@ -653,10 +659,24 @@ fn serves(cluster: &Cluster, port: u16, key: &str) -> bool {
     owns(cluster, port, slot)
 }
 
-/// The claims (`claims.lua`) that the master at `port` keeps: its registry and each
-/// claim's set.
-fn claims_on(cluster: &Cluster, port: u16) -> Vec<String> {
-    cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"))
+/// 80 keys on each master, by master: a group of 64 keys or more, whose waiter keeps its
+/// place there with a claim.
+fn groups_on_every_master(cluster: &Cluster) -> Vec<Vec<String>> {
+    cluster
+        .masters()
+        .into_iter()
+        .map(|port| keys_on(cluster, port, "big", 80))
+        .collect()
+}
+
+/// Asserts that every master keeps `keys` keys of claims (`claims.lua`): its registry and
+/// each claim's set (2 for one waiter's claim).
+fn assert_claims_on_every_master(cluster: &Cluster, keys: usize) {
+    for port in cluster.masters() {
+        let claims: Vec<String> =
+            cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"));
+        assert_eq!(claims.len(), keys, "master {port}: {claims:?}");
+    }
 }
 
 /// A big waiter keeps its place on each master with a claim (its keys stay as they are),
@@ -666,25 +686,14 @@ fn claims_on(cluster: &Cluster, port: u16) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
     let (_serial, cluster) = Cluster::start_in_turn().await;
-    let masters = cluster.masters();
-    // A group of 64 keys or more on each master: each keeps its place with a claim. One
-    // key of the first master's is held.
-    let groups: Vec<Vec<String>> = masters
-        .iter()
-        .map(|&port| keys_on(&cluster, port, "big", 80))
-        .collect();
+    // One key of the first master's group is held.
+    let groups = groups_on_every_master(&cluster);
     let big = groups.concat();
     // Free keys on the other masters, which granted their groups and rolled them back.
     let elsewhere = [&groups[1][0], &groups[2][79]];
-    let line = Line::behind_a_hold(&cluster, &groups[0][0], big, elsewhere[0]).await;
-    for &port in &masters {
-        assert_eq!(
-            claims_on(&cluster, port).len(),
-            2,
-            "master {port} keeps the waiter's claim: {:?}",
-            claims_on(&cluster, port)
-        );
-    }
+    let processes = (&locks(&cluster), &locks(&cluster));
+    let line = Line::behind_a_hold(processes, &groups[0][0], big, elsewhere[0]).await;
+    assert_claims_on_every_master(&cluster, 2);
     assert_eq!(
         cluster
             .locks_on_masters()
@@ -708,9 +717,7 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
 
     line.served().await;
     assert_emptied(&cluster).await;
-    for &port in &masters {
-        assert_eq!(claims_on(&cluster, port), Vec::<String>::new());
-    }
+    assert_claims_on_every_master(&cluster, 0);
 }
 
 /// A big group refused by its master, right after a refusal (no plain pass then), reads its
@@ -748,4 +755,41 @@ async fn a_refused_big_group_reads_its_keys_and_writes_none() {
     gate.open();
     assert_eq!(holding.await.unwrap().status, StatusCode::OK);
     assert_emptied(&cluster).await;
+}
+
+/// The claims registry a process names for the master at `port`, as the store names it
+/// (`topology.rs`): the first hash tag, from 0, of a slot the master serves.
+fn registry_of(cluster: &Cluster, port: u16) -> String {
+    (0..)
+        .map(|tag| format!("tower-batch-lock:claims{{{tag}}}"))
+        .find(|name| {
+            let slot: u16 = cluster.cmd(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(name));
+            owns(cluster, port, slot)
+        })
+        .unwrap()
+}
+
+/// Once the slot of a master's claims registry moves, the calls that named it fail until
+/// the store reads the new map, which names another: a big waiter then keeps its place
+/// with claims on every master, and is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_moved_claims_registry_is_named_again_from_the_new_map() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let masters = cluster.masters();
+    let groups = groups_on_every_master(&cluster);
+    let big = groups.concat();
+    // Both processes read the map (a wait, a grant and its release), before the move.
+    let processes = (&locks(&cluster), &locks(&cluster));
+    let line = Line::behind_a_hold(processes, &groups[0][0], big.clone(), &groups[1][0]).await;
+    line.served().await;
+    assert_emptied(&cluster).await;
+    let moved = registry_of(&cluster, masters[0]);
+    cluster.move_empty_slot(&moved, masters[1]);
+    assert_ne!(registry_of(&cluster, masters[0]), moved);
+
+    let line = Line::behind_a_hold(processes, &groups[0][0], big, &groups[1][0]).await;
+    assert_claims_on_every_master(&cluster, 2);
+    line.served().await;
+    assert_emptied(&cluster).await;
+    assert_claims_on_every_master(&cluster, 0);
 }
