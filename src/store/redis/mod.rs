@@ -4,18 +4,14 @@
 
 use std::{
     fmt,
-    sync::{Arc, OnceLock, PoisonError, RwLock},
+    sync::{Arc, OnceLock, PoisonError, RwLock, RwLockReadGuard},
     time::Duration,
 };
 
-#[cfg(feature = "idempotency")]
-use bytes::Bytes;
 use deadpool_redis::Pool;
 use futures_util::future::join_all;
 use redis::{FromRedisValue, RedisResult};
 
-#[cfg(feature = "idempotency")]
-use super::contract::{AnswerStore, StoredAnswer};
 use super::{
     contract::{
         Acquire, AcquireRequest, Contention, FencingToken, Holder, KeyStatus, KeyView, Keys, Line,
@@ -26,6 +22,8 @@ use super::{
     refusals::LastRefusal,
     wake::{slots_of, Wakeups},
 };
+#[cfg(all(feature = "idempotency", feature = "cluster"))]
+pub(crate) use answers::store_answer_command;
 use connection::{Command, SharedConnection};
 use pubsub::{listen_for_releases, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
@@ -33,6 +31,8 @@ use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck}
 use scripts::CLUSTER;
 use scripts::{Function, Invocation, Scripts, CLAIMS, SINGLE};
 
+#[cfg(feature = "idempotency")]
+mod answers;
 pub(super) mod builder;
 mod connection;
 pub(super) mod pubsub;
@@ -145,12 +145,10 @@ impl RedisStore {
         self
     }
 
-    /// The claims registry of this Redis (`claims.lua`).
-    fn claims_registry(&self) -> Arc<str> {
-        self.claims
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    /// The claims registry of this Redis (`claims.lua`), for the call being built (a read
+    /// of the name, not a copy: every script call asks).
+    fn claims_registry(&self) -> RwLockReadGuard<'_, Arc<str>> {
+        self.claims.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Names a cluster node's claims registry: a key of a slot it serves, from the slot map.
@@ -586,27 +584,6 @@ impl LockStore for RedisStore {
     }
 }
 
-#[cfg(feature = "idempotency")]
-impl AnswerStore for RedisStore {
-    fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
-        Box::pin(async move {
-            let answer: Option<Vec<u8>> = self
-                .connection
-                .send(Command::Plain(redis::cmd("GET").arg(key)))
-                .await?;
-            Ok(answer.map(Bytes::from))
-        })
-    }
-
-    fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
-        Box::pin(async move {
-            let set = store_answer_command(answer);
-            let stored: Option<String> = self.connection.send(Command::Plain(&set)).await?;
-            Ok(stored.is_some())
-        })
-    }
-}
-
 /// One key's four numbers from the inspect script.
 fn key_view(numbers: &[i64]) -> KeyView {
     let count = |n: i64| usize::try_from(n).unwrap_or(0);
@@ -623,18 +600,6 @@ fn key_view(numbers: &[i64]) -> KeyView {
         holds: count(numbers[2]),
         waiters: count(numbers[3]),
     }
-}
-
-/// `SET key answer PX retention NX`: keeps an idempotent answer unless one is there.
-#[cfg(feature = "idempotency")]
-pub(crate) fn store_answer_command(answer: &StoredAnswer) -> redis::Cmd {
-    let mut set = redis::cmd("SET");
-    set.arg(&*answer.key)
-        .arg(&answer.bytes[..])
-        .arg("PX")
-        .arg(millis(answer.retention))
-        .arg("NX");
-    set
 }
 
 pub(crate) fn millis(duration: Duration) -> u64 {

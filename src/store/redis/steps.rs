@@ -180,7 +180,7 @@ impl RedisStore {
         }
         pipeline
             .cmd("ZRANGE")
-            .arg(&*self.claims_registry())
+            .arg(&**self.claims_registry())
             .arg(0)
             .arg(-1);
         let mut replies: Vec<Value> = self.connection.send(Command::Pipeline(&pipeline)).await?;

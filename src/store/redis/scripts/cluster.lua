@@ -19,8 +19,9 @@
 -- moved: the store reads the map again and names the node's new registry. Acquire reads
 -- the registry before it writes, and reads every key of a big group first (GET) or takes
 -- every key of a small one with a protected SET NX, undoing what it took before failing,
--- so a group is all or nothing; extend reads every key before it writes; release, withdraw and force_release may stop midway, and the cluster
--- store runs them again on the keys' new nodes (each is idempotent).
+-- so a group is all or nothing; extend reads every key before it writes; release,
+-- withdraw and force_release may stop midway, and the cluster store runs them again on
+-- the keys' new nodes (each is idempotent).
 local function inputs(_, args)
   local count, keys, rest = tonumber(args[2]), {}, {}
   for i = 3, count + 2 do keys[#keys + 1] = args[i] end
