@@ -305,7 +305,8 @@ impl Nodes {
     }
 
     /// Runs `command` on the cluster connection, which redis-rs routes to the master of
-    /// its one key, bounded by the node timeout.
+    /// its one key, bounded by the node timeout (the idempotency layer's answers).
+    #[cfg(feature = "idempotency")]
     pub(super) async fn query<T: FromRedisValue + Send>(
         &self,
         command: redis::Cmd,
