@@ -28,7 +28,7 @@ use crate::store::{
 #[cfg(feature = "idempotency")]
 use crate::store::{
     contract::{AnswerStore, StoredAnswer},
-    redis::store_answer_command,
+    redis::answers::store_answer_command,
 };
 
 pub(crate) struct ClusterStore {

@@ -22,8 +22,6 @@ use super::{
     refusals::LastRefusal,
     wake::{slots_of, Wakeups},
 };
-#[cfg(all(feature = "idempotency", feature = "cluster"))]
-pub(crate) use answers::store_answer_command;
 use connection::{Command, SharedConnection};
 use pubsub::{listen_for_releases, RELEASED_CHANNEL};
 use replicas::{acquire_acknowledged, missing_replicas, Acknowledged, ReplicaAck};
@@ -32,7 +30,7 @@ use scripts::CLUSTER;
 use scripts::{Function, Invocation, Scripts, CLAIMS, SINGLE};
 
 #[cfg(feature = "idempotency")]
-mod answers;
+pub(super) mod answers;
 pub(super) mod builder;
 mod connection;
 pub(super) mod pubsub;
