@@ -589,6 +589,9 @@ DECLARE
   now timestamptz := clock_timestamp();
   till timestamptz := now + p_ttl_ms * interval '1 ms';
   taken text[];
+  -- The keys whose rows were there before the insert below, and their modes.
+  there text[];
+  there_modes text;
   r record;
   live {T}_reader[];
   heads text[] := '{}';
@@ -692,11 +695,21 @@ BEGIN
 
   -- The rows that were there, now locked: which keep it out, from now on (the rows are
   -- locked, and ends only pass: what is free now stays free), after the wait for them.
+  -- Only those are read from here on: the rows it inserted hold its hold. (A waiter's
+  -- 2,000-key grant with 40 of its keys reserved by later waiters read all 2,000 again,
+  -- 3.2 ms of its 14-15.) `NOT IN` a subquery is looked up in a hash of it, never a
+  -- comparison of every pair.
+  SELECT coalesce(array_agg(u.k ORDER BY u.i), '{}'),
+         CASE WHEN length(p_modes) = 1 THEN p_modes
+              ELSE string_agg(substr(p_modes, u.i::int, 1), '' ORDER BY u.i) END
+    INTO there, there_modes
+    FROM unnest(p_keys) WITH ORDINALITY u(k, i)
+    WHERE u.k NOT IN (SELECT unnest(taken));
   now := clock_timestamp();
   till := now + p_ttl_ms * interval '1 ms';
   SELECT c.conflicts, c.named, c.upgrade, c.earliest_ms
     INTO conflicts, named, upgrade, earliest_ms
-    FROM {T}_conflicts(p_keys, p_modes, p_owner, p_ticket, now, p_report) c;
+    FROM {T}_conflicts(there, there_modes, p_owner, p_ticket, now, p_report) c;
   IF conflicts = 0 THEN
     -- A claim made while this call waited for the rows (up to the lock timeout) keeps it
     -- out as one made before (the rows are locked now, claims are not).
@@ -731,7 +744,7 @@ BEGIN
   IF p_modes = 'x' THEN
     UPDATE {T} l SET owner = p_owner, holds = ARRAY[p_hold], modes = 'x', ends = till,
         readers = NULL, line = {T}_without(l.line, entries, now)
-      WHERE l.key = ANY(p_keys)
+      WHERE l.key = ANY(there)
         AND NOT (l.owner IS NOT NULL AND l.ends > now)
         AND (l.readers IS NULL
              OR NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > now));
@@ -746,15 +759,16 @@ BEGIN
   END IF;
   -- The others gain this hold beside the holds there (re-entry, readers, an upgrade).
   FOR r IN
-    SELECT l, u.i FROM {T} l JOIN unnest(p_keys) WITH ORDINALITY u(k, i) ON l.key = u.k
-    -- Rows that have this hold already (inserted above, or given it by the UPDATE) need
-    -- nothing: no other acquisition has this hold id.
+    SELECT l, u.i FROM {T} l JOIN unnest(there) WITH ORDINALITY u(k, i) ON l.key = u.k
+    -- Rows that have this hold already (given it by the UPDATE) need nothing: no other
+    -- acquisition has this hold id.
     WHERE NOT coalesce(l.owner = p_owner AND p_hold = ANY(l.holds), false)
       AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x
                       WHERE x.owner = p_owner AND x.hold = p_hold)
     ORDER BY u.i
   LOOP
-    shared := (CASE WHEN length(p_modes) = 1 THEN p_modes ELSE substr(p_modes, r.i::int, 1) END) = 's';
+    shared := (CASE WHEN length(there_modes) = 1 THEN there_modes
+                    ELSE substr(there_modes, r.i::int, 1) END) = 's';
     cur := r.l;
       cur.line := {T}_requeue(cur.line, entries, NULL, now);
       SELECT array_agg(ROW(x.owner, x.hold, x.ends)::{T}_reader) INTO live
