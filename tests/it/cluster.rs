@@ -147,7 +147,7 @@ async fn a_plain_pass_that_meets_a_moved_slot_leaves_nothing_behind() {
     let masters = cluster.masters();
     let (from, _) = cluster.shard_of(masters[0], "lock:sku:0");
     let to = masters.iter().copied().find(|&port| port != from).unwrap();
-    cluster.move_empty_slot("lock:sku:0", to);
+    cluster.move_slot("lock:sku:0", to);
     // The other process holds a key that `from` serves in neither map, so that the batch
     // is refused rather than made again on a fresh map (where the same hold would find
     // and release what it left, and hide a leak).
@@ -784,7 +784,7 @@ async fn a_moved_claims_registry_is_named_again_from_the_new_map() {
     line.served().await;
     assert_emptied(&cluster).await;
     let moved = registry_of(&cluster, masters[0]);
-    cluster.move_empty_slot(&moved, masters[1]);
+    cluster.move_slot(&moved, masters[1]);
     assert_ne!(registry_of(&cluster, masters[0]), moved);
 
     let line = Line::behind_a_hold(processes, &groups[0][0], big, &groups[1][0]).await;
@@ -792,4 +792,44 @@ async fn a_moved_claims_registry_is_named_again_from_the_new_map() {
     line.served().await;
     assert_emptied(&cluster).await;
     assert_claims_on_every_master(&cluster, 0);
+}
+
+/// A master's claims registry moved with the claims in it (its slot resharded, keys and
+/// all) while a big waiter stands in line: the holder's release, named against the old
+/// map, is sent again on the new one, the waiter is served (its claim on that master is
+/// gone, so a later arrival could pass it there meanwhile; nobody is let into a held
+/// key), and nothing is left on any lock key. The claims that moved, and those of a
+/// registry that the new map no longer names, are ended by the grant where the new map
+/// names their registry again, and end by themselves by the waiter's deadline where it
+/// does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_registry_moved_with_its_claims_still_serves_its_waiter() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let masters = cluster.masters();
+    let groups = groups_on_every_master(&cluster);
+    let big = groups.concat();
+    let processes = (&locks(&cluster), &locks(&cluster));
+    let line = Line::behind_a_hold(processes, &groups[0][0], big, &groups[1][0]).await;
+    assert_claims_on_every_master(&cluster, 2);
+    let moved = registry_of(&cluster, masters[0]);
+    cluster.move_slot(&moved, masters[1]);
+    let claims_on = |port: u16| -> Vec<String> {
+        cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"))
+    };
+    assert!(claims_on(masters[0]).is_empty());
+    let moved_keys: Vec<String> = claims_on(masters[1])
+        .into_iter()
+        .filter(|key| key.starts_with(&moved))
+        .collect();
+    assert_eq!(moved_keys.len(), 2, "the registry and the claim moved");
+
+    line.served().await;
+    assert_emptied(&cluster).await;
+    // The waiter waits up to 10 s, and keeps its place 500 ms past that.
+    for port in masters {
+        for key in claims_on(port) {
+            let ttl: i64 = cluster.cmd(port, redis::cmd("PTTL").arg(&key));
+            assert!((1..=10_500).contains(&ttl), "{key} lives {ttl} ms more");
+        }
+    }
 }

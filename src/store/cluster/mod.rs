@@ -103,9 +103,12 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   moved (`MOVED`), until [`retry_for`](Self::retry_for) runs out (then 503). A lock
 ///   value migrates with its ttl like any key, so a held key stays held where it goes.
 ///   When the slot of a master's registry of claims moves, calls there fail alike until the
-///   map shows it, and then name a registry of a slot the master still serves: the claims
-///   left in the old one only end, and their waiters claim again when next refused
-///   (meanwhile a later arrival may pass them; no one is let into a held key).
+///   map shows it (a release is sent again on the new map), and then name a registry of a
+///   slot the master still serves. The claims in the old one move with its slot: they end
+///   with their waiters' grants where the new map names it again (as the registry of the
+///   master it went to), and by themselves at their waiters' deadlines where it does not;
+///   their waiters claim again when next refused (meanwhile a later arrival may pass them;
+///   no one is let into a held key).
 /// - **The counter's master.** While the master that serves the counter's slot is down,
 ///   no batch can be granted (503) until its replica takes over.
 /// - **Failover.** A master that dies makes the calls for its keys fail (after the node

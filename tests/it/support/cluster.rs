@@ -209,11 +209,11 @@ impl Cluster {
         });
     }
 
-    /// Moves the slot of `key`, which must hold no key, to the master at `to`, as
-    /// `redis-cli --cluster reshard` would (importing, migrating, then the new owner on
-    /// every master, the new one first), and waits until every master says so: a client
-    /// that read the map before has a stale one.
-    pub(crate) fn move_empty_slot(&self, key: &str, to: u16) {
+    /// Moves the slot of `key`, with the keys in it, to the master at `to`, as `redis-cli
+    /// --cluster reshard` would (importing, migrating, each key with `MIGRATE`, then the
+    /// new owner on every master, the new one first), and waits until every master says
+    /// so: a client that read the map before has a stale one.
+    pub(crate) fn move_slot(&self, key: &str, to: u16) {
         let (from, _) = self.shard_of(to, key);
         let slot: i64 = self.cmd(to, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key));
         let id = |port: u16| -> String { self.cmd(port, redis::cmd("CLUSTER").arg("MYID")) };
@@ -229,6 +229,29 @@ impl Cluster {
         };
         setslot(to, "IMPORTING", from);
         setslot(from, "MIGRATING", to);
+        loop {
+            let keys: Vec<String> = self.cmd(
+                from,
+                redis::cmd("CLUSTER")
+                    .arg("GETKEYSINSLOT")
+                    .arg(slot)
+                    .arg(100),
+            );
+            if keys.is_empty() {
+                break;
+            }
+            let _: () = self.cmd(
+                from,
+                redis::cmd("MIGRATE")
+                    .arg("127.0.0.1")
+                    .arg(to)
+                    .arg("")
+                    .arg(0)
+                    .arg(5_000)
+                    .arg("KEYS")
+                    .arg(&keys),
+            );
+        }
         let mut masters = self.masters();
         masters.sort_by_key(|&port| (port != to, port == from));
         for port in masters {
