@@ -669,10 +669,16 @@ BEGIN
     END IF;
     -- A release between the look and the reservation did not see it, and woke nobody:
     -- ask the probe again, and go on if the batch is free now. Refused, the answer is
-    -- the look's: a key it names that was freed since only costs the waiter a probe.
+    -- the look's: a key it names that was freed since only costs the waiter a probe. A
+    -- claim behind a live claim is kept out by it (`behind` names only earlier claims
+    -- that share a key): that is asked first, of two rows, where the look at every
+    -- claim's keys costs a 2,000-key batch 1.9 ms (psql, three claims of 2,000 keys).
     now := clock_timestamp();
     till := now + p_ttl_ms * interval '1 ms';
-    IF cardinality({T}_claimed(p_keys, holder, p_ticket, now)) > 0
+    IF (claiming AND EXISTS (SELECT 1 FROM {T}_claims c JOIN {T}_claims e
+                               ON e.ticket = ANY(c.behind)
+                             WHERE c.ticket = p_ticket AND e.ends > now))
+       OR cardinality({T}_claimed(p_keys, holder, p_ticket, now)) > 0
        OR {T}_probe_at(p_keys, p_modes, p_owner, p_ticket, now) < cardinality(p_keys) THEN
       PERFORM {T}_commit_lazily();
       RETURN NEXT;
