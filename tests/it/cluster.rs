@@ -673,10 +673,14 @@ fn groups_on_every_master(cluster: &Cluster) -> Vec<Vec<String>> {
 /// each claim's set (2 for one waiter's claim).
 fn assert_claims_on_every_master(cluster: &Cluster, keys: usize) {
     for port in cluster.masters() {
-        let claims: Vec<String> =
-            cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"));
+        let claims = claims_on(cluster, port);
         assert_eq!(claims.len(), keys, "master {port}: {claims:?}");
     }
+}
+
+/// The keys of claims (registries and claims' sets) that the master at `port` keeps.
+fn claims_on(cluster: &Cluster, port: u16) -> Vec<String> {
+    cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"))
 }
 
 /// A big waiter keeps its place on each master with a claim (its keys stay as they are),
@@ -813,21 +817,18 @@ async fn a_registry_moved_with_its_claims_still_serves_its_waiter() {
     assert_claims_on_every_master(&cluster, 2);
     let moved = registry_of(&cluster, masters[0]);
     cluster.move_slot(&moved, masters[1]);
-    let claims_on = |port: u16| -> Vec<String> {
-        cluster.cmd(port, redis::cmd("KEYS").arg("tower-batch-lock:claims*"))
-    };
-    assert!(claims_on(masters[0]).is_empty());
-    let moved_keys: Vec<String> = claims_on(masters[1])
+    assert!(claims_on(&cluster, masters[0]).is_empty());
+    let moved_keys = claims_on(&cluster, masters[1])
         .into_iter()
         .filter(|key| key.starts_with(&moved))
-        .collect();
-    assert_eq!(moved_keys.len(), 2, "the registry and the claim moved");
+        .count();
+    assert_eq!(moved_keys, 2, "the registry and the claim moved");
 
     line.served().await;
     assert_emptied(&cluster).await;
     // The waiter waits up to 10 s, and keeps its place 500 ms past that.
     for port in masters {
-        for key in claims_on(port) {
+        for key in claims_on(&cluster, port) {
             let ttl: i64 = cluster.cmd(port, redis::cmd("PTTL").arg(&key));
             assert!((1..=10_500).contains(&ttl), "{key} lives {ttl} ms more");
         }
