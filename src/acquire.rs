@@ -10,18 +10,19 @@
 //!    of its batch until its deadline, and half a second more ([`RESERVATION_MARGIN`]): a
 //!    reservation keeps out every later arrival, waiting or not, and lives on whatever
 //!    happens to the holds before it (on Redis, holds that reservations outlive keep their
-//!    end in the value, so that a holder that dies takes only its holds). On one Redis and
-//!    Redlock a batch of 64 keys or more keeps its place as one record, a *claim* (the set
-//!    of its keys, and its ticket in a registry), and leaves its keys as they are: a key
-//!    that an earlier claim names keeps a caller out as an earlier reservation does, and a
-//!    release wakes the earliest of both. A grant ends the waiter's reservations (its
+//!    end in the value, so that a holder that dies takes only its holds). On every shared
+//!    store a batch of 64 keys or more keeps its place as one record, a *claim* (the set
+//!    of its keys, and its ticket in a registry: on a Redis Cluster one on each master
+//!    that serves 64 of its keys or more, on PostgreSQL a row, for exclusive batches), and
+//!    leaves its keys as they are: a key that an earlier claim names keeps a caller out as
+//!    an earlier reservation does, and a release wakes the earliest of both. A grant ends the waiter's reservations (its
 //!    claim); giving up, failing or being dropped withdraws them.
 //! 2. **Wake only who can win.** A release (a withdrawal, a forced release) names, for each
 //!    key it frees, the waiter first in line on it, and wakes that waiter alone, here and,
 //!    through the store's pub/sub, in other processes ([`Wakeups`](crate::store::wake));
-//!    a reader granted wakes the next in line, who may be a reader too. On one Redis and
-//!    Redlock a claim's waiter that an earlier claim keeps out (the two name a key in
-//!    common) is not woken: it is, when that claim's keys are freed or withdrawn. Waiters
+//!    a reader granted wakes the next in line, who may be a reader too. A claim's waiter
+//!    that an earlier claim keeps out (the two name a key in common) is not woken: it is,
+//!    when that claim's keys are freed or withdrawn. Waiters
 //!    in no line (unfair waiting, an owner that holds keys) watch the keys that kept them
 //!    out.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
@@ -33,12 +34,12 @@
 //!    one Redis, Redlock and a cluster, a refused attempt granted in part (a step, a
 //!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
 //!    about two passes to be granted (the refused one that reserves, and the grant) and
-//!    one to be released, however long it waits. On one Redis and Redlock the refused
-//!    pass of a big batch only reads its keys (and claims them), and its grant takes its
+//!    one to be released, however long it waits. On every shared store the refused pass
+//!    of a big batch only reads its keys (and claims them); on Redis its grant takes its
 //!    free keys with plain commands, as an uncontended batch does.
 //! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
 //!    less and less often, down to every 1-2 s: for a hold or a place before it that
-//!    expired with its process. On Redis a poll is a probe of what blocked it.
+//!    expired with its process. On a shared store a poll is a probe of what blocked it.
 //! 5. **Owners.** An owner that holds keys (a nested layer, `Lease::lock`) stands in line
 //!    at its own arrival ([`Line::Holder`]): its keys keep it out of nothing, and only the
 //!    waiters that came before it keep it out of others.

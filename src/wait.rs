@@ -36,16 +36,19 @@ use crate::duration::capped;
 /// reader too), in this process and, through the store's pub/sub, in the others. However
 /// long the line, a grant costs about the same: on one Redis, a hot key with 32 waiters
 /// took 4.5 script calls a grant (18.4 when every release woke every waiter). A woken
-/// waiter on Redis first probes the keys that kept it out, reading them without writing,
-/// and stopping at the first still held; it sends its whole batch again only once none
-/// is: a purchase order of 2,000 keys held up by small orders pays for a few reads a
-/// release, not for 2,000 writes. On one Redis and Redlock, a batch of 64 keys or more
-/// keeps its place in line as one record (a *claim*: the set of its keys) rather than with
-/// a reservation written into each key, so that it is not rewritten to wait, again to be
-/// granted and again to be released (see `store::Redis`'s data model). A waiter in line
-/// also polls, seldom (after 100-200 ms, then less often, down to every 1-2 s), for what no
-/// release announces: a hold or a place before it that expired with its process. Waiters
-/// in no line (unfair waiting) watch the keys that kept them out and poll every 5-100 ms.
+/// waiter on a shared store (every store but memory) first probes the keys that kept it
+/// out, reading them without writing, and stopping at the first still held; it sends its
+/// whole batch again only once none is: a purchase order of 2,000 keys held up by small
+/// orders pays for a few reads a release, not for 2,000 writes. On a shared store, a
+/// waiter with a batch of 64 keys or more keeps its place in line as one record (a
+/// *claim*: the set of its keys) rather than with a reservation written into each key, so
+/// that its keys are not rewritten to wait, again to be granted and again to be released:
+/// on a Redis Cluster, a claim on each master that serves 64 of its keys or more (and
+/// reservations on the others); on PostgreSQL, for an exclusive batch (each store's page
+/// gives its data model). A waiter in line also polls, seldom (after 100-200 ms, then
+/// less often, down to every 1-2 s), for what no release announces: a hold or a place
+/// before it that expired with its process. Waiters in no line (unfair waiting) watch the
+/// keys that kept them out and poll every 5-100 ms.
 ///
 /// ```
 /// use std::time::Duration;
