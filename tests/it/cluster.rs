@@ -584,8 +584,7 @@ async fn a_waiter_keeps_its_place_on_the_masters_that_granted_part_of_its_batch(
     let reply = send(&later, batch(&[&wanted])).await;
     assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
 
-    line.served().await;
-    assert_emptied(&cluster).await;
+    line.served(&cluster).await;
 }
 
 /// A waiter in one process (the second of two `Locks`) for `batch`, in line behind `held`,
@@ -630,12 +629,14 @@ impl Line {
         }
     }
 
-    /// Ends the hold: the holder and then the waiter are served.
-    async fn served(self) {
+    /// Ends the hold: the holder and then the waiter are served, and no lock key is left
+    /// on any master of `cluster`.
+    async fn served(self, cluster: &Cluster) {
         self.gate.open();
         assert_eq!(self.holding.await.unwrap().status, StatusCode::OK);
         let waited = within(Duration::from_secs(5), "the waiter", self.waiting).await;
         assert_eq!(waited.unwrap().status, StatusCode::OK);
+        assert_emptied(cluster).await;
     }
 }
 
@@ -719,8 +720,7 @@ async fn a_big_waiter_keeps_its_place_with_a_claim_on_every_master() {
         );
     }
 
-    line.served().await;
-    assert_emptied(&cluster).await;
+    line.served(&cluster).await;
     assert_claims_on_every_master(&cluster, 0);
 }
 
@@ -785,16 +785,14 @@ async fn a_moved_claims_registry_is_named_again_from_the_new_map() {
     // Both processes read the map (a wait, a grant and its release), before the move.
     let processes = (&locks(&cluster), &locks(&cluster));
     let line = Line::behind_a_hold(processes, &groups[0][0], big.clone(), &groups[1][0]).await;
-    line.served().await;
-    assert_emptied(&cluster).await;
+    line.served(&cluster).await;
     let moved = registry_of(&cluster, masters[0]);
     cluster.move_slot(&moved, masters[1]);
     assert_ne!(registry_of(&cluster, masters[0]), moved);
 
     let line = Line::behind_a_hold(processes, &groups[0][0], big, &groups[1][0]).await;
     assert_claims_on_every_master(&cluster, 2);
-    line.served().await;
-    assert_emptied(&cluster).await;
+    line.served(&cluster).await;
     assert_claims_on_every_master(&cluster, 0);
 }
 
@@ -824,8 +822,7 @@ async fn a_registry_moved_with_its_claims_still_serves_its_waiter() {
         .count();
     assert_eq!(moved_keys, 2, "the registry and the claim moved");
 
-    line.served().await;
-    assert_emptied(&cluster).await;
+    line.served(&cluster).await;
     // The waiter waits up to 10 s, and keeps its place 500 ms past that.
     for port in masters {
         for key in claims_on(&cluster, port) {

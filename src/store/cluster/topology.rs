@@ -108,9 +108,9 @@ impl Topology {
     /// The claims registry of the master at `index` (`claims.lua`): [`CLAIMS`] with the
     /// first hash tag, counting from 0, of a slot that the master serves. Every process
     /// with this map names the same one, and a waiter's claims on that master are all
-    /// there; once the slot moves, the next map names another (the claims left in the old
-    /// one only end: waiters whose claims they were claim again when next refused). None
-    /// for a master that serves no slot.
+    /// there; once the slot moves, the next map names another (the claims in the old one
+    /// move with its slot: see "Resharding" in the store's docs). None for a master that
+    /// serves no slot.
     fn claims_registry(&self, index: usize) -> Option<Arc<str>> {
         // A master that serves one slot of 16,384 finds it in about as many tries.
         (0..1_u32 << 20)
