@@ -369,7 +369,7 @@ pub(crate) async fn run(
     let targets = targets(&stores, &cases);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters, a Redis Cluster of 3 masters without replicas (node timeout {} ms for both) and PostgreSQL (Postgres::url, a server of the bench's own, the lock table truncated before each level): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server; ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost uncontended",
+            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters, a Redis Cluster of 3 masters without replicas (node timeout {} ms for both) and PostgreSQL (Postgres::url, a server of the bench's own, the lock table truncated before each level): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; commands_per_grant and command_usec_per_grant = every command's INFO commandstats calls and usec (the commands a script calls too, also counted in its own), summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server; ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost uncontended",
             WORK.as_millis(),
             WAIT_BOUND.as_secs(),
             TTL.as_secs(),
@@ -603,8 +603,8 @@ struct Work {
     /// CPU time of the masters' main threads, ms.
     cpu_ms: f64,
     /// Every command's calls, nested ones too (Redis 7 counts the commands a script calls
-    /// under their own names as well): where the work goes.
-    by_command: BTreeMap<String, u64>,
+    /// under their own names as well) and their time (µs, `usec`): where the work goes.
+    by_command: BTreeMap<String, (u64, f64)>,
 }
 
 /// Resets every master's command statistics, and returns their CPU time so far (s).
@@ -629,8 +629,10 @@ async fn work_since(stats: &mut [MultiplexedConnection], cpu_before: f64) -> Res
         work.scripts += sum(&commands, &SCRIPT_COMMANDS).1;
         for (command, fields) in commands {
             if !["info", "config|resetstat"].contains(&command.as_str()) {
-                *work.by_command.entry(command).or_default() +=
-                    fields.get("calls").copied().unwrap_or(0.0) as u64;
+                let field = |name| fields.get(name).copied().unwrap_or(0.0);
+                let entry = work.by_command.entry(command).or_default();
+                entry.0 += field("calls") as u64;
+                entry.1 += field("usec");
             }
         }
     }
@@ -646,7 +648,7 @@ struct Uncontended {
     calls_per_grant: f64,
     scripts_per_grant: f64,
     cpu_ms_per_grant: f64,
-    by_command: BTreeMap<String, u64>,
+    by_command: BTreeMap<String, (u64, f64)>,
 }
 
 impl Uncontended {
@@ -661,9 +663,8 @@ impl Uncontended {
             "script_calls_per_grant": stats::round(self.scripts_per_grant, 3),
             "cpu_ms_per_grant": stats::round(self.cpu_ms_per_grant, 4),
             "cpu_us_per_key": stats::round(self.cpu_ms_per_grant * 1e3 / self.skus as f64, 3),
-            "commands_per_grant": self.by_command.iter()
-                .map(|(c, n)| (c.clone(), json!(stats::round(*n as f64 / grants, 2))))
-                .collect::<serde_json::Map<_, _>>(),
+            "commands_per_grant": per_command(&self.by_command, grants, |(n, _)| n as f64),
+            "command_usec_per_grant": per_command(&self.by_command, grants, |(_, usec)| usec),
         })
     }
 }
@@ -841,10 +842,25 @@ fn redis_figures(
         "calls_over_uncontended": over(work.calls as f64, |u| u.calls_per_grant),
         "script_calls_over_uncontended": over(work.scripts as f64, |u| u.scripts_per_grant),
         "cpu_over_uncontended": over(work.cpu_ms, |u| u.cpu_ms_per_grant),
-        "commands_per_grant": work.by_command.iter()
-            .map(|(c, n)| (c.clone(), json!(per(*n as f64, grants).map(|r| stats::round(r, 2)))))
-            .collect::<serde_json::Map<_, _>>(),
+        "commands_per_grant": per_command(&work.by_command, grants, |(n, _)| n as f64),
+        "command_usec_per_grant": per_command(&work.by_command, grants, |(_, usec)| usec),
     })
+}
+
+/// One figure of each command's work (calls, or µs), per grant (none without a grant).
+fn per_command(
+    by_command: &BTreeMap<String, (u64, f64)>,
+    grants: f64,
+    figure: fn((u64, f64)) -> f64,
+) -> Value {
+    by_command
+        .iter()
+        .map(|(c, work)| {
+            let per_grant = (grants > 0.0).then(|| stats::round(figure(*work) / grants, 2));
+            (c.clone(), json!(per_grant))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 fn find<'a>(cases: &'a [Value], store: &str, level: &str) -> Option<&'a Value> {

@@ -44,21 +44,27 @@ end
 -- the earliest that does: a table from position in `names` to ticket. One command a claim
 -- for a thousand names, each claim asked only of the names no earlier one named: big
 -- batches overlap, and most of a batch's keys that a later claim names, an earlier one
--- names too.
+-- names too. The first claim is asked of `names` as they are, with no list copied.
 local function claimed(claims, names)
   local by = {}
-  -- Positions in `names` that no claim looked up so far names.
-  local left = {}
-  for j = 1, #names do left[j] = j end
+  -- Positions in `names` that no claim looked up so far names (nil: every one).
+  local left
   for _, ticket in ipairs(claims) do
-    if #left == 0 then break end
+    local count = left and #left or #names
+    if count == 0 then break end
     local key, still = claim_key(ticket), {}
-    for from = 1, #left, 1000 do
-      local chunk = {}
-      for j = from, math.min(from + 999, #left) do chunk[#chunk + 1] = names[left[j]] end
-      local member = redis.call('SMISMEMBER', key, unpack(chunk))
+    for from = 1, count, 1000 do
+      local to = math.min(from + 999, count)
+      local member
+      if left then
+        local chunk = {}
+        for j = from, to do chunk[j - from + 1] = names[left[j]] end
+        member = redis.call('SMISMEMBER', key, unpack(chunk))
+      else
+        member = redis.call('SMISMEMBER', key, unpack(names, from, to))
+      end
       for j = 1, #member do
-        local at = left[from + j - 1]
+        local at = left and left[from + j - 1] or from + j - 1
         if member[j] == 1 then by[at] = ticket else still[#still + 1] = at end
       end
     end
@@ -128,13 +134,6 @@ local function behind_claim(ticket, claims)
     end
   end
   return false
-end
-
--- How many more of a list a look that may stop at its first find takes after `done` of
--- it: 16, then three times as many as so far, so that a look that stops early pays for a
--- few, and one that goes through asks each once, in a few more commands (five for 2,000).
-local function chunk_after(done)
-  return math.max(16, 3 * done)
 end
 
 -- Whether `ticket`'s claim names one of the key names `names` (a list), asked a chunk at a

@@ -4,6 +4,10 @@
 -- the first that would, so that a waiter that probes what blocked it pays for what was
 -- freed since, not for its batch. A key that an earlier waiter's claim names keeps the
 -- caller out as acquire finds it does. Writes nothing.
+--
+-- The values are read as acquire reads a big batch's (`each_value`, a chunk at a time,
+-- short ones first): a key of another type reads as none, and the attempt that follows
+-- finds it foreign.
 local owner, modes = ARGV[1], ARGV[3]
 local ticket = ARGV[2] ~= '' and ARGV[2] or nil
 local before = claims_before(ticket)
@@ -22,20 +26,19 @@ local function claimed_at(i)
   return claimed_by[i]
 end
 local free = 0
-for i = 1, #KEYS do
-  local shared
-  if #modes == 1 then shared = modes == 's' else shared = string.byte(modes, i) == 115 end
-  -- A key of another type is foreign, and keeps everyone out (as in acquire); any other
-  -- error (a key this node does not serve) fails the script.
-  local value = redis.pcall('GET', KEYS[i])
-  if type(value) == 'table' then
-    if string.sub(value.err or '', 1, 9) ~= 'WRONGTYPE' then error(value) end
-    value = 'foreign'
+each_value(1, function(i, value)
+  -- A key with no value keeps out no one but the caller of an earlier claim: most keys of
+  -- a woken purchase order. A probe of 1,000 free keys took 0.54-0.73 ms of Redis's time
+  -- read a key a command, 0.35-0.37 read with MGET and each key passed to `keeps_out`,
+  -- and takes 0.16-0.17 so (`INFO commandstats`).
+  local holds = ''
+  if value then
+    local shared, queue
+    if #modes == 1 then shared = modes == 's' else shared = string.byte(modes, i) == 115 end
+    holds, queue = split(value)
+    if keeps_out(holds, queue, owner, ticket, shared) then return true end
   end
-  local holds, queue
-  if value then holds, queue = split(value) else holds, queue = '', '' end
-  if keeps_out(holds, queue, owner, ticket, shared) then return free end
-  if claimed_at(i) and not owner_holds(holds, owner) then return free end
+  if claimed_at(i) and not owner_holds(holds, owner) then return true end
   free = free + 1
-end
+end, true)
 return free
