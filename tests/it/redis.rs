@@ -652,6 +652,51 @@ fn retry_in_line(
         .unwrap()
 }
 
+/// A probe answers how many keys, from the first, would not keep its waiter out, wherever
+/// the first that would is among the short reads it starts with (16 keys, then three times
+/// as many as so far): a key held by another owner, one an earlier waiter reserved, one an
+/// earlier waiter's claim names; free keys, with no value, pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_probe_stops_at_the_first_key_in_the_way_wherever_it_is() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let probe = crate_script(include_str!("../../src/store/redis/scripts/probe.lua"));
+    let reserve = crate_script(include_str!("../../src/store/redis/scripts/reserve.lua"));
+    let keys: Vec<String> = (0..300).map(|i| format!("lock:p:{i:03}")).collect();
+    let ticket = |n: u64| format!("{}{n:020}", "0061420580338024");
+    let free_from_first = || -> usize {
+        let mut call = probe.prepare_invoke();
+        for key in &keys {
+            call.key(key);
+        }
+        call.arg("0123456789abcdef0123456789abcdef")
+            .arg(ticket(7))
+            .arg("x")
+            .invoke(&mut observer.connection())
+            .unwrap()
+    };
+    assert_eq!(free_from_first(), 300, "every key free");
+    let other = "fedcba9876543210fedcba9876543210:00000000000000cc";
+    for at in [0, 15, 16, 63, 64, 255, 256, 299] {
+        observer.set(&keys[at], other);
+        assert_eq!(free_from_first(), at, "held by another owner at {at}");
+        observer.cmd::<()>(redis::cmd("DEL").arg(&keys[at]));
+    }
+    let _: Vec<i64> = reserve
+        .key(&keys[100])
+        .arg(ticket(3))
+        .arg(5_000)
+        .invoke(&mut observer.connection())
+        .unwrap();
+    assert_eq!(free_from_first(), 100, "reserved by an earlier waiter");
+    observer.cmd::<()>(redis::cmd("DEL").arg(&keys[100]));
+    let claim = format!("{CLAIMS}:{}", ticket(5));
+    observer.cmd::<()>(redis::cmd("SADD").arg(&claim).arg(&keys[150]));
+    observer.cmd::<()>(redis::cmd("PEXPIRE").arg(&claim).arg(5_000));
+    observer.cmd::<()>(redis::cmd("ZADD").arg(CLAIMS).arg(i64::MAX).arg(ticket(5)));
+    assert_eq!(free_from_first(), 150, "named by an earlier claim");
+}
+
 /// A long line (a hot key's) is changed where it changes, not read whole: what it keeps is
 /// what a whole read keeps, but for ended entries behind a live head (which keep nobody
 /// out), and the end it gives the key is never earlier than its latest reservation's (but
