@@ -88,6 +88,7 @@
 //! 13. **Contention**: `waiting::script_calls_per_grant_do_not_grow_with_the_waiters` (a
 //!     release wakes the first in line), `waiting::a_woken_waiter_probes_what_blocked_it_not_its_whole_batch`,
 //!     `redis::a_probe_stops_at_the_first_key_in_the_way_wherever_it_is`,
+//!     `redlock::a_granted_waiters_place_is_withdrawn_only_where_a_master_refused`,
 //!     `waiting::beyond_max_waiters_a_request_is_refused_at_once_with_503`; the figures per
 //!     store and load: the bench's `contention` section.
 //! 14. **Guarded writes** (a holder past its lease cannot overwrite the next holder's write

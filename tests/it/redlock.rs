@@ -933,3 +933,92 @@ async fn a_waiter_refused_by_a_majority_keeps_its_place_on_the_master_that_grant
         "{scripts} script calls on the master that granted"
     );
 }
+
+/// How many times each master was asked to withdraw a waiter's place since its `SLOWLOG`
+/// was reset with every command logged.
+fn withdrawals(masters: &Masters) -> Vec<usize> {
+    (0..masters.servers.len())
+        .map(|master| {
+            let log: Vec<redis::Value> =
+                masters.cmd(master, redis::cmd("SLOWLOG").arg("GET").arg(-1));
+            log.iter()
+                .filter(|entry| {
+                    let redis::Value::Array(fields) = entry else {
+                        return false;
+                    };
+                    let Some(redis::Value::Array(args)) = fields.get(3) else {
+                        return false;
+                    };
+                    let text = |at: usize| match args.get(at) {
+                        Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes),
+                        _ => "".into(),
+                    };
+                    text(0).eq_ignore_ascii_case("fcall") && text(1).ends_with("_withdraw")
+                })
+                .count()
+        })
+        .collect()
+}
+
+/// A waiter that a majority granted has its place in line withdrawn where a master refused
+/// it, and nowhere else: a master that grants after the majority did ended the place there
+/// itself, as every grant does (a withdrawal there read the whole batch for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_granted_waiters_place_is_withdrawn_only_where_a_master_refused() {
+    let masters = Masters::start(3);
+    let locks = masters
+        .locks(NODE_TIMEOUT)
+        .wait(Wait::up_to(Duration::from_secs(3)));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = counting_router(&locks, &runs);
+    for master in 0..3 {
+        masters.cmd::<()>(
+            master,
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("slowlog-log-slower-than")
+                .arg(0),
+        );
+        masters.cmd::<()>(
+            master,
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("slowlog-max-len")
+                .arg(100_000),
+        );
+    }
+    // Every master grants: the last to answer comes after the majority, every time.
+    let keys: Vec<String> = (0..100).map(|i| format!("k{i:03}")).collect();
+    for _ in 0..5 {
+        assert_eq!(send(&app, batch(&keys)).await.status, StatusCode::OK);
+    }
+    masters.assert_released().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(withdrawals(&masters), [0, 0, 0], "withdrawn where granted");
+
+    // Another owner's hold on the third master: it refuses, and keeps the waiter's place
+    // (a reservation behind that hold) until the withdrawal that the grant sends there.
+    let other = "0123456789abcdef0123456789abcdef:00000000000000aa";
+    masters.cmd::<()>(
+        2,
+        redis::cmd("SET")
+            .arg("lock:k")
+            .arg(other)
+            .arg("PX")
+            .arg(5_000),
+    );
+    assert_eq!(send(&app, batch(&["k"])).await.status, StatusCode::OK);
+    let withdrawn = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        Observer::of(&masters.servers[2])
+            .lock("lock:k")
+            .is_some_and(|value| value.reservations.is_empty())
+    })
+    .await;
+    assert!(
+        withdrawn.is_some(),
+        "the waiter's place is left on the master that refused: {:?}",
+        Observer::of(&masters.servers[2]).get("lock:k")
+    );
+    assert_eq!(withdrawals(&masters), [0, 0, 1]);
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+}

@@ -142,7 +142,11 @@ impl RedlockStore {
     /// its deadline: once the masters still at work on the acquisition (`rest`) have
     /// answered, in the background. A withdrawal that overtook a master's acquisition would
     /// be undone by that master's refusal, which puts the place back; a claim's retry, a
-    /// plain pass and then a script, left it behind so in a full run.
+    /// plain pass and then a script, left it behind so in a full run. A master that grants
+    /// after the majority did has ended the place there itself, as every grant does: a
+    /// withdrawal there found nothing, and read the whole batch to find it (2,000-key
+    /// orders one at a time on three masters: every grant sent one, and the masters' CPU a
+    /// grant was 10.5-11.7 ms with it, 9.0-9.9 without).
     fn withdraw_when_answered(
         &self,
         mut rest: Replies<Acquire>,
@@ -150,16 +154,20 @@ impl RedlockStore {
         keys: &Keys,
         ticket: Ticket,
     ) {
-        let refused: Vec<Arc<RedisStore>> = (0..self.masters.len())
+        let mut refused: Vec<usize> = (0..self.masters.len())
             .filter(|node| granted.iter().all(|&(g, _)| g != *node))
-            .map(|node| self.masters[node].node.clone())
             .collect();
+        let masters: Vec<Arc<RedisStore>> = self.masters.iter().map(|m| m.node.clone()).collect();
         let (keys, timeout) = (keys.clone(), self.fanout.node_timeout());
         tokio::spawn(async move {
-            while rest.next().await.is_some() {}
+            while let Some((node, reply)) = rest.next().await {
+                if matches!(reply, Ok(Acquire::Granted(_))) {
+                    refused.retain(|&other| other != node);
+                }
+            }
             let withdrawals = refused
                 .iter()
-                .map(|node| bounded(timeout, node.withdraw(&keys, ticket)));
+                .map(|&node| bounded(timeout, masters[node].withdraw(&keys, ticket)));
             join_all(withdrawals).await;
         });
     }
