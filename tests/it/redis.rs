@@ -938,49 +938,11 @@ fn two_waiters_whose_tickets_share_their_time_keep_two_places() {
 // 12. Bounded stall: big batches in steps
 // ---------------------------------------------------------------------------------------
 
-/// Makes the server log every command it is sent (not those a script calls) in its
-/// `SLOWLOG`, up to 100,000 of them.
-fn log_every_command(observer: &Observer) {
-    for (setting, value) in [("slowlog-max-len", 100_000), ("slowlog-log-slower-than", 0)] {
-        observer.cmd::<()>(redis::cmd("CONFIG").arg("SET").arg(setting).arg(value));
-    }
-}
-
-/// The commands logged since `SLOWLOG RESET` (see [`log_every_command`]) that clients sent,
-/// or else those that scripts called (`by_scripts`: Redis logs them as the client `?:0`),
-/// each as the text of its arguments, the command's name in lower case.
-fn logged_commands(observer: &Observer, by_scripts: bool) -> Vec<Vec<String>> {
-    let log: redis::Value = observer.cmd(redis::cmd("SLOWLOG").arg("GET").arg(-1));
-    let redis::Value::Array(entries) = log else {
-        panic!("SLOWLOG GET answers a list: {log:?}");
-    };
-    let text = |value: &redis::Value| match value {
-        redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        _ => None,
-    };
-    entries
-        .iter()
-        .filter_map(|entry| {
-            let redis::Value::Array(fields) = entry else {
-                return None;
-            };
-            let redis::Value::Array(args) = fields.get(3)? else {
-                return None;
-            };
-            if (fields.get(4).and_then(text).as_deref() == Some("?:0")) != by_scripts {
-                return None;
-            }
-            let mut command: Vec<String> = args.iter().filter_map(text).collect();
-            command[0].make_ascii_lowercase();
-            Some(command)
-        })
-        .collect()
-}
-
 /// The largest number of keys any script call carried since `SLOWLOG RESET`:
 /// `FCALL function numkeys ...`.
 fn most_keys_a_call(observer: &Observer) -> usize {
-    logged_commands(observer, false)
+    observer
+        .logged_commands(false)
         .iter()
         .filter(|command| command[0] == "fcall")
         .filter_map(|command| command.get(2)?.parse().ok())
@@ -990,7 +952,8 @@ fn most_keys_a_call(observer: &Observer) -> usize {
 
 /// How many plain `SET key value PX ttl NX` were sent since `SLOWLOG RESET`.
 fn plain_sets(observer: &Observer) -> usize {
-    logged_commands(observer, false)
+    observer
+        .logged_commands(false)
         .iter()
         .filter(|command| command[0] == "set" && command.last().is_some_and(|a| a == "NX"))
         .count()
@@ -1000,7 +963,7 @@ fn plain_sets(observer: &Observer) -> usize {
 async fn a_big_batch_goes_in_steps_all_or_nothing_and_keeps_its_place_in_line() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    log_every_command(&observer);
+    observer.log_every_command();
     let store = || Redis::pool(server.pool()).step_keys(100).build().unwrap();
     let locks = Locks::new(store()).ttl(Duration::from_secs(10));
     let keys: Vec<String> = (0..1000).map(|i| format!("s:{i:04}")).collect();
@@ -1181,7 +1144,7 @@ async fn a_big_batch_with_one_held_key_is_refused_and_writes_nothing() {
 async fn a_big_batch_takes_its_free_keys_with_plain_sets_and_leaves_the_rest_to_the_script() {
     let server = RedisServer::start();
     let observer = Observer::of(&server);
-    log_every_command(&observer);
+    observer.log_every_command();
     let locks =
         Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
     let keys: Vec<String> = (0..200).map(|i| format!("p:{i:03}")).collect();
@@ -1261,7 +1224,8 @@ async fn a_big_batch_takes_its_free_keys_with_plain_sets_and_leaves_the_rest_to_
     observer.set("lock:p:150", other);
     observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
     assert_eq!(send(&app, batch(&keys)).await.status, StatusCode::CONFLICT);
-    let writes: Vec<Vec<String>> = logged_commands(&observer, true)
+    let writes: Vec<Vec<String>> = observer
+        .logged_commands(true)
         .into_iter()
         .filter(|command| matches!(command[0].as_str(), "set" | "del" | "unlink"))
         .collect();

@@ -934,27 +934,17 @@ async fn a_waiter_refused_by_a_majority_keeps_its_place_on_the_master_that_grant
     );
 }
 
-/// How many times each master was asked to withdraw a waiter's place since its `SLOWLOG`
-/// was reset with every command logged.
+/// How many times each master was asked to withdraw a waiter's place since it began to log
+/// every command.
 fn withdrawals(masters: &Masters) -> Vec<usize> {
-    (0..masters.servers.len())
-        .map(|master| {
-            let log: Vec<redis::Value> =
-                masters.cmd(master, redis::cmd("SLOWLOG").arg("GET").arg(-1));
-            log.iter()
-                .filter(|entry| {
-                    let redis::Value::Array(fields) = entry else {
-                        return false;
-                    };
-                    let Some(redis::Value::Array(args)) = fields.get(3) else {
-                        return false;
-                    };
-                    let text = |at: usize| match args.get(at) {
-                        Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes),
-                        _ => "".into(),
-                    };
-                    text(0).eq_ignore_ascii_case("fcall") && text(1).ends_with("_withdraw")
-                })
+    masters
+        .servers
+        .iter()
+        .map(|server| {
+            Observer::of(server)
+                .logged_commands(false)
+                .iter()
+                .filter(|command| command[0] == "fcall" && command[1].ends_with("_withdraw"))
                 .count()
         })
         .collect()
@@ -971,21 +961,8 @@ async fn a_granted_waiters_place_is_withdrawn_only_where_a_master_refused() {
         .wait(Wait::up_to(Duration::from_secs(3)));
     let runs = Arc::new(AtomicUsize::new(0));
     let app = counting_router(&locks, &runs);
-    for master in 0..3 {
-        masters.cmd::<()>(
-            master,
-            redis::cmd("CONFIG")
-                .arg("SET")
-                .arg("slowlog-log-slower-than")
-                .arg(0),
-        );
-        masters.cmd::<()>(
-            master,
-            redis::cmd("CONFIG")
-                .arg("SET")
-                .arg("slowlog-max-len")
-                .arg(100_000),
-        );
+    for server in &masters.servers {
+        Observer::of(server).log_every_command();
     }
     // Every master grants: the last to answer comes after the majority, every time.
     let keys: Vec<String> = (0..100).map(|i| format!("k{i:03}")).collect();

@@ -263,6 +263,47 @@ impl Observer {
         cmd.query(&mut self.connection()).unwrap()
     }
 
+    /// Makes the server log every command it is sent (not those a script calls) in its
+    /// `SLOWLOG`, up to 100,000 of them.
+    pub(crate) fn log_every_command(&self) {
+        for (setting, value) in [("slowlog-max-len", 100_000), ("slowlog-log-slower-than", 0)] {
+            self.cmd::<()>(redis::cmd("CONFIG").arg("SET").arg(setting).arg(value));
+        }
+    }
+
+    /// The commands logged since `SLOWLOG RESET` (see [`log_every_command`]) that clients
+    /// sent, or else those that scripts called (`by_scripts`: Redis logs them as the client
+    /// `?:0`), each as the text of its arguments, the command's name in lower case.
+    ///
+    /// [`log_every_command`]: Self::log_every_command
+    pub(crate) fn logged_commands(&self, by_scripts: bool) -> Vec<Vec<String>> {
+        let log: redis::Value = self.cmd(redis::cmd("SLOWLOG").arg("GET").arg(-1));
+        let redis::Value::Array(entries) = log else {
+            panic!("SLOWLOG GET answers a list: {log:?}");
+        };
+        let text = |value: &redis::Value| match value {
+            redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+            _ => None,
+        };
+        entries
+            .iter()
+            .filter_map(|entry| {
+                let redis::Value::Array(fields) = entry else {
+                    return None;
+                };
+                let redis::Value::Array(args) = fields.get(3)? else {
+                    return None;
+                };
+                if (fields.get(4).and_then(text).as_deref() == Some("?:0")) != by_scripts {
+                    return None;
+                }
+                let mut command: Vec<String> = args.iter().filter_map(text).collect();
+                command[0].make_ascii_lowercase();
+                Some(command)
+            })
+            .collect()
+    }
+
     /// Every key on the server but the fencing counters, sorted. (`KEYS *` rather than a
     /// prefix pattern, so that glob characters inside test keys cannot skew the answer.)
     pub(crate) fn all_keys(&self) -> BTreeSet<String> {
