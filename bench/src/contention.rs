@@ -21,7 +21,11 @@
 //! take a big batch's free keys) and the CPU time of Redis's main thread (`INFO cpu`, after
 //! minus before), each divided by the grants. The same orders sent one at a time (1, 3 and
 //! 2,000 skus) give each store's uncontended figures: contention's cost is the ratio of a
-//! level's work to what its grants would have cost uncontended.
+//! level's work to what its grants would have cost uncontended. The orders of a level's
+//! sizes are sent one at a time again just before it, and its ratios divide by those: on a
+//! shared machine Redis's CPU time for the same uncontended orders moved by a fifth
+//! between runs minutes apart (2.26-3.31 ms for a 2,000-sku order), and a ratio over a
+//! figure taken a minute earlier measured the machine as much as the code.
 
 use std::{
     collections::BTreeMap,
@@ -192,6 +196,7 @@ const LEVELS: [Level; 10] = [
 ];
 
 /// The uncontended runs: orders of each size, one at a time, at most `count` or for `time`.
+#[derive(Clone, Copy)]
 struct Single {
     skus: usize,
     body: fn() -> String,
@@ -224,6 +229,24 @@ impl Plan {
                 single(PURCHASE_SKUS, purchase_order, 200, 3.0),
             ],
         }
+    }
+
+    /// The uncontended runs just before `level`: the sizes its grants have, for half as
+    /// long as the store's first ones.
+    fn beside(&self, level: &Level) -> Vec<Single> {
+        let sizes = [
+            (level.clients > 0).then(|| level.small.skus()),
+            (level.purchase > 0).then_some(PURCHASE_SKUS),
+        ];
+        self.singles
+            .iter()
+            .filter(|single| sizes.contains(&Some(single.skus)))
+            .map(|single| Single {
+                count: single.count / 2,
+                time: single.time / 2,
+                ..*single
+            })
+            .collect()
     }
 }
 
@@ -349,7 +372,7 @@ pub(crate) async fn run(
         let uncontended = if stats.is_empty() {
             Vec::new()
         } else {
-            uncontended(store, &mut stats, &plan).await?
+            uncontended(store, &mut stats, &plan.singles, plan.warmup, store.name).await?
         };
         singles.extend(uncontended.iter().map(|u| u.to_json(store.name)));
         for level in LEVELS.iter().filter(|level| chosen(store, level)) {
@@ -359,7 +382,7 @@ pub(crate) async fn run(
                 store.name,
                 level.name
             );
-            let case = case(store, &mut stats, level, &uncontended, &plan, label)
+            let case = case(store, &mut stats, level, &plan, label)
                 .await
                 .map_err(|error| format!("{}, {}: {error}", store.name, level.name))?;
             cases.push(case);
@@ -369,7 +392,7 @@ pub(crate) async fn run(
     let targets = targets(&stores, &cases);
     Ok(json!({
         "method": format!(
-            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters, a Redis Cluster of 3 masters without replicas (node timeout {} ms for both) and PostgreSQL (Postgres::url, a server of the bench's own, the lock table truncated before each level): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; commands_per_grant and command_usec_per_grant = every command's INFO commandstats calls and usec (the commands a script calls too, also counted in its own), summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server; ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost uncontended",
+            "axum on 127.0.0.1:0 in the bench process; orders posted back to back on keep-alive connections (the clients on a thread and runtime of their own); retail orders name {RETAIL_SKUS} random distinct skus of {CATALOGUE}, purchase orders {PURCHASE_SKUS} random distinct ones, hot orders sku {HOT_SKU} alone; keys::json, an exclusive lock a sku, held {} ms (a sleep), each request waiting up to {} s (Wait::up_to, fair), ttl {} s; memory: one store behind one server; one Redis (Redis::url), Redlock over 3 masters, a Redis Cluster of 3 masters without replicas (node timeout {} ms for both) and PostgreSQL (Postgres::url, a server of the bench's own, the lock table truncated before each level): two stores, each behind a server of its own, the clients split between them; each level {} s after a warm-up of {} s of its small orders, on new stores over flushed servers; grants/s = 2xx answers / the load's time; latencies cover every answer; calls/grant = INFO commandstats calls of {} summed over every master (CONFIG RESETSTAT after the warm-up) / grants; CPU ms/grant = INFO cpu used_cpu_user_main_thread + used_cpu_sys_main_thread, after minus before, summed over every master / grants; commands_per_grant and command_usec_per_grant = every command's INFO commandstats calls and usec (the commands a script calls too, also counted in its own), summed over every master / grants; uncontended: the same orders (1, {RETAIL_SKUS} and {PURCHASE_SKUS} skus) one at a time through one store and server, on new stores over flushed servers, first for each store, and then again (half as many, or for half as long) just before each level, of the sizes its grants have (the case's `uncontended`); ÷ uncontended = the level's calls (CPU) / what its grants, each at its size, cost in the uncontended run just before it",
             WORK.as_millis(),
             WAIT_BOUND.as_secs(),
             TTL.as_secs(),
@@ -652,38 +675,50 @@ struct Uncontended {
 }
 
 impl Uncontended {
+    /// The figures of a store's first uncontended runs, with where the work went.
     fn to_json(&self, store: &str) -> Value {
         let grants = self.grants.max(1) as f64;
+        let mut figures = self.brief();
+        figures["store"] = json!(store);
+        figures["cpu_us_per_key"] = json!(stats::round(
+            self.cpu_ms_per_grant * 1e3 / self.skus as f64,
+            3
+        ));
+        figures["commands_per_grant"] = per_command(&self.by_command, grants, |(n, _)| n as f64);
+        figures["command_usec_per_grant"] = per_command(&self.by_command, grants, |(_, usec)| usec);
+        figures
+    }
+
+    /// The figures a level's ratios divide by.
+    fn brief(&self) -> Value {
         json!({
-            "store": store,
             "skus": self.skus,
             "grants": self.grants,
             "grants_per_second": stats::round(self.per_second, 1),
             "calls_per_grant": stats::round(self.calls_per_grant, 3),
             "script_calls_per_grant": stats::round(self.scripts_per_grant, 3),
             "cpu_ms_per_grant": stats::round(self.cpu_ms_per_grant, 4),
-            "cpu_us_per_key": stats::round(self.cpu_ms_per_grant * 1e3 / self.skus as f64, 3),
-            "commands_per_grant": per_command(&self.by_command, grants, |(n, _)| n as f64),
-            "command_usec_per_grant": per_command(&self.by_command, grants, |(_, usec)| usec),
         })
     }
 }
 
-/// Each order size one at a time, through one store and one server.
+/// The orders of each of `singles` one at a time, through one store and one server, after
+/// a warm-up of five orders or `warmup`; `label` names the run in the progress lines.
 async fn uncontended(
     store: &Store,
     stats: &mut [MultiplexedConnection],
-    plan: &Plan,
+    singles: &[Single],
+    warmup: Duration,
+    label: &str,
 ) -> Result<Vec<Uncontended>, String> {
     let handles = store.handles().await?;
     let servers = Servers::start(&handles[..1]).await?;
     let addr = servers.addrs[0];
     let mut figures = Vec::new();
-    for single in &plan.singles {
+    for single in singles {
         progress::begin(
             format!(
-                "contention {}, uncontended: {}-sku orders one at a time",
-                store.name,
+                "contention {label}, uncontended: {}-sku orders one at a time",
                 stats::count(single.skus as u64)
             ),
             "requests",
@@ -697,7 +732,7 @@ async fn uncontended(
             max_requests: count,
         };
         // Connections open and scripts loaded before the measured run.
-        drive(vec![(Side::Small, addr, load(5, plan.warmup))]).await?;
+        drive(vec![(Side::Small, addr, load(5, warmup))]).await?;
         let cpu_before = reset(stats).await?;
         let outcomes = drive(vec![(Side::Small, addr, load(single.count, single.time))]).await?;
         let work = work_since(stats, cpu_before).await?;
@@ -732,16 +767,20 @@ async fn uncontended(
     Ok(figures)
 }
 
-/// One level on one store: a warm-up of its small orders, then the level's clients for the
-/// run's length.
+/// One level on one store: on Redis its orders one at a time first (what its ratios divide
+/// by), then a warm-up of its small orders, then the level's clients for the run's length.
 async fn case(
     store: &Store,
     stats: &mut [MultiplexedConnection],
     level: &Level,
-    uncontended: &[Uncontended],
     plan: &Plan,
     label: String,
 ) -> Result<Value, String> {
+    let beside = if stats.is_empty() {
+        Vec::new()
+    } else {
+        uncontended(store, stats, &plan.beside(level), plan.warmup, &label).await?
+    };
     let handles = store.handles().await?;
     let servers = Servers::start(&handles).await?;
     progress::begin(label, "requests", MAX_REQUESTS);
@@ -776,8 +815,7 @@ async fn case(
             *statuses.entry(status.to_string()).or_default() += n;
         }
     }
-    let redis =
-        work.map(|work| redis_figures(&work, level, ok(&small), ok(&purchase), uncontended));
+    let redis = work.map(|work| redis_figures(&work, level, ok(&small), ok(&purchase), &beside));
     let case = json!({
         "store": store.name,
         "level": level.name,
@@ -792,6 +830,7 @@ async fn case(
         "retail_p99_ms": latency(0.99),
         "statuses": statuses,
         "redis": redis,
+        "uncontended": beside.iter().map(Uncontended::brief).collect::<Vec<_>>(),
     });
     progress::end(&format!(
         "{} retail and {} purchase grants/s, p99 {} ms, {} refused, {} 5xx{}",

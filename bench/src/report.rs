@@ -1010,7 +1010,8 @@ fn contention(out: &mut String, contention: &Value) {
         out,
         "\nThe same levels: retail latency (every answer, hot orders on the hot levels), orders \
          refused after their wait (409 or 423), and Redis's work over what the level's grants cost \
-         uncontended, each at its own size:\n"
+         uncontended, each at its own size, in the runs of its orders one at a time just before \
+         it:\n"
     );
     let _ = writeln!(
         out,
@@ -1070,7 +1071,8 @@ fn contention(out: &mut String, contention: &Value) {
     };
     let _ = writeln!(
         out,
-        "\nUncontended: the same orders one at a time, through one store and server:\n"
+        "\nUncontended: the same orders one at a time, through one store and server, before each \
+         store's levels (the levels' ratios divide by shorter runs of the same, just before each):\n"
     );
     let _ = writeln!(
         out,
