@@ -372,7 +372,8 @@ pub(crate) async fn run(
         let uncontended = if stats.is_empty() {
             Vec::new()
         } else {
-            uncontended(store, &mut stats, &plan.singles, plan.warmup, store.name).await?
+            let label = format!("contention {}", store.name);
+            uncontended(store, &mut stats, &plan.singles, plan.warmup, &label).await?
         };
         singles.extend(uncontended.iter().map(|u| u.to_json(store.name)));
         for level in LEVELS.iter().filter(|level| chosen(store, level)) {
@@ -718,7 +719,7 @@ async fn uncontended(
     for single in singles {
         progress::begin(
             format!(
-                "contention {label}, uncontended: {}-sku orders one at a time",
+                "{label}, uncontended: {}-sku orders one at a time",
                 stats::count(single.skus as u64)
             ),
             "requests",
@@ -860,10 +861,15 @@ fn redis_figures(
     let keys =
         (small_ok as usize * level.small.skus() + purchase_ok as usize * PURCHASE_SKUS) as f64;
     let single = |skus: usize| uncontended.iter().find(|u| u.skus == skus);
+    // What `grants` orders of `skus` cost uncontended (nothing for none: a level's side
+    // without clients has no uncontended run beside it).
+    let cost = |grants: u64, skus: usize, figure: fn(&Uncontended) -> f64| match grants {
+        0 => Some(0.0),
+        _ => single(skus).map(|u| grants as f64 * figure(u)),
+    };
     let expected = |figure: fn(&Uncontended) -> f64| {
         Some(
-            small_ok as f64 * figure(single(level.small.skus())?)
-                + purchase_ok as f64 * figure(single(PURCHASE_SKUS)?),
+            cost(small_ok, level.small.skus(), figure)? + cost(purchase_ok, PURCHASE_SKUS, figure)?,
         )
         .filter(|e| *e > 0.0)
     };
