@@ -22,10 +22,13 @@
 //! minus before), each divided by the grants. The same orders sent one at a time (1, 3 and
 //! 2,000 skus) give each store's uncontended figures: contention's cost is the ratio of a
 //! level's work to what its grants would have cost uncontended. The orders of a level's
-//! sizes are sent one at a time again just before it, and its ratios divide by those: on a
-//! shared machine Redis's CPU time for the same uncontended orders moved by a fifth
-//! between runs minutes apart (2.26-3.31 ms for a 2,000-sku order), and a ratio over a
-//! figure taken a minute earlier measured the machine as much as the code.
+//! sizes are sent one at a time again just before it, and its ratios divide by those, the
+//! nearest measure of the same work: Redis's CPU time for the same uncontended orders
+//! moves on a shared machine (2.26-3.31 ms for a 2,000-sku order between runs minutes
+//! apart; one Redis's 1-sku order 0.48 ms of CPU at the start of a store's levels and
+//! 0.24 at its hot levels, in one run), and a ratio over a figure taken minutes earlier
+//! read that drift as much as the code. It takes out the drift between the two terms, not
+//! the noise of either: the runs beside the levels spread about as widely as single runs.
 
 use std::{
     collections::BTreeMap,
