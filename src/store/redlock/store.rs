@@ -154,20 +154,21 @@ impl RedlockStore {
         keys: &Keys,
         ticket: Ticket,
     ) {
-        let mut refused: Vec<usize> = (0..self.masters.len())
+        // The masters outside the majority's grants, by index, as `rest` names them.
+        let mut refused: Vec<(usize, Arc<RedisStore>)> = (0..self.masters.len())
             .filter(|node| granted.iter().all(|&(g, _)| g != *node))
+            .map(|node| (node, self.masters[node].node.clone()))
             .collect();
-        let masters: Vec<Arc<RedisStore>> = self.masters.iter().map(|m| m.node.clone()).collect();
         let (keys, timeout) = (keys.clone(), self.fanout.node_timeout());
         tokio::spawn(async move {
             while let Some((node, reply)) = rest.next().await {
                 if matches!(reply, Ok(Acquire::Granted(_))) {
-                    refused.retain(|&other| other != node);
+                    refused.retain(|(other, _)| *other != node);
                 }
             }
             let withdrawals = refused
                 .iter()
-                .map(|&node| bounded(timeout, masters[node].withdraw(&keys, ticket)));
+                .map(|(_, master)| bounded(timeout, master.withdraw(&keys, ticket)));
             join_all(withdrawals).await;
         });
     }
