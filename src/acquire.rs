@@ -24,7 +24,10 @@
 //!    that an earlier claim keeps out (the two name a key in common) is not woken: it is,
 //!    when that claim's keys are freed or withdrawn. Waiters
 //!    in no line (unfair waiting, an owner that holds keys) watch the keys that kept them
-//!    out.
+//!    out. On PostgreSQL, a release grants a waiter of one key, first in line on it, its
+//!    key in the release's own statement, and its wake-up carries the grant
+//!    ([`Handover`](crate::store::wake::Handover)): that waiter is granted without an
+//!    attempt of its own.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is, or
@@ -502,6 +505,22 @@ impl<'a> Acquisition<'a> {
                 let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
                     .await
                     .is_ok();
+                // Granted by the release itself (PostgreSQL, a waiter of one key): its hold
+                // began after the attempt before this wait, which its guard counts from.
+                if let Some(handover) = released.take_handover() {
+                    let mut guard = self.guard(
+                        Holder {
+                            owner,
+                            hold: handover.hold,
+                        },
+                        attempted,
+                    );
+                    guard.answered();
+                    if let Some(place) = place {
+                        place.disarm();
+                    }
+                    return Ok((guard, FencingToken::new(handover.token)));
+                }
                 watched = Some(released);
                 attempted = Instant::now();
                 // Woken for the one key that still kept it out (first in line on it, or its

@@ -35,7 +35,11 @@ use crate::duration::capped;
 /// waiter that key can let in; a reader granted wakes the next in line, who may be a
 /// reader too), in this process and, through the store's pub/sub, in the others. However
 /// long the line, a grant costs about the same: on one Redis, a hot key with 32 waiters
-/// took 4.5 script calls a grant (18.4 when every release woke every waiter). A woken
+/// took 4.5 script calls a grant (18.4 when every release woke every waiter). On
+/// PostgreSQL, a release hands a key to its first waiter when that waiter wants that key
+/// alone, exclusively: it grants it in its own statement, and the waiter is granted without
+/// a call of its own (a waiter whose process dies after that keeps the key for its ttl, as
+/// a holder that dies does; see the store's page). A woken
 /// waiter on a shared store (every store but memory) first probes the keys that kept it
 /// out, reading them without writing, and stopping at the first still held; it sends its
 /// whole batch again only once none is: a purchase order of 2,000 keys held up by small

@@ -4,7 +4,7 @@
 
 use std::{fmt::Write as _, time::Duration};
 
-use super::wake::{Wakeups, SLOTS};
+use super::wake::{Handover, Wakeups, SLOTS};
 use crate::backoff::Backoff;
 
 /// The pauses between attempts to listen for release messages again, after a lost
@@ -18,7 +18,8 @@ const MAX_NAMED_SLOTS: usize = 64;
 
 /// The message of a release by the store tagged `tag` ([`Wakeups::tag`]): its slots and
 /// the tag, `3,17,512,@5f0c…`, or `*` for all; the release script adds the tickets of the
-/// waiters it lets in (`,#<36 digits>`). The store's own listener skips the messages
+/// waiters it lets in (`,#<36 digits>`, and on PostgreSQL the key's grant for a waiter it
+/// handed its key: see [`wake_heads`]). The store's own listener skips the messages
 /// with its tag, since the release woke its waiters already: woken a second time while
 /// they try again, they would try once more for nothing. Listeners of earlier versions
 /// take the slots and skip the tag, which is not a number; `*` goes without one, since
@@ -55,10 +56,38 @@ pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     } else {
         wakeups.wake_slots(text.split(',').filter_map(|s| s.parse().ok()));
     }
-    wakeups.wake_tickets(
-        text.split(',')
-            .filter_map(|entry| entry.strip_prefix('#')?.parse().ok()),
+    wake_heads(
+        wakeups,
+        text.split(',').filter_map(|entry| entry.strip_prefix('#')),
     );
+}
+
+/// Wakes the waiters first in line that a release names: `<ticket>`, or
+/// `<ticket>:<token>:<hold>` for one it handed its key ([`Handover`]; the hold as
+/// PostgreSQL's signed `bigint`).
+pub(crate) fn wake_heads<'a>(wakeups: &Wakeups, heads: impl IntoIterator<Item = &'a str>) {
+    let mut woken = Vec::new();
+    for head in heads {
+        let mut parts = head.split(':');
+        let Some(Ok(ticket)) = parts.next().map(str::parse::<u128>) else {
+            continue;
+        };
+        let handover = match (parts.next(), parts.next()) {
+            (Some(token), Some(hold)) => token.parse().ok().zip(hold.parse::<i64>().ok()),
+            _ => None,
+        };
+        match handover {
+            Some((token, hold)) => wakeups.hand_over(
+                ticket,
+                Handover {
+                    token,
+                    hold: u64::from_ne_bytes(hold.to_ne_bytes()),
+                },
+            ),
+            None => woken.push(ticket),
+        }
+    }
+    wakeups.wake_tickets(woken);
 }
 
 #[cfg(test)]
@@ -113,6 +142,31 @@ mod tests {
         // The slots still wake the waiters in no line.
         let keys = vec!["lock:a".to_owned()];
         assert!(wakes(&wakeups, &keys, &message).await);
+    }
+
+    /// A head the release handed its key (PostgreSQL: `ticket:token:hold`, the hold as a
+    /// signed `bigint`) is woken with the grant, once; a plain head, or one whose grant
+    /// does not parse, is woken without one (its attempt finds what the release did).
+    #[tokio::test]
+    async fn a_handed_head_is_woken_with_its_grant_and_a_plain_one_without() {
+        let wakeups = Wakeups::new();
+        let (handed, plain, garbled) = (61_420_580_338_024, 61_420_580_338_025, 61_420_580_338_026);
+        let mut watches = [handed, plain, garbled].map(|ticket| wakeups.watch_ticket(ticket));
+        let message = format!("3,@1,#{handed}:42:-2,#{plain},#{garbled}:x:1");
+        wake_from_message(&wakeups, message.as_bytes());
+        for watch in &mut watches {
+            tokio::time::timeout(Duration::from_millis(50), any_released(watch))
+                .await
+                .expect("woken");
+        }
+        let grant = Handover {
+            token: 42,
+            hold: u64::MAX - 1,
+        };
+        assert_eq!(watches[0].take_handover(), Some(grant));
+        assert_eq!(watches[0].take_handover(), None, "taken once");
+        assert_eq!(watches[1].take_handover(), None);
+        assert_eq!(watches[2].take_handover(), None);
     }
 
     #[test]

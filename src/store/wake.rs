@@ -39,7 +39,27 @@ pub(crate) struct Wakeups {
     tag: u64,
     /// This process's waiters in line, by ticket. Read by a release only for a key that
     /// has a reservation, and so never on the uncontended path.
-    in_line: Mutex<HashMap<u128, Arc<Notify>>>,
+    in_line: Mutex<HashMap<u128, Arc<Turn>>>,
+}
+
+/// A waiter in line's turn: woken when it is first in line on a key that was freed, and
+/// handed the key by the call that freed it, where the store grants it there (PostgreSQL,
+/// for a waiter of one key: see [`Handover`]). A wake-up before the waiter awaits it is
+/// kept (one, however many came).
+#[derive(Debug, Default)]
+pub(crate) struct Turn {
+    notify: Notify,
+    handed: Mutex<Option<Handover>>,
+}
+
+/// A key granted to a waiter in line by the call that freed it, in that call: the grant's
+/// fencing token, and the hold it is held under (the one the waiter's refused attempt
+/// named). The waiter is granted without an attempt of its own; its guard releases that
+/// hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handover {
+    pub(crate) token: u64,
+    pub(crate) hold: u64,
 }
 
 /// A waiter's watch, from [`Wakeups::watch`] or [`Wakeups::watch_ticket`] until dropped.
@@ -56,9 +76,8 @@ enum Watched {
         slots: Vec<usize>,
         receivers: Vec<watch::Receiver<()>>,
     },
-    /// A waiter in line, woken when it is first in line on a key that was freed. A
-    /// wake-up before the waiter awaits it is kept (one, however many came).
-    Ticket(u128, Arc<Notify>),
+    /// A waiter in line.
+    Ticket(u128, Arc<Turn>),
 }
 
 impl Drop for Watches<'_> {
@@ -84,7 +103,7 @@ impl Wakeups {
         }
     }
 
-    fn lines(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<Notify>>> {
+    fn lines(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Arc<Turn>>> {
         // Nothing panics while holding it; a poisoned map is still a map.
         self.in_line.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -95,10 +114,10 @@ impl Wakeups {
     /// it waits.
     /// (Tickets as numbers, as they travel in release messages.)
     pub(crate) fn watch_ticket(&self, ticket: u128) -> Watches<'_> {
-        let notify = Arc::new(Notify::new());
-        self.lines().insert(ticket, notify.clone());
+        let turn = Arc::new(Turn::default());
+        self.lines().insert(ticket, turn.clone());
         Watches {
-            watched: Watched::Ticket(ticket, notify),
+            watched: Watched::Ticket(ticket, turn),
             wakeups: self,
         }
     }
@@ -111,9 +130,19 @@ impl Wakeups {
             return;
         }
         for ticket in tickets {
-            if let Some(notify) = lines.get(&ticket) {
-                notify.notify_one();
+            if let Some(turn) = lines.get(&ticket) {
+                turn.notify.notify_one();
             }
+        }
+    }
+
+    /// Hands the waiter in line of this process with `ticket`, if there is one, the key
+    /// that a release granted it ([`Handover`]), and wakes it.
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn hand_over(&self, ticket: u128, handover: Handover) {
+        if let Some(turn) = self.lines().get(&ticket) {
+            *turn.handed.lock().unwrap_or_else(|e| e.into_inner()) = Some(handover);
+            turn.notify.notify_one();
         }
     }
 
@@ -166,8 +195,8 @@ impl Wakeups {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn wake_all(&self) {
         self.wake_slots(0..SLOTS);
-        for notify in self.lines().values() {
-            notify.notify_one();
+        for turn in self.lines().values() {
+            turn.notify.notify_one();
         }
     }
 }
@@ -182,6 +211,16 @@ impl Watches<'_> {
                 .iter()
                 .all(|key| slots.binary_search(&slot(key)).is_ok()),
             Watched::Ticket(..) => true,
+        }
+    }
+
+    /// The key a release handed this waiter in line, if one did: taken, once.
+    pub(crate) fn take_handover(&self) -> Option<Handover> {
+        match &self.watched {
+            Watched::Ticket(_, turn) => {
+                turn.handed.lock().unwrap_or_else(|e| e.into_inner()).take()
+            }
+            Watched::Slots { .. } => None,
         }
     }
 }
@@ -207,7 +246,7 @@ pub(crate) fn slots_of(keys: &[String]) -> Vec<usize> {
 /// Waits until any of `watches` sees a release.
 pub(crate) async fn any_released(watches: &mut Watches<'_>) {
     let receivers = match &mut watches.watched {
-        Watched::Ticket(_, notify) => return notify.notified().await,
+        Watched::Ticket(_, turn) => return turn.notify.notified().await,
         Watched::Slots { receivers, .. } => receivers,
     };
     if receivers.is_empty() {

@@ -20,7 +20,7 @@ use tower_batch_lock::{
 
 use crate::support::{
     handlers::{counting_handler, gated_handler, Gate},
-    http::{batch, batch_router, send},
+    http::{batch, batch_router, fence_router, send},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
 };
@@ -82,22 +82,7 @@ async fn a_waiter_in_another_process_is_woken_by_the_release_notification() {
         locks(&db).wait(Wait::up_to(Duration::from_secs(5))),
     );
     first.check().await.unwrap();
-    // The test's own listener, to see what the release sends.
-    let config: tokio_postgres::Config = db.url().parse().unwrap();
-    let (client, mut connection) = config.connect(NoTls).await.unwrap();
-    let (sender, mut heard) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notification(n) = message {
-                let _ = sender.send(n.payload().to_owned());
-            }
-        }
-    });
-    client
-        .batch_execute("LISTEN \"tower_batch_lock.locks\"")
-        .await
-        .unwrap();
+    let (_listener, mut heard) = listen(&db).await;
 
     let gate = Gate::new();
     let holder = batch_router(&first, gated_handler(&gate));
@@ -128,6 +113,164 @@ async fn a_waiter_in_another_process_is_woken_by_the_release_notification() {
         "the release names the waiter first in line: {message}"
     );
     assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
+/// The payloads of the release notifications on the default table's channel, as a
+/// process's listener hears them while the returned client lives.
+async fn listen(
+    db: &Database,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    let config: tokio_postgres::Config = db.url().parse().unwrap();
+    let (client, mut connection) = config.connect(NoTls).await.unwrap();
+    let (sender, heard) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = message {
+                let _ = sender.send(n.payload().to_owned());
+            }
+        }
+    });
+    client
+        .batch_execute("LISTEN \"tower_batch_lock.locks\"")
+        .await
+        .unwrap();
+    (client, heard)
+}
+
+/// A waiter in line for one key alone is granted it by its holder's release, in the
+/// release's own statement (a hand-over: its refused attempt left its turn in
+/// `locks_turns`), whether it waits in the releasing process or in another: the release
+/// names the grant (`#<ticket>:<token>:<hold>`), the waiter answers with that token (or a
+/// later one, when a poll of its own crossed the hand-over), after the holder's, and its
+/// guard releases the hold it was handed: no row is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_of_one_key_is_handed_it_by_the_release_in_either_process() {
+    let db = Database::create();
+    let holding = locks(&db);
+    holding.check().await.unwrap();
+    let waits = Wait::up_to(Duration::from_secs(5));
+    for (process, waiting) in [
+        ("same", holding.clone().wait(waits)),
+        ("other", locks(&db).wait(waits)),
+    ] {
+        let gate = Gate::new();
+        let holder = batch_router(&holding, gated_handler(&gate));
+        let held = tokio::spawn(async move { send(&holder, batch(&["k"])).await });
+        gate.wait_entered().await;
+        let holders_token = gate.lease().fencing_token().get();
+        let (_listener, mut heard) = listen(&db).await;
+        let waiter = fence_router(&waiting);
+        let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
+        let turn = "SELECT count(*) FROM tower_batch_lock.locks_turns \
+                    WHERE key = 'lock:k' AND token IS NULL";
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while db.query(turn) != "1" {
+            assert!(
+                Instant::now() < deadline,
+                "{process}: the waiter left no turn"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        gate.open();
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+        let reply = waiting.await.unwrap();
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "{process}: {:?}",
+            reply.problem()
+        );
+        let token: u64 = std::str::from_utf8(&reply.body).unwrap().parse().unwrap();
+        let message = tokio::time::timeout(Duration::from_secs(2), heard.recv())
+            .await
+            .expect("the release notified the channel")
+            .unwrap();
+        let handed: u64 = message
+            .split(",#")
+            .nth(1)
+            .and_then(|head| head.split(':').nth(1))
+            .unwrap_or_else(|| panic!("{process}: no hand-over named in {message}"))
+            .parse()
+            .unwrap();
+        assert!(
+            holders_token < handed && handed <= token,
+            "{process}: holder {holders_token}, handed {handed}, answered {token}"
+        );
+        assert!(rows(&db).is_empty(), "{process}: {:?}", rows(&db));
+    }
+}
+
+/// A waiter handed its key whose own attempt crossed the hand-over (it polled, or its
+/// wake-up was lost) is granted by that attempt, under the attempt's hold, and nothing of
+/// the handed hold is left; its release hands the key to the next waiter, who gives up
+/// without taking it: its withdrawal frees the key. Called as the store calls them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handed_key_is_taken_by_the_waiters_own_attempt_or_freed_by_its_withdrawal() {
+    let db = database_with_schema().await;
+    let owner = |n: u8| format!("00000000-0000-0000-0000-0000000000{n:02x}");
+    let acquire = |n: u8, hold: u32, ticket: u32| {
+        db.query(&format!(
+            "SELECT coalesce(token::text, 'refused') FROM tower_batch_lock.locks_acquire(\
+             ARRAY['lock:k'], 'x', '{}', {hold}, 10000, 1, {ticket}, 30000, false)",
+            owner(n)
+        ))
+    };
+    let release = |n: u8, hold: u32| {
+        db.query(&format!(
+            "SELECT released, heads FROM tower_batch_lock.locks_release(\
+             ARRAY['lock:k'], '{}', {hold}, 'm')",
+            owner(n)
+        ))
+    };
+    let held = || db.query("SELECT owner, holds FROM tower_batch_lock.locks WHERE key = 'lock:k'");
+    let first: u64 = acquire(1, 10, 1).parse().expect("granted");
+    assert_eq!(acquire(2, 20, 2), "refused");
+    assert_eq!(acquire(3, 30, 3), "refused");
+    assert_eq!(
+        db.query(
+            "SELECT string_agg(ticket || ':' || hold, ',' ORDER BY ticket) \
+                  FROM tower_batch_lock.locks_turns WHERE token IS NULL"
+        ),
+        "2:20,3:30"
+    );
+
+    // The release hands the key to waiter 2, under the hold of its refused attempt.
+    let handed = release(1, 10);
+    let token: u64 = handed
+        .strip_prefix("1|{2:")
+        .and_then(|rest| rest.strip_suffix(":20}"))
+        .unwrap_or_else(|| panic!("handed to 2: {handed}"))
+        .parse()
+        .unwrap();
+    assert!(token > first);
+    assert_eq!(held(), format!("{}|{{20}}", owner(2)));
+    // Its own attempt crossed that: granted, under its own hold, with a later token.
+    let taken: u64 = acquire(2, 21, 2).parse().expect("granted");
+    assert!(taken > token);
+    assert_eq!(held(), format!("{}|{{21}}", owner(2)));
+    // Its release hands the key to waiter 3, and leaves nothing of hold 20.
+    let next = release(2, 21);
+    assert!(
+        next.starts_with("1|{3:") && next.ends_with(":30}"),
+        "{next}"
+    );
+    assert_eq!(held(), format!("{}|{{30}}", owner(3)));
+    // Waiter 3 gives up without taking it: the key is free, no turn is left.
+    assert_eq!(
+        db.query(
+            "SELECT withdrawn, heads FROM tower_batch_lock.locks_withdraw(ARRAY['lock:k'], 3, 'm')"
+        ),
+        "1|{}"
+    );
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+    assert_eq!(
+        db.query("SELECT count(*) FROM tower_batch_lock.locks_turns"),
+        "0"
+    );
 }
 
 /// The operator's view and `force_release`, and the idempotency answers, on the table.
@@ -879,8 +1022,9 @@ async fn a_release_keeps_the_live_lines_and_deletes_the_rows_of_ended_ones() {
 
 /// A grant's transaction commits as the session says (its fencing token must never be
 /// handed out again after a crash: here the session asks for `remote_write`, which a grant
-/// keeps); a refusal (in line or not), a release and a withdrawal commit without waiting
-/// for the disk (a crash may lose them, which costs time, never safety).
+/// keeps), and so does a release that hands a key to a waiter (a grant too); a refusal (in
+/// line or not), a release and a withdrawal commit without waiting for the disk (a crash
+/// may lose them, which costs time, never safety).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_grant_commits_as_the_session_says_and_a_refusal_or_a_release_lazily() {
     let db = database_with_schema().await;
@@ -910,6 +1054,10 @@ async fn a_grant_commits_as_the_session_says_and_a_refusal_or_a_release_lazily()
     let queued =
         format!("acquire(ARRAY['lock:k000'], 'x', '{other}', 4, 10000, 1, 10, 30000, true)");
     assert_eq!(call("c.conflicts", &queued), "1|off");
+    // Waiter 9's release hands lock:k000 to waiter 10 (a turn: one key): a grant.
+    let hands_over = format!("release({KEYS_100}, '{waiter}', 2, 'm')");
+    assert_eq!(call("c.released", &hands_over), "100|remote_write");
+    // Waiter 10 gives up without taking it: its withdrawal releases it.
     let withdrawn = "withdraw(ARRAY['lock:k000'], 10, 'm')";
     assert_eq!(call("c.withdrawn", withdrawn), "1|off");
 }

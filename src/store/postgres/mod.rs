@@ -24,7 +24,7 @@ use super::{
         LockStore, Reply, Ticket,
     },
     error::StoreError,
-    message::release_message,
+    message::{release_message, wake_heads},
     refusals::LastRefusal,
     wake::{slots_of, Wakeups},
 };
@@ -281,8 +281,7 @@ impl PostgresStore {
         let row = self.call(call, &all, true).await?;
         let (count, heads): (i32, Vec<String>) = (row.get(0), row.get(1));
         self.wakeups.wake_slots(slots);
-        self.wakeups
-            .wake_tickets(heads.iter().filter_map(|head| head.parse::<u128>().ok()));
+        wake_heads(&self.wakeups, heads.iter().map(String::as_str));
         Ok(usize::try_from(count).unwrap_or(0))
     }
 }

@@ -7,14 +7,14 @@ use std::{future::Future, time::Duration};
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use axum::routing::post;
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 use axum::Extension;
 use axum::{body::Body, Router};
 use bytes::Bytes;
 use http::{header, request::Parts, HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 use tower_batch_lock::Lease;
 use tower_batch_lock::Rejection;
 #[cfg(any(feature = "redis", feature = "postgres"))]
@@ -70,7 +70,7 @@ where
 }
 
 /// A [`batch_router`] whose handler answers with the fencing token of its lease.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn fence_router(locks: &Locks) -> Router {
     batch_router(locks, |Extension(lease): Extension<Lease>| async move {
         lease.fencing_token().get().to_string()
