@@ -79,9 +79,10 @@ const POOL_SIZE: usize = 16;
 ///   where it gave up meanwhile, its withdrawal releases the key to the next in line.
 ///   A hot key so costs a grant one statement, the release, where the woken waiter's
 ///   attempt ran as its holder's client sent its next request, whose refused attempt wrote
-///   the same row: the bench's hot sku with 64 clients granted 0.77x what one client did,
-///   and 0.93-0.98x with hand-overs (`contention`, PostgreSQL). A waiter whose process dies
-///   after it was handed its key keeps it for its ttl, as a holder that dies does.
+///   the same row: the bench's hot sku with 64 clients granted 0.75-0.77x what one client
+///   did, and 0.89 and 0.93x with hand-overs in two runs of three (0.79 in the third;
+///   `contention`, PostgreSQL). A waiter whose process dies after it was handed its key
+///   keeps it for its ttl, as a holder that dies does.
 /// - A row's line of reservations is kept in ticket order, and its common changes (a
 ///   grant in line takes the head, a reservation of the latest ticket goes at the end, a
 ///   release leaves it as it is) and the question whether a row keeps a batch out are
