@@ -76,10 +76,11 @@ CREATE TABLE IF NOT EXISTS {T}_claims (
 -- waiter's own attempt ran at the moment its holder's client sent its next request, whose
 -- refused attempt wrote the same row: a grant cost two statements on one row at once, and
 -- 64 clients granted 0.75-0.77x what one client did (`contention`, PostgreSQL, hot sku);
--- handed over, 0.89 and 0.93x in two runs of three (0.79 in the third; docs/bench). A given turn lets the waiter's own attempt that crossed the hand-over
--- recognise its grant ({T}_acquire takes the hold over), and its withdrawal free the key;
--- it goes at the key's next hand-over (found by its key: the second index), or with the
--- sweep once its reservation ended.
+-- handed over, 0.89 and 0.93x in two runs of three (0.79 in the third; docs/bench). A
+-- given turn lets the waiter's own attempt that crossed the hand-over recognise its grant
+-- ({T}_acquire takes the hold over), and its withdrawal free the key; it goes at the key's
+-- next hand-over (found by its key: the second index), or with the sweep once its
+-- reservation ended.
 CREATE TABLE IF NOT EXISTS {T}_turns (
   ticket numeric PRIMARY KEY,
   key text COLLATE "C" NOT NULL,
