@@ -420,6 +420,10 @@ impl<'a> Acquisition<'a> {
         // pause. Measured across two processes on one Redis, a release that lands in that
         // gap took 1-2% of the waits to 20-40 ms. A waiter in line watches for its turn
         // from before its first attempt.
+        // The holds of its refused attempts: a hand-over names one of them (the store wrote
+        // it beside the waiter's place), which nobody else knows; one that names another
+        // (a notification anybody connected to PostgreSQL could send) grants nothing.
+        let mut refused_holds = Vec::new();
         let mut watched: Option<Watches<'_>> =
             matches!(line, Line::At(_)).then(|| self.watch(line, self.keys));
         loop {
@@ -449,6 +453,7 @@ impl<'a> Acquisition<'a> {
                 Ok(Ok(Acquire::Held(contention))) => {
                     // The store locked nothing: there is nothing to release.
                     guard.disarm();
+                    refused_holds.push(holder.hold);
                     contention
                 }
                 Ok(Err(error)) => {
@@ -507,7 +512,8 @@ impl<'a> Acquisition<'a> {
                     .is_ok();
                 // Granted by the release itself (PostgreSQL, a waiter of one key): its hold
                 // began after the attempt before this wait, which its guard counts from.
-                if let Some(handover) = released.take_handover() {
+                let handover = released.take_handover();
+                if let Some(handover) = handover.filter(|h| refused_holds.contains(&h.hold)) {
                     let mut guard = self.guard(
                         Holder {
                             owner,

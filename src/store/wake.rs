@@ -54,8 +54,9 @@ pub(crate) struct Turn {
 
 /// A key granted to a waiter in line by the call that freed it, in that call: the grant's
 /// fencing token, and the hold it is held under (the one the waiter's refused attempt
-/// named). The waiter is granted without an attempt of its own; its guard releases that
-/// hold.
+/// named). The waiter is granted without an attempt of its own, if that hold is one of its
+/// refused attempts' (a notification is no proof: anybody connected to the database may
+/// send one); its guard releases that hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Handover {
     pub(crate) token: u64,

@@ -204,6 +204,50 @@ async fn a_waiter_of_one_key_is_handed_it_by_the_release_in_either_process() {
     }
 }
 
+/// A hand-over is believed only when it names the hold of one of the waiter's refused
+/// attempts, which the database and the waiter alone know: a notification that anybody
+/// connected to the database may send, naming the waiter's ticket with another hold,
+/// grants nothing; the waiter waits on, and its holder's release grants it the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forged_hand_over_grants_nothing() {
+    let db = Database::create();
+    let holding = locks(&db);
+    holding.check().await.unwrap();
+    let waiting = locks(&db).wait(Wait::up_to(Duration::from_secs(5)));
+    let gate = Gate::new();
+    let holder = batch_router(&holding, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["k"])).await });
+    gate.wait_entered().await;
+    let holders_token = gate.lease().fencing_token().get();
+    let waiter = fence_router(&waiting);
+    let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
+    let turn = "SELECT ticket FROM tower_batch_lock.locks_turns WHERE key = 'lock:k'";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let ticket = loop {
+        let ticket = db.query(turn);
+        if !ticket.is_empty() {
+            break ticket;
+        }
+        assert!(Instant::now() < deadline, "the waiter left no turn");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    db.query(&format!(
+        "NOTIFY \"tower_batch_lock.locks\", '1,@1,#{ticket}:999999:42'"
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a forged hand-over granted the waiter"
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = waiting.await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.problem());
+    let token: u64 = std::str::from_utf8(&reply.body).unwrap().parse().unwrap();
+    assert!(token > holders_token && token != 999_999, "{token}");
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
 /// A waiter handed its key whose own attempt crossed the hand-over (it polled, or its
 /// wake-up was lost) is granted by that attempt, under the attempt's hold, and nothing of
 /// the handed hold is left; its release hands the key to the next waiter, who gives up

@@ -76,7 +76,10 @@ const POOL_SIZE: usize = 16;
 ///   names the grant in its wake-up; the waiter, here or in another process, is granted
 ///   without a call of its own. Where its own attempt crossed the hand-over (it polled, or
 ///   its wake-up was lost), that attempt finds its owner's handed hold and takes it over;
-///   where it gave up meanwhile, its withdrawal releases the key to the next in line.
+///   where it gave up meanwhile, its withdrawal releases the key to the next in line. A
+///   waiter believes a hand-over only when it names the hold of one of its refused
+///   attempts, which the database alone knows besides it: anybody connected may `NOTIFY`
+///   the channel, and a forged hand-over grants nothing.
 ///   A hot key so costs a grant one statement, the release, where the woken waiter's
 ///   attempt ran as its holder's client sent its next request, whose refused attempt wrote
 ///   the same row: the bench's hot sku with 64 clients granted 0.75-0.77x what one client
