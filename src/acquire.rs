@@ -414,16 +414,16 @@ impl<'a> Acquisition<'a> {
         // Its place among the requests that wait (`Locks::max_waiters`), from then on.
         let mut slot = None;
         let mut attempted = started;
+        // The holds of its refused attempts: a hand-over names one of them (the store wrote
+        // it beside the waiter's place), which nobody else knows; one that names another
+        // (a notification anybody connected to PostgreSQL could send) grants nothing.
+        let mut refused_holds = Vec::new();
         // The last wait's watch, kept through the next attempt: a release while that
         // attempt is under way (after the store found a key held, before its answer came
         // back) has woken it, and the waiter tries again at once rather than after a
         // pause. Measured across two processes on one Redis, a release that lands in that
         // gap took 1-2% of the waits to 20-40 ms. A waiter in line watches for its turn
         // from before its first attempt.
-        // The holds of its refused attempts: a hand-over names one of them (the store wrote
-        // it beside the waiter's place), which nobody else knows; one that names another
-        // (a notification anybody connected to PostgreSQL could send) grants nothing.
-        let mut refused_holds = Vec::new();
         let mut watched: Option<Watches<'_>> =
             matches!(line, Line::At(_)).then(|| self.watch(line, self.keys));
         loop {
@@ -431,7 +431,7 @@ impl<'a> Acquisition<'a> {
             // retried in the background (Redlock's, on a slow master) must never end the
             // hold of a later attempt that was granted.
             let holder = Holder::new(owner);
-            let mut guard = self.guard(holder, attempted);
+            let guard = self.guard(holder, attempted);
             let request = AcquireRequest {
                 // Past its first refusal, a waiter in line has reserved its whole batch.
                 retry: slot.is_some() && matches!(line, Line::At(_)),
@@ -442,14 +442,7 @@ impl<'a> Acquisition<'a> {
                 self.outage.answered();
             }
             let contention = match outcome {
-                Ok(Ok(Acquire::Granted(fence))) => {
-                    guard.answered();
-                    // The grant took the reservations off the batch.
-                    if let Some(place) = place {
-                        place.disarm();
-                    }
-                    return Ok((guard, fence));
-                }
+                Ok(Ok(Acquire::Granted(fence))) => return Ok(Self::granted(guard, place, fence)),
                 Ok(Ok(Acquire::Held(contention))) => {
                     // The store locked nothing: there is nothing to release.
                     guard.disarm();
@@ -514,18 +507,16 @@ impl<'a> Acquisition<'a> {
                 // began after the attempt before this wait, which its guard counts from.
                 let handover = released.take_handover();
                 if let Some(handover) = handover.filter(|h| refused_holds.contains(&h.hold)) {
-                    let mut guard = self.guard(
-                        Holder {
-                            owner,
-                            hold: handover.hold,
-                        },
-                        attempted,
-                    );
-                    guard.answered();
-                    if let Some(place) = place {
-                        place.disarm();
-                    }
-                    return Ok((guard, FencingToken::new(handover.token)));
+                    let holder = Holder {
+                        owner,
+                        hold: handover.hold,
+                    };
+                    let guard = self.guard(holder, attempted);
+                    return Ok(Self::granted(
+                        guard,
+                        place,
+                        FencingToken::new(handover.token),
+                    ));
                 }
                 watched = Some(released);
                 attempted = Instant::now();
@@ -544,6 +535,21 @@ impl<'a> Acquisition<'a> {
                 }
             }
         }
+    }
+
+    /// A grant, by the waiter's attempt or handed over by a release: the guard answered,
+    /// and the waiter's place in line ended with it (the grant took its reservations off
+    /// the batch).
+    fn granted(
+        mut guard: LockGuard,
+        place: Option<Place>,
+        fence: FencingToken,
+    ) -> (LockGuard, FencingToken) {
+        guard.answered();
+        if let Some(place) = place {
+            place.disarm();
+        }
+        (guard, fence)
     }
 
     /// What a waiter kept out by `keys` waits for: its turn, when it stands in line (its

@@ -141,6 +141,30 @@ async fn listen(
     (client, heard)
 }
 
+/// The ticket of the waiter whose refused attempt left its turn on `key` (a turn not
+/// handed over yet: there is one at a time), once there is one; at most 5 s.
+async fn waiting_turn(db: &Database, key: &str) -> String {
+    let turn = format!(
+        "SELECT ticket FROM tower_batch_lock.locks_turns WHERE key = '{key}' AND token IS NULL"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let ticket = db.query(&turn);
+        if !ticket.is_empty() {
+            assert!(
+                !ticket.contains('\n'),
+                "one waiter's turn on {key}: {ticket}"
+            );
+            return ticket;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no waiter left its turn on {key}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A waiter in line for one key alone is granted it by its holder's release, in the
 /// release's own statement (a hand-over: its refused attempt left its turn in
 /// `locks_turns`), whether it waits in the releasing process or in another: the release
@@ -165,16 +189,7 @@ async fn a_waiter_of_one_key_is_handed_it_by_the_release_in_either_process() {
         let (_listener, mut heard) = listen(&db).await;
         let waiter = fence_router(&waiting);
         let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
-        let turn = "SELECT count(*) FROM tower_batch_lock.locks_turns \
-                    WHERE key = 'lock:k' AND token IS NULL";
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while db.query(turn) != "1" {
-            assert!(
-                Instant::now() < deadline,
-                "{process}: the waiter left no turn"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        waiting_turn(&db, "lock:k").await;
         gate.open();
         assert_eq!(held.await.unwrap().status, StatusCode::OK);
         let reply = waiting.await.unwrap();
@@ -221,16 +236,7 @@ async fn a_forged_hand_over_grants_nothing() {
     let holders_token = gate.lease().fencing_token().get();
     let waiter = fence_router(&waiting);
     let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
-    let turn = "SELECT ticket FROM tower_batch_lock.locks_turns WHERE key = 'lock:k'";
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let ticket = loop {
-        let ticket = db.query(turn);
-        if !ticket.is_empty() {
-            break ticket;
-        }
-        assert!(Instant::now() < deadline, "the waiter left no turn");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let ticket = waiting_turn(&db, "lock:k").await;
     db.query(&format!(
         "NOTIFY \"tower_batch_lock.locks\", '1,@1,#{ticket}:999999:42'"
     ));
