@@ -1005,6 +1005,7 @@ fn contention(out: &mut String, contention: &Value) {
         }
         let _ = writeln!(out, "{row} {} |", unavailable.join(" / "));
     }
+    rounds(out, contention);
 
     let _ = writeln!(
         out,
@@ -1117,6 +1118,59 @@ pub(crate) fn update_readme(path: &Path, document: &Value) -> Result<(), String>
         std::fs::write(path, updated).map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// The contention levels that the grants/s targets compare, round by round: the section's
+/// pass, then the later rounds (the stores taking turns), each store's grants/s a round.
+fn rounds(out: &mut String, contention: &Value) {
+    let (Some(rounds), Some(levels), Some(pass), Some(later), Some(stores)) = (
+        contention["rounds"].as_u64(),
+        contention["round_levels"].as_array(),
+        contention["cases"].as_array(),
+        contention["later_rounds"].as_array(),
+        contention["stores"].as_array(),
+    ) else {
+        return;
+    };
+    if rounds < 2 || later.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\nThe levels that the grants/s targets compare ran {rounds} times: in the pass above, then \
+         again after it, level by level, the stores taking turns. A target's ratio is the median of \
+         the rounds' ratios (a store over memory in the same round; 64 clients over 1 in the same \
+         round). Grants/s, round by round (retail · purchase where both ran):\n"
+    );
+    let heads: String = levels.iter().map(|l| format!(" {} |", text(l))).collect();
+    let _ = writeln!(out, "| store |{heads}");
+    let _ = writeln!(out, "| --- |{}", " ---: |".repeat(levels.len()));
+    let grants = |case: &Value| {
+        let each = |field: &str| case[field].as_f64().map(|r| thousands(r as u64));
+        match (each("retail_per_second"), each("purchase_per_second")) {
+            (Some(retail), Some(purchase)) => format!("{retail} · {purchase}"),
+            (Some(one), None) | (None, Some(one)) => one,
+            (None, None) => "–".to_owned(),
+        }
+    };
+    for store in stores {
+        let mut row = format!("| {} |", text(store));
+        for level in levels {
+            let cells: Vec<String> = pass
+                .iter()
+                .chain(later)
+                .filter(|c| &c["store"] == store && &c["level"] == level)
+                .map(grants)
+                .collect();
+            let cell = if cells.is_empty() {
+                "–".to_owned()
+            } else {
+                cells.join(", ")
+            };
+            let _ = write!(row, " {cell} |");
+        }
+        let _ = writeln!(out, "{row}");
+    }
 }
 
 fn text(value: &Value) -> &str {
