@@ -52,6 +52,14 @@ pub(crate) struct Turn {
     handed: Mutex<Option<Handover>>,
 }
 
+impl Turn {
+    /// The key handed to the waiter, if any.
+    fn handed(&self) -> std::sync::MutexGuard<'_, Option<Handover>> {
+        // Nothing panics while holding it; a poisoned slot is still a slot.
+        self.handed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// A key granted to a waiter in line by the call that freed it, in that call: the grant's
 /// fencing token, and the hold it is held under (the one the waiter's refused attempt
 /// named). The waiter is granted without an attempt of its own, if that hold is one of its
@@ -142,7 +150,7 @@ impl Wakeups {
     #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn hand_over(&self, ticket: u128, handover: Handover) {
         if let Some(turn) = self.lines().get(&ticket) {
-            *turn.handed.lock().unwrap_or_else(|e| e.into_inner()) = Some(handover);
+            *turn.handed() = Some(handover);
             turn.notify.notify_one();
         }
     }
@@ -218,9 +226,7 @@ impl Watches<'_> {
     /// The key a release handed this waiter in line, if one did: taken, once.
     pub(crate) fn take_handover(&self) -> Option<Handover> {
         match &self.watched {
-            Watched::Ticket(_, turn) => {
-                turn.handed.lock().unwrap_or_else(|e| e.into_inner()).take()
-            }
+            Watched::Ticket(_, turn) => turn.handed().take(),
             Watched::Slots { .. } => None,
         }
     }

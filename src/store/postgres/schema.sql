@@ -1000,7 +1000,7 @@ BEGIN
     IF FOUND THEN
       -- The key's earlier hand-over is over: its hold was this call's, or ended.
       DELETE FROM {T}_turns u WHERE u.key = t.key AND u.token IS NOT NULL;
-      given := nextval('{T}_fence');
+      given := {T}_granted(NULL);
       UPDATE {T}_turns u SET token = given WHERE u.ticket = t.ticket;
       named := array_replace(named, t.ticket::text,
                              t.ticket::text || ':' || given || ':' || t.hold);
