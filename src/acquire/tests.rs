@@ -1,0 +1,92 @@
+use std::sync::Mutex;
+
+use super::*;
+use crate::store::{
+    contract::{Keys, Mode, Reply},
+    handle::Store,
+    memory::{
+        intercept::{Hooks, Intercepted},
+        MemoryStore,
+    },
+};
+
+/// Releases `holder`'s keys during the waiter's second attempt, after the store found
+/// them held and before the attempt's answer comes back; notes on tokio's clock when
+/// each attempt started and ended.
+#[derive(Debug)]
+struct ReleaseDuringSecondAttempt {
+    holder: Mutex<Option<(Keys, Holder)>>,
+    attempts: Mutex<Vec<(tokio::time::Instant, tokio::time::Instant)>>,
+}
+
+impl Hooks for ReleaseDuringSecondAttempt {
+    fn acquire<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        request: &'a AcquireRequest,
+    ) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            let started = tokio::time::Instant::now();
+            let answer = store.acquire(request).await;
+            if self.attempts.lock().unwrap().len() == 1 {
+                let (keys, holder) = self.holder.lock().unwrap().take().unwrap();
+                assert_eq!(store.release(&keys, holder).await.unwrap(), 1);
+            }
+            let ended = tokio::time::Instant::now();
+            self.attempts.lock().unwrap().push((started, ended));
+            answer
+        })
+    }
+}
+
+/// On tokio's paused clock, time moves only when every task waits for a timer: a
+/// waiter that tries again at once leaves it where it was, one that pauses moves it.
+#[tokio::test(start_paused = true)]
+async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
+    let hooks = ReleaseDuringSecondAttempt {
+        holder: Mutex::new(None),
+        attempts: Mutex::new(Vec::new()),
+    };
+    let store = Arc::new(Intercepted::new(hooks));
+    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+    let holder = Holder::new(OwnerToken::random());
+    let request = AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.clone(),
+        modes: Modes::All(Mode::Exclusive),
+        holder,
+        ttl: Duration::from_secs(30),
+        report: 0,
+        line: Line::Outside,
+        reserve: Duration::ZERO,
+        retry: false,
+    };
+    let held = store.store.acquire(&request).await.unwrap();
+    assert!(matches!(held, Acquire::Granted(_)));
+    *store.hooks.holder.lock().unwrap() = Some((keys.clone(), holder));
+
+    let locks = Locks::new(Store {
+        locks: store.clone(),
+        #[cfg(feature = "idempotency")]
+        answers: Arc::new(MemoryStore::new()),
+    })
+    .wait(Wait::up_to(Duration::from_secs(1)));
+    let modes = Modes::All(Mode::Exclusive);
+    let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
+    let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
+    assert!(granted.is_ok(), "the waiter was not granted");
+    // Refused; after a pause, refused with the key released meanwhile; then, at once,
+    // granted. A waiter that missed the release would pause again first.
+    let attempts = store.hooks.attempts.lock().unwrap().clone();
+    assert_eq!(attempts.len(), 3);
+    assert!(
+        attempts[1].0 > attempts[0].1,
+        "no pause after the first refusal"
+    );
+    let between = attempts[2].0 - attempts[1].1;
+    assert_eq!(
+        between,
+        Duration::ZERO,
+        "paused {between:?} after the release"
+    );
+}
