@@ -63,7 +63,7 @@ use self::place::Place;
 use crate::{
     backoff::Backoff,
     guard::LockGuard,
-    locks::Locks,
+    locks::{Locks, WaiterSlot},
     observe::{self, Layer, Outcome, Unanswered, Waiting},
     outage::OutageLog,
     rejection::Rejection,
@@ -148,6 +148,51 @@ enum Refusal {
     Unavailable,
     /// It would have waited while as many requests as the policy allows already do.
     Crowded,
+}
+
+/// An attempt's answer.
+enum Attempt {
+    Granted((LockGuard, FencingToken)),
+    /// Held or reserved by others.
+    Held(Contention),
+}
+
+/// What a request carries from one attempt to the next.
+struct Waiter<'a> {
+    started: Instant,
+    /// When its wait is over.
+    deadline: Instant,
+    line: Line,
+    /// Its place in line, when it waits fairly: withdrawn when it goes without a grant.
+    place: Option<Place>,
+    /// The pauses between attempts, for when a wake-up is lost.
+    backoff: Backoff,
+    /// Counted from the first refusal that makes the request wait, until it ends.
+    waiting: Option<Waiting>,
+    /// Its place among the requests that wait (`Locks::max_waiters`), from then on.
+    slot: Option<WaiterSlot>,
+    /// When its last attempt was sent: a hold it grants starts no earlier.
+    attempted: Instant,
+    /// The holds of its refused attempts: a hand-over names one of them (the store wrote
+    /// it beside the waiter's place), which nobody else knows; one that names another (a
+    /// notification anybody connected to PostgreSQL could send) grants nothing.
+    refused_holds: Vec<u64>,
+    /// The last wait's watch, kept through the next attempt: a release while that attempt
+    /// is under way (after the store found a key held, before its answer came back) has
+    /// woken it, and the waiter tries again at once rather than after a pause. Measured
+    /// across two processes on one Redis, a release that lands in that gap took 1-2% of
+    /// the waits to 20-40 ms. A waiter in line watches for its turn from before its first
+    /// attempt.
+    watched: Option<Watches<'a>>,
+}
+
+impl Waiter<'_> {
+    /// Withdraws its reservations now, if it has a place in line.
+    async fn withdraw(&mut self) {
+        if let Some(place) = self.place.take() {
+            place.withdraw().await;
+        }
+    }
 }
 
 impl<'a> Acquisition<'a> {
@@ -391,7 +436,21 @@ impl<'a> Acquisition<'a> {
         owner: OwnerToken,
         started: Instant,
     ) -> Result<(LockGuard, FencingToken), Refusal> {
-        let deadline = started + self.wait.bound();
+        let mut waiter = self.waiter(started);
+        loop {
+            let contention = match self.attempt(owner, &mut waiter).await? {
+                Attempt::Granted(granted) => return Ok(granted),
+                Attempt::Held(contention) => contention,
+            };
+            if let Some(granted) = self.wait(owner, &mut waiter, contention).await? {
+                return Ok(granted);
+            }
+        }
+    }
+
+    /// The state of a request that may wait, which started at `started`: its place in
+    /// line, when it waits fairly and holds nothing yet.
+    fn waiter(&self, started: Instant) -> Waiter<'a> {
         let place = (self.wait.queues() && self.holder_since.is_none())
             .then(|| Place::take(self.store.clone(), self.keys.clone(), self.timeout));
         let line = match (&place, self.holder_since) {
@@ -399,140 +458,149 @@ impl<'a> Acquisition<'a> {
             (Some(place), None) => Line::At(place.ticket),
             (None, None) => Line::Outside,
         };
-        // The pauses between attempts, for when a wake-up is lost. A waiter in line is
-        // woken when its turn comes, and otherwise it could only notice a hold or a place
-        // before it that expired (its process died): it polls seldom, so that a long line
-        // does not cost the store a probe per waiter every few milliseconds.
-        let mut backoff = match line {
+        // A waiter in line is woken when its turn comes, and otherwise it could only
+        // notice a hold or a place before it that expired (its process died): it polls
+        // seldom, so that a long line does not cost the store a probe per waiter every few
+        // milliseconds.
+        let backoff = match line {
             Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(2)),
             Line::Outside | Line::Holder(_) => {
                 Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
             }
         };
-        // Counted from the first refusal that makes the request wait, until it ends.
-        let mut waiting = None;
-        // Its place among the requests that wait (`Locks::max_waiters`), from then on.
-        let mut slot = None;
-        let mut attempted = started;
-        // The holds of its refused attempts: a hand-over names one of them (the store wrote
-        // it beside the waiter's place), which nobody else knows; one that names another
-        // (a notification anybody connected to PostgreSQL could send) grants nothing.
-        let mut refused_holds = Vec::new();
-        // The last wait's watch, kept through the next attempt: a release while that
-        // attempt is under way (after the store found a key held, before its answer came
-        // back) has woken it, and the waiter tries again at once rather than after a
-        // pause. Measured across two processes on one Redis, a release that lands in that
-        // gap took 1-2% of the waits to 20-40 ms. A waiter in line watches for its turn
-        // from before its first attempt.
-        let mut watched: Option<Watches<'_>> =
-            matches!(line, Line::At(_)).then(|| self.watch(line, self.keys));
-        loop {
-            // A hold of its own for each attempt: a release of a failed attempt that is still
-            // retried in the background (Redlock's, on a slow master) must never end the
-            // hold of a later attempt that was granted.
-            let holder = Holder::new(owner);
-            let guard = self.guard(holder, attempted);
-            let request = AcquireRequest {
-                // Past its first refusal, a waiter in line has reserved its whole batch.
-                retry: slot.is_some() && matches!(line, Line::At(_)),
-                ..self.request(holder, line, Self::reserve_until(deadline, attempted))
-            };
-            let outcome = within(self.timeout, self.store.acquire(&request)).await;
-            if matches!(outcome, Ok(Ok(_))) {
-                self.outage.answered();
+        Waiter {
+            started,
+            deadline: started + self.wait.bound(),
+            line,
+            place,
+            backoff,
+            waiting: None,
+            slot: None,
+            attempted: started,
+            refused_holds: Vec::new(),
+            watched: matches!(line, Line::At(_)).then(|| self.watch(line, self.keys)),
+        }
+    }
+
+    /// One attempt at the whole batch, sent at `waiter.attempted`.
+    async fn attempt(
+        &self,
+        owner: OwnerToken,
+        waiter: &mut Waiter<'a>,
+    ) -> Result<Attempt, Refusal> {
+        // A hold of its own for each attempt: a release of a failed attempt that is still
+        // retried in the background (Redlock's, on a slow master) must never end the hold
+        // of a later attempt that was granted.
+        let holder = Holder::new(owner);
+        let guard = self.guard(holder, waiter.attempted);
+        let reserve = Self::reserve_until(waiter.deadline, waiter.attempted);
+        let request = AcquireRequest {
+            // Past its first refusal, a waiter in line has reserved its whole batch.
+            retry: waiter.slot.is_some() && matches!(waiter.line, Line::At(_)),
+            ..self.request(holder, waiter.line, reserve)
+        };
+        let outcome = within(self.timeout, self.store.acquire(&request)).await;
+        if matches!(outcome, Ok(Ok(_))) {
+            self.outage.answered();
+        }
+        match outcome {
+            Ok(Ok(Acquire::Granted(fence))) => Ok(Attempt::Granted(Self::granted(
+                guard,
+                waiter.place.take(),
+                fence,
+            ))),
+            Ok(Ok(Acquire::Held(contention))) => {
+                // The store locked nothing: there is nothing to release.
+                guard.disarm();
+                waiter.refused_holds.push(holder.hold);
+                Ok(Attempt::Held(contention))
             }
-            let contention = match outcome {
-                Ok(Ok(Acquire::Granted(fence))) => return Ok(Self::granted(guard, place, fence)),
-                Ok(Ok(Acquire::Held(contention))) => {
-                    // The store locked nothing: there is nothing to release.
+            Ok(Err(error)) => {
+                self.outage.failed(&error, self.keys.len());
+                if !error.may_have_applied() {
                     guard.disarm();
-                    refused_holds.push(holder.hold);
-                    contention
                 }
-                Ok(Err(error)) => {
-                    self.outage.failed(&error, self.keys.len());
-                    if !error.may_have_applied() {
-                        guard.disarm();
-                    }
-                    // Otherwise the guard's drop releases whatever the store may have granted,
-                    // and the place's drop withdraws the reservations.
-                    return Err(Refusal::Unavailable);
-                }
-                Err(_elapsed) => {
-                    let why = StoreError::timed_out(self.timeout);
-                    self.outage.failed(&why, self.keys.len());
-                    return Err(Refusal::Unavailable);
-                }
-            };
-            if let (None, Some(layer)) = (&waiting, self.layer) {
-                waiting = Some(Waiting::start(layer));
+                // Otherwise the guard's drop releases whatever the store may have granted,
+                // and the place's drop withdraws the reservations.
+                Err(Refusal::Unavailable)
             }
-            // Where the store probes: the positions of the keys that kept this attempt out
-            // (the batch is sorted), less those that a probe finds free as the wait goes.
-            let mut blockers: Vec<usize> = if self.store.probes() {
-                let position = |key: &String| self.keys.binary_search(key).ok();
-                contention.keys.iter().filter_map(position).collect()
-            } else {
-                Vec::new()
+            Err(_elapsed) => {
+                let why = StoreError::timed_out(self.timeout);
+                self.outage.failed(&why, self.keys.len());
+                Err(Refusal::Unavailable)
+            }
+        }
+    }
+
+    /// Waits after an attempt refused for `contention`: until the waiter should send its
+    /// whole batch again (`None`), a release hands it the batch, or it gives up.
+    async fn wait(
+        &self,
+        owner: OwnerToken,
+        waiter: &mut Waiter<'a>,
+        contention: Contention,
+    ) -> Result<Option<(LockGuard, FencingToken)>, Refusal> {
+        if let (None, Some(layer)) = (&waiter.waiting, self.layer) {
+            waiter.waiting = Some(Waiting::start(layer));
+        }
+        // Where the store probes: the positions of the keys that kept the attempt out (the
+        // batch is sorted), less those that a probe finds free as the wait goes.
+        let mut blockers: Vec<usize> = if self.store.probes() {
+            let position = |key: &String| self.keys.binary_search(key).ok();
+            contention.keys.iter().filter_map(position).collect()
+        } else {
+            Vec::new()
+        };
+        loop {
+            let now = Instant::now();
+            if self.gives_up(&contention, waiter.started, now) {
+                // Withdrawn before the answer, so that the client's retry does not find
+                // them in its way.
+                waiter.withdraw().await;
+                return Err(Refusal::Contended(contention));
+            }
+            if waiter.slot.is_none() {
+                // It waits: only while fewer than the bound already do.
+                waiter.slot = self.locks.start_waiting();
+                if waiter.slot.is_none() {
+                    waiter.withdraw().await;
+                    return Err(Refusal::Crowded);
+                }
+            }
+            let mut released = match waiter.watched.take() {
+                Some(watches) if watches.covers(&contention.keys) => watches,
+                _ => self.watch(waiter.line, &contention.keys),
             };
-            loop {
-                let now = Instant::now();
-                if self.gives_up(&contention, started, now) {
-                    // Withdrawn before the answer, so that the client's retry does not find
-                    // them in its way.
-                    if let Some(place) = place {
-                        place.withdraw().await;
-                    }
-                    return Err(Refusal::Contended(contention));
-                }
-                if slot.is_none() {
-                    // It waits: only while fewer than the bound already do.
-                    slot = self.locks.start_waiting();
-                    if slot.is_none() {
-                        if let Some(place) = place {
-                            place.withdraw().await;
-                        }
-                        return Err(Refusal::Crowded);
-                    }
-                }
-                let mut released = match watched.take() {
-                    Some(watches) if watches.covers(&contention.keys) => watches,
-                    _ => self.watch(line, &contention.keys),
+            let wake_at = (now + waiter.backoff.pause()).min(waiter.deadline);
+            let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
+                .await
+                .is_ok();
+            // Granted by the release itself (PostgreSQL, a waiter of one key): its hold
+            // began after the attempt before this wait, which its guard counts from.
+            let handover = released.take_handover();
+            if let Some(handover) = handover.filter(|h| waiter.refused_holds.contains(&h.hold)) {
+                let holder = Holder {
+                    owner,
+                    hold: handover.hold,
                 };
-                let wake_at = (now + backoff.pause()).min(deadline);
-                let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
-                    .await
-                    .is_ok();
-                // Granted by the release itself (PostgreSQL, a waiter of one key): its hold
-                // began after the attempt before this wait, which its guard counts from.
-                let handover = released.take_handover();
-                if let Some(handover) = handover.filter(|h| refused_holds.contains(&h.hold)) {
-                    let holder = Holder {
-                        owner,
-                        hold: handover.hold,
-                    };
-                    let guard = self.guard(holder, attempted);
-                    return Ok(Self::granted(
-                        guard,
-                        place,
-                        FencingToken::new(handover.token),
-                    ));
-                }
-                watched = Some(released);
-                attempted = Instant::now();
-                // Woken for the one key that still kept it out (first in line on it, or its
-                // watcher), on a store where nothing else wakes it: a probe would find that
-                // key free, and only add a round trip to the grant (a hot key's waiters
-                // made one a grant).
-                let turn = woken && self.store.whole_attempts(self.keys.len());
-                if blockers.is_empty() || (blockers.len() == 1 && turn) {
-                    break;
-                }
-                let free = self.probe(owner, line, &blockers).await?;
-                blockers.drain(..free.min(blockers.len()));
-                if blockers.is_empty() {
-                    break;
-                }
+                let guard = self.guard(holder, waiter.attempted);
+                let fence = FencingToken::new(handover.token);
+                return Ok(Some(Self::granted(guard, waiter.place.take(), fence)));
+            }
+            waiter.watched = Some(released);
+            waiter.attempted = Instant::now();
+            // Woken for the one key that still kept it out (first in line on it, or its
+            // watcher), on a store where nothing else wakes it: a probe would find that
+            // key free, and only add a round trip to the grant (a hot key's waiters made
+            // one a grant).
+            let turn = woken && self.store.whole_attempts(self.keys.len());
+            if blockers.is_empty() || (blockers.len() == 1 && turn) {
+                return Ok(None);
+            }
+            let free = self.probe(owner, waiter.line, &blockers).await?;
+            blockers.drain(..free.min(blockers.len()));
+            if blockers.is_empty() {
+                return Ok(None);
             }
         }
     }
