@@ -122,7 +122,9 @@
 //! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged, once per outage); `Retry-After: 1` |
 //! | the request names no key | 400, `"limit": "no_keys"` | unless [`Locks::require_keys(false)`](Locks::require_keys) lets it pass unlocked |
 //! | more than [`Locks::max_keys`] (10,000) distinct keys | 413, `"limit": "max_keys"` | |
-//! | an empty key, or one over [`Locks::max_key_len`] (256 bytes) | 400, `"limit": "max_key_len"` | |
+//! | an empty key | 400, `"limit": "empty_key"` | |
+//! | a key with a NUL character (U+0000), which PostgreSQL's `text` cannot hold: refused on every store | 400, `"limit": "nul_in_key"` | |
+//! | a key over [`Locks::max_key_len`] (256 bytes) | 400, `"limit": "max_key_len"` | |
 //! | the extractor refuses the request (no JSON content type, a body over its cap, a body that is not JSON or does not fit the type, a header that is not UTF-8) | 415 / 413 / 400 / 422 / 400 | the parser's message, naming the field (`items[2].sku: invalid type: ...`) |
 //! | [`keys::path`] on a route without that parameter, or outside an axum router | 500 | one error logged, naming the route and its parameters |
 //! | a handler takes [`Lease`], but the route has no lock layer or passed the request unlocked | 500 | an error logged (take `Option<Lease>` there) |

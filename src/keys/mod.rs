@@ -54,7 +54,8 @@
 //! rather than text (a header, a percent-encoded query or path), the extractors here take
 //! them as UTF-8 and refuse anything else with 400 rather than guess. A request with more
 //! keys than [`Locks::max_keys`](crate::Locks::max_keys) gets 413, and a key longer than
-//! [`Locks::max_key_len`](crate::Locks::max_key_len) bytes, or an empty one, gets 400.
+//! [`Locks::max_key_len`](crate::Locks::max_key_len) bytes, an empty one, or one with a
+//! NUL character (U+0000, which PostgreSQL's `text` cannot hold), gets 400.
 //!
 //! Two spellings of one resource must make one key, or they would not exclude each other:
 //! make every route that touches a resource name it the same way (`format!("sku:{sku}")`

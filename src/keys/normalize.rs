@@ -38,9 +38,9 @@ pub(crate) struct Batch {
 ///
 /// # Errors
 ///
-/// 400 for an empty key or one longer than `max_key_len` bytes; 413 for more than
-/// `max_keys` distinct keys. When several limits are broken, that order decides which one
-/// the answer names.
+/// 400 for an empty key, one with a NUL character (U+0000), or one longer than
+/// `max_key_len` bytes; 413 for more than `max_keys` distinct keys. When several limits
+/// are broken, that order decides which one the answer names.
 pub(crate) fn normalize(
     keys: Vec<Key>,
     policy: &KeyPolicy,
@@ -56,6 +56,16 @@ pub(crate) fn normalize(
             StatusCode::BAD_REQUEST,
             "empty_key",
             "a lock key is empty; every resource the request touches needs a name".to_owned(),
+        ));
+    }
+    // PostgreSQL's `text` cannot hold a NUL, and no resource id needs one: refused on every
+    // store, so that a key means the same wherever the locks live (on PostgreSQL the store
+    // would fail, a 503 and an outage logged for a client's typo).
+    if keys.iter().any(|(key, _)| key.contains('\0')) {
+        return Err(Rejection::limit(
+            StatusCode::BAD_REQUEST,
+            "nul_in_key",
+            "a lock key holds a NUL character (U+0000), which no key may hold".to_owned(),
         ));
     }
     let longest = keys.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
@@ -172,9 +182,12 @@ mod tests {
     }
 
     #[test]
-    fn refuses_empty_and_overlong_keys() {
+    fn refuses_empty_nul_and_overlong_keys() {
         let err = exclusive(keys(&["a", ""]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        let err = exclusive(keys(&["a", "b\0c"]), &policy()).unwrap_err();
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        assert!(err.detail().contains("NUL"), "{}", err.detail());
         assert!(exclusive(keys(&["12345678"]), &policy()).is_ok());
         let err = exclusive(keys(&["123456789"]), &policy()).unwrap_err();
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
@@ -283,7 +296,7 @@ pub(super) mod fuzz {
                 let mut distinct = keys.clone();
                 distinct.sort();
                 distinct.dedup();
-                let empty = distinct.iter().any(String::is_empty);
+                let empty = distinct.iter().any(|k| k.is_empty() || k.contains('\0'));
                 let too_long = distinct.iter().any(|k| k.len() > policy.max_key_len);
                 let too_many = distinct.len() > policy.max_keys;
                 match normalized {

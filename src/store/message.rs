@@ -39,7 +39,8 @@ pub(crate) fn release_message(slots: &[usize], tag: u64) -> String {
 /// Wakes the waiters that a release message names, unless this store sent it: those of
 /// its slots (`*`: of every slot), and the waiters in line whose tickets follow a `#`
 /// (the release script adds those: the first in line on each key it freed; see
-/// [`Wakeups`]).
+/// [`Wakeups`]); `#*` wakes every waiter in line, for a release whose list did not fit
+/// in one message (PostgreSQL's payload).
 pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     let text = std::str::from_utf8(payload).unwrap_or_default();
     let own = |entry: &str| {
@@ -49,6 +50,10 @@ pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
             == Some(wakeups.tag())
     };
     if text.split(',').any(own) {
+        return;
+    }
+    if text.split(',').any(|entry| entry == "#*") {
+        wakeups.wake_all();
         return;
     }
     if text.split(',').any(|entry| entry == "*") {
@@ -167,6 +172,26 @@ mod tests {
         assert_eq!(watches[0].take_handover(), None, "taken once");
         assert_eq!(watches[1].take_handover(), None);
         assert_eq!(watches[2].take_handover(), None);
+    }
+
+    /// PostgreSQL's release whose list of waiters would not fit in one notification
+    /// sends `*,#*`: every waiter wakes, in line or not.
+    #[tokio::test]
+    async fn a_release_too_long_to_name_its_waiters_wakes_every_waiter() {
+        let wakeups = Wakeups::new();
+        let mut watches =
+            [61_420_580_338_024, 61_420_580_338_025].map(|ticket| wakeups.watch_ticket(ticket));
+        wake_from_message(&wakeups, b"*,#*");
+        for watch in &mut watches {
+            tokio::time::timeout(Duration::from_millis(50), any_released(watch))
+                .await
+                .expect("a waiter in line woken");
+        }
+        let keys = vec!["lock:a".to_owned()];
+        assert!(
+            wakes(&wakeups, &keys, "*,#*").await,
+            "a waiter in no line woken"
+        );
     }
 
     #[test]

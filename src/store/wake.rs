@@ -200,8 +200,9 @@ impl Wakeups {
         }
     }
 
-    /// Wakes every waiter: after a gap in which releases may have gone unnoticed.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    /// Wakes every waiter: after a gap in which releases may have gone unnoticed, or for a
+    /// release that could not name them.
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     pub(crate) fn wake_all(&self) {
         self.wake_slots(0..SLOTS);
         for turn in self.lines().values() {

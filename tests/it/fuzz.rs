@@ -378,8 +378,10 @@ fn the_layer_answers_every_key_list_and_leaves_nothing_locked() {
                 let mut distinct = keys.clone();
                 distinct.sort();
                 distinct.dedup();
-                let valid =
-                    distinct.len() <= 8 && distinct.iter().all(|k| !k.is_empty() && k.len() <= 12);
+                let valid = distinct.len() <= 8
+                    && distinct
+                        .iter()
+                        .all(|k| !k.is_empty() && !k.contains('\0') && k.len() <= 12);
                 if valid {
                     prop_assert_eq!(status, StatusCode::OK);
                     let locked: Vec<String> = serde_json::from_slice(&answer).unwrap();

@@ -1154,3 +1154,35 @@ async fn the_functions_on_a_requests_path_find_rows_by_index_on_a_table_of_a_few
         "{out}"
     );
 }
+
+/// `schema.table` is the channel of the store's notifications, which PostgreSQL takes up to
+/// 63 bytes: names longer together are refused when set, whatever the order, and names of
+/// exactly 63 make a working store.
+#[tokio::test]
+async fn a_schema_and_table_too_long_together_are_refused_when_set() {
+    let schema = "s".repeat(40);
+    let long = std::panic::catch_unwind(|| {
+        Postgres::url("postgres://x@127.0.0.1/x")
+            .schema(&schema)
+            .table(&"t".repeat(23))
+    });
+    assert!(long.is_err(), "a 64-byte channel was taken");
+    let other_order = std::panic::catch_unwind(|| {
+        Postgres::url("postgres://x@127.0.0.1/x")
+            .table(&"t".repeat(23))
+            .schema(&schema)
+    });
+    assert!(other_order.is_err(), "a 64-byte channel was taken");
+
+    let db = Database::create();
+    let locks = Locks::new(
+        Postgres::url(db.url())
+            .schema(&schema)
+            .table(&"t".repeat(22))
+            .build()
+            .unwrap(),
+    );
+    locks.check().await.unwrap();
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    assert_eq!(send(&app, batch(&["k"])).await.status, StatusCode::OK);
+}

@@ -173,7 +173,10 @@ const POOL_SIZE: usize = 16;
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
 ///   replay: check them at the resource.
 /// - **TLS.** A pool built from a URL connects without TLS. For TLS, build your
-///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`].
+///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`]. The
+///   connection that listens for releases ([`Postgres::wakeups`], or the URL's) does not
+///   use TLS either: on a server that requires it, leave `wakeups` out, and waiters poll
+///   for other processes' releases (see [`Postgres::pool`]).
 #[derive(Clone)]
 pub struct Postgres {
     source: Source,
@@ -222,8 +225,10 @@ impl Postgres {
     }
 
     /// The database behind `pool`. Without [`wakeups`](Self::wakeups), waiting requests
-    /// wake at once for this process's releases and poll (every 5 to 100 ms) for other
-    /// processes'.
+    /// wake at once for this process's releases and poll for other processes': a waiter in
+    /// line (fair waiting, the default) after 100-200 ms, then less and less often, down
+    /// to every 1-2 s, so that a key handed to it by another process waits for its next
+    /// poll; one in no line every 5 to 100 ms.
     pub fn pool(pool: Pool) -> Self {
         Self {
             source: Source::Pool(pool),
@@ -251,10 +256,12 @@ impl Postgres {
     /// # Panics
     ///
     /// Unless `schema` is a lowercase SQL identifier of at most 40 bytes (letters, digits
-    /// and `_`, not starting with a digit).
+    /// and `_`, not starting with a digit), and `schema.table` at most 63 bytes with the
+    /// table as set (see [`table`](Self::table)).
     pub fn schema(mut self, schema: &str) -> Self {
         assert!(Names::valid(schema), "not a usable schema name: {schema:?}");
         self.names.schema = schema.to_owned();
+        self.names.assert_fits();
         self
     }
 
@@ -263,10 +270,13 @@ impl Postgres {
     ///
     /// # Panics
     ///
-    /// Unless `table` is a lowercase SQL identifier of at most 40 bytes.
+    /// Unless `table` is a lowercase SQL identifier of at most 40 bytes, and
+    /// `schema.table` at most 63 bytes with the schema as set: that is the channel of the
+    /// store's notifications, and PostgreSQL takes no longer one.
     pub fn table(mut self, table: &str) -> Self {
         assert!(Names::valid(table), "not a usable table name: {table:?}");
         self.names.table = table.to_owned();
+        self.names.assert_fits();
         self
     }
 

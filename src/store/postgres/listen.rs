@@ -26,11 +26,21 @@ const SWEEP_BATCH: i32 = 1000;
 /// Wakes this process's waiters for every release notified on `channel`, until the store
 /// is dropped. Reconnects after a lost connection, and then wakes every waiter: releases in
 /// the gap went unheard. Waiters poll meanwhile, as they do without a listener.
+///
+/// The connection only ever receives, so a peer that vanished without closing it (a
+/// network partition, a host gone) would go unnoticed for the system's TCP keepalive
+/// time, two hours by default: the kernel probes it after 10 s idle, every 5 s, and
+/// gives it up after 3 unanswered probes.
 pub(super) async fn listen_for_releases(
-    config: tokio_postgres::Config,
+    mut config: tokio_postgres::Config,
     channel: String,
     wakeups: Weak<Wakeups>,
 ) {
+    config
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3);
     let mut backoff = reconnect_backoff();
     while wakeups.strong_count() > 0 {
         match config.connect(NoTls).await {

@@ -34,6 +34,18 @@ impl Names {
             && name.len() <= 40
     }
 
+    /// Panics unless [`channel`](Self::channel) fits in a PostgreSQL identifier (63 bytes):
+    /// `pg_notify` refuses a longer channel, which would fail every release that wakes a
+    /// waiter, and `LISTEN` cuts it, which would hear nothing.
+    pub(super) fn assert_fits(&self) {
+        let channel = self.channel();
+        assert!(
+            channel.len() <= 63,
+            "schema and table name too long together: {channel:?} is {} bytes, the limit 63",
+            channel.len()
+        );
+    }
+
     /// `schema.table`: the table, and the stem of every object beside it.
     pub(super) fn qualified(&self) -> String {
         format!("{}.{}", self.schema, self.table)

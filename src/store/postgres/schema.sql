@@ -944,6 +944,12 @@ CREATE OR REPLACE FUNCTION {T}_extend(
 ) RETURNS boolean
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+-- Rows are waited for at most as long as in {T}_acquire: a user's transaction that
+-- guards its writes (`_guard`) keeps them until it ends. Past it the call fails, and is
+-- retried (a release, a renewal: in the background) or left to expire (a withdrawal),
+-- where it would otherwise keep a pooled connection past the store's timeout, the next
+-- call on that connection queued behind it.
+SET lock_timeout = '500ms'
 SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
@@ -1021,6 +1027,7 @@ CREATE OR REPLACE FUNCTION {T}_release(
 ) RETURNS TABLE (released int, heads text[])
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET lock_timeout = '500ms' -- see {T}_extend
 -- An index scan of `key = ANY(…)` takes the rows in key order, as every call takes them (a
 -- sequential scan would take them in the table's order, and could deadlock with a batch
 -- that waits for one of them while it holds another): the plain DELETE below then needs
@@ -1120,7 +1127,8 @@ END $$;
 
 -- Tells the waiters of every process which slots were freed, and which waiters are now
 -- first in line, with the keys handed to them (a payload has at most 8,000 bytes: past
--- that, every waiter wakes, and one handed its key takes it with its attempt). Only
+-- that, `*,#*` wakes every waiter, those in line too, and one handed its key takes it
+-- with its attempt). Only
 -- calls that let a waiter in line in notify: a notification serializes the commits of every
 -- transaction that sends one (a lock on the database's queue), which the uncontended path
 -- must not pay for; waiters in no line poll for other processes' releases.
@@ -1129,7 +1137,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
   message text := p_message || coalesce((SELECT string_agg(',#' || h, '') FROM unnest(p_heads) h), '');
 BEGIN
-  PERFORM pg_notify('{C}', CASE WHEN length(message) < 7900 THEN message ELSE '*' END);
+  PERFORM pg_notify('{C}', CASE WHEN length(message) < 7900 THEN message ELSE '*,#*' END);
 END $$;
 
 -- Takes the reservations of the waiter with `ticket` off the keys (a key nobody holds or
@@ -1140,6 +1148,7 @@ CREATE OR REPLACE FUNCTION {T}_withdraw(
 ) RETURNS TABLE (withdrawn int, heads text[])
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET lock_timeout = '500ms' -- see {T}_extend
 SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
@@ -1216,6 +1225,7 @@ CREATE OR REPLACE FUNCTION {T}_force_release(p_keys text[], p_message text)
 RETURNS TABLE (released int, heads text[])
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
+SET lock_timeout = '500ms' -- see {T}_extend
 SET enable_seqscan = off -- see "Plans" above
 AS $$
 DECLARE
