@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use http::StatusCode;
 use tower_batch_lock::{
     store::Postgres,
-    tokio_postgres::{self, AsyncMessage, NoTls},
+    tokio_postgres::{self, error::SqlState, AsyncMessage, NoTls},
     KeyStatus, Lease, Locks, Wait,
 };
 
@@ -742,6 +742,59 @@ async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
     let granted = waiter.await.unwrap();
     assert_eq!(granted.status, StatusCode::OK, "{:?}", granted.problem());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Every call that waits for a row another transaction keeps (a user's guarded
+/// transaction that runs long) gives up after 500 ms, as an acquisition does: a release,
+/// a renewal, a withdrawal and a forced release. Without a bound the statement waited on
+/// the server past the store's timeout, and the pooled connection with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_call_waits_for_a_kept_row_at_most_half_a_second() {
+    let db = database_with_schema().await;
+    let owner = "00000000-0000-0000-0000-00000000000a";
+    db.query(&format!(
+        "INSERT INTO tower_batch_lock.locks (key, owner, holds, modes, ends) \
+         VALUES ('lock:k', '{owner}', '{{1}}', 'x', clock_timestamp() + interval '1 hour')"
+    ));
+    let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    keeper
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let (caller, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let f = "tower_batch_lock.locks";
+    for call in [
+        format!("SELECT * FROM {f}_release(ARRAY['lock:k'], '{owner}', 1, 'm')"),
+        format!("SELECT {f}_extend(ARRAY['lock:k'], '{owner}', 1, 10000)"),
+        format!("SELECT * FROM {f}_withdraw(ARRAY['lock:k'], 7, 'm')"),
+        format!("SELECT {f}_force_release(ARRAY['lock:k'], 'm')"),
+    ] {
+        let started = Instant::now();
+        let error = tokio::time::timeout(Duration::from_secs(3), caller.batch_execute(&call))
+            .await
+            .unwrap_or_else(|_| panic!("{call}: still waiting for the row after 3 s"))
+            .unwrap_err();
+        assert_eq!(
+            error.code(),
+            Some(&SqlState::LOCK_NOT_AVAILABLE),
+            "{call}: {error}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(1_500),
+            "{call}: {:?}",
+            started.elapsed()
+        );
+    }
+    keeper.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        db.query("SELECT count(*) FROM tower_batch_lock.locks WHERE holds = '{1}'"),
+        "1",
+        "nothing changed"
+    );
 }
 
 /// A database of its own, with the store's schema made in it (for tests that call the
