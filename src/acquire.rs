@@ -16,7 +16,8 @@
 //!    that serves 64 of its keys or more, on PostgreSQL a row, for exclusive batches), and
 //!    leaves its keys as they are: a key that an earlier claim names keeps a caller out as
 //!    an earlier reservation does, and a release wakes the earliest of both. A grant ends the waiter's reservations (its
-//!    claim); giving up, failing or being dropped withdraws them.
+//!    claim); giving up, failing or being dropped withdraws them, again and again while
+//!    the store does not answer, until they would have ended anyway.
 //! 2. **Wake only who can win.** A release (a withdrawal, a forced release) names, for each
 //!    key it frees, the waiter first in line on it, and wakes that waiter alone, here and,
 //!    through the store's pub/sub, in other processes ([`Wakeups`](crate::store::wake));
@@ -451,8 +452,11 @@ impl<'a> Acquisition<'a> {
     /// The state of a request that may wait, which started at `started`: its place in
     /// line, when it waits fairly and holds nothing yet.
     fn waiter(&self, started: Instant) -> Waiter<'a> {
-        let place = (self.wait.queues() && self.holder_since.is_none())
-            .then(|| Place::take(self.store.clone(), self.keys.clone(), self.timeout));
+        let deadline = started + self.wait.bound();
+        let place = (self.wait.queues() && self.holder_since.is_none()).then(|| {
+            let until = deadline + RESERVATION_MARGIN;
+            Place::take(self.store.clone(), self.keys.clone(), self.timeout, until)
+        });
         let line = match (&place, self.holder_since) {
             (_, Some(arrived)) => Line::Holder(arrived),
             (Some(place), None) => Line::At(place.ticket),
@@ -470,7 +474,7 @@ impl<'a> Acquisition<'a> {
         };
         Waiter {
             started,
-            deadline: started + self.wait.bound(),
+            deadline,
             line,
             place,
             backoff,

@@ -1,33 +1,48 @@
 //! A fair waiter's place in line, which withdraws its reservations when the waiter goes
 //! without its grant.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use crate::store::contract::{LockStore, Ticket};
+use crate::{
+    backoff::Backoff,
+    store::contract::{LockStore, Ticket},
+};
 
 /// A fair waiter's place in line: its ticket, and the batch its attempts reserve. Dropped
 /// while armed (the request was dropped, or the store failed), it withdraws the
-/// reservations in the background; they expire at the waiter's deadline anyway.
+/// reservations in the background.
 pub(super) struct Place {
     pub(super) ticket: Ticket,
     armed: Option<Reserved>,
 }
 
-/// What a withdrawal needs: where, which keys, and how long it may take.
+/// What a withdrawal needs: where, which keys, how long an attempt may take, and when the
+/// reservations end anyway.
 struct Reserved {
     store: Arc<dyn LockStore>,
     keys: Arc<[String]>,
     timeout: Duration,
+    until: Instant,
 }
 
 impl Place {
-    pub(super) fn take(store: Arc<dyn LockStore>, keys: Arc<[String]>, timeout: Duration) -> Self {
+    /// A place for `keys`, whose reservations end at `until` unless withdrawn before.
+    pub(super) fn take(
+        store: Arc<dyn LockStore>,
+        keys: Arc<[String]>,
+        timeout: Duration,
+        until: Instant,
+    ) -> Self {
         Self {
             ticket: Ticket::take(),
             armed: Some(Reserved {
                 store,
                 keys,
                 timeout,
+                until,
             }),
         }
     }
@@ -37,41 +52,61 @@ impl Place {
         self.armed = None;
     }
 
-    /// Withdraws the reservations now: one attempt, bounded by the store's timeout.
+    /// Withdraws the reservations: one attempt now, bounded by the store's timeout, so
+    /// that the refusal goes out within its limits; if it fails, more in the background.
     pub(super) async fn withdraw(mut self) {
         if let Some(reserved) = self.armed.take() {
-            reserved.withdraw(self.ticket).await;
+            if !reserved.withdraw_once(self.ticket).await {
+                spawn_retries(reserved, self.ticket);
+            }
         }
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        let Some(reserved) = self.armed.take() else {
-            return;
-        };
-        let ticket = self.ticket;
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { reserved.withdraw(ticket).await });
+        if let Some(reserved) = self.armed.take() {
+            spawn_retries(reserved, self.ticket);
         }
     }
 }
 
+/// Withdraws `ticket`'s reservations in the background, until the store answers.
+fn spawn_retries(reserved: Reserved, ticket: Ticket) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move { reserved.withdraw_until_answered(ticket).await });
+    }
+}
+
 impl Reserved {
-    /// One attempt, bounded by the store's timeout: the reservations expire on their own.
-    async fn withdraw(&self, ticket: Ticket) {
-        let keys = self.keys.len();
+    /// Attempts until the store answers, or until the reservations would have ended
+    /// anyway. A place left behind keeps every later arrival out of its keys to its end;
+    /// on PostgreSQL, a key that a release handed to this waiter stays held for its TTL.
+    async fn withdraw_until_answered(&self, ticket: Ticket) {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        while !self.withdraw_once(ticket).await {
+            if !backoff.sleep_before(self.until).await {
+                tracing::debug!(
+                    keys = self.keys.len(),
+                    "could not withdraw reservations; they expire on their own"
+                );
+                return;
+            }
+        }
+    }
+
+    /// One attempt, bounded by the store's timeout; whether the store answered.
+    async fn withdraw_once(&self, ticket: Ticket) -> bool {
         match tokio::time::timeout(self.timeout, self.store.withdraw(&self.keys, ticket)).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => tracing::debug!(
-                %error,
-                keys,
-                "could not withdraw reservations; they expire on their own"
-            ),
-            Err(_) => tracing::debug!(
-                keys,
-                "withdrawing reservations timed out; they expire on their own"
-            ),
+            Ok(Ok(_)) => true,
+            Ok(Err(error)) => {
+                tracing::debug!(%error, keys = self.keys.len(), "withdrawing reservations failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(keys = self.keys.len(), "withdrawing reservations timed out");
+                false
+            }
         }
     }
 }

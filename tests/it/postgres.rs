@@ -797,6 +797,54 @@ async fn every_call_waits_for_a_kept_row_at_most_half_a_second() {
     );
 }
 
+/// A waiter whose withdrawal fails (its row kept by another transaction past the 500 ms a
+/// call waits for it) withdraws again until the store answers: its place in line is gone
+/// once the row is free, not at its deadline, and the key's next release has nobody gone
+/// to hand the key to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_withdrawal_is_retried_until_the_store_answers() {
+    let db = Database::create();
+    let locks = locks(&db);
+    let gate = Gate::new();
+    let holder = batch_router(&locks, gated_handler(&gate));
+    let held = tokio::spawn(async move { send(&holder, batch(&["k"])).await });
+    gate.wait_entered().await;
+    let patient = locks.clone().wait(Wait::up_to(Duration::from_secs(20)));
+    let app = batch_router(&patient, counting_handler(&Arc::default()));
+    let waiter = tokio::spawn(async move { send(&app, batch(&["k"])).await });
+    waiting_turn(&db, "lock:k").await;
+
+    let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    keeper
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    // Its client leaves: the withdrawal waits for the row, and gives up after 500 ms.
+    waiter.abort();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    keeper.batch_execute("COMMIT").await.unwrap();
+
+    let turns = "SELECT count(*) FROM tower_batch_lock.locks_turns";
+    let line =
+        "SELECT coalesce(cardinality(line), 0) FROM tower_batch_lock.locks WHERE key = 'lock:k'";
+    let freed = Instant::now();
+    while db.query(turns) != "0" || db.query(line) != "0" {
+        assert!(
+            freed.elapsed() < Duration::from_secs(3),
+            "the place stayed: {} turns, a line of {}",
+            db.query(turns),
+            db.query(line)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert!(rows(&db).is_empty(), "{:?}", rows(&db));
+}
+
 /// A database of its own, with the store's schema made in it (for tests that call the
 /// schema's functions as the store does).
 async fn database_with_schema() -> Database {
