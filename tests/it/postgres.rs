@@ -1287,3 +1287,47 @@ async fn a_schema_and_table_too_long_together_are_refused_when_set() {
     let app = batch_router(&locks, counting_handler(&Arc::default()));
     assert_eq!(send(&app, batch(&["k"])).await.status, StatusCode::OK);
 }
+
+/// Fencing tokens start at the database clock's floor (the milliseconds since 2025 times
+/// 1024, as every store's counter), and after a restore that set the sequence back, the
+/// documented `raise_fence` puts the next token above every one handed out before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_tokens_start_at_the_clock_and_are_raised_above_a_restored_sequence() {
+    let db = Database::create();
+    let locks = locks(&db);
+    let app = batch_router(&locks, |lease: Lease| async move {
+        lease.fencing_token().get().to_string()
+    });
+    let token = |reply: crate::support::http::Reply| -> u64 {
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.problem());
+        reply.text().parse().unwrap()
+    };
+    let since_2025 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        - 1_735_689_600_000;
+    let first = token(send(&app, batch(&["k"])).await);
+    assert!(
+        first >= since_2025 * 1024,
+        "{first} below the clock's floor"
+    );
+    let second = token(send(&app, batch(&["k"])).await);
+    assert!(second > first);
+
+    // A restore from a backup taken before those grants: the sequence goes back.
+    db.query("ALTER SEQUENCE tower_batch_lock.locks_fence RESTART WITH 1");
+    let raised: u64 = db
+        .query("SELECT tower_batch_lock.locks_raise_fence()")
+        .parse()
+        .unwrap();
+    assert!(raised > second, "raised to {raised}, below {second}");
+    let third = token(send(&app, batch(&["k"])).await);
+    assert!(third > second, "{third} after {second}");
+    // Raising again never lowers it.
+    let again: u64 = db
+        .query("SELECT tower_batch_lock.locks_raise_fence()")
+        .parse()
+        .unwrap();
+    assert!(again >= third, "{again} below {third}");
+}

@@ -102,7 +102,14 @@ const POOL_SIZE: usize = 16;
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
 ///   every earlier grant that shared a key with it; grants of unrelated keys at the same
-///   moment take tokens in the order they reached the sequence.
+///   moment take tokens in the order they reached the sequence. The sequence starts at the
+///   database clock's floor ([`FencingToken`](crate::FencingToken)), so a schema made
+///   again starts above the tokens of the one dropped; it is not raised to the clock at
+///   each grant, as the Redis stores' counters are. **After restoring the database from a
+///   backup, or promoting a replica that was behind** (an asynchronous one), run
+///   `SELECT tower_batch_lock.locks_raise_fence()` (your schema and table) before the
+///   first grant: it raises the sequence to the clock's floor, above every token handed
+///   out before, while the store counted fewer than 1,024 grants a millisecond.
 /// - A grant's transaction, and a renewal's, commit as the connection's
 ///   `synchronous_commit` says (`on` by default: after the WAL is on disk), so that no
 ///   crash hands a fencing token out twice. A call that grants nothing (a release, a
@@ -171,7 +178,8 @@ const POOL_SIZE: usize = 16;
 ///   can too, for a grant whose wait for it was cancelled (`pg_cancel_backend`): that
 ///   grant committed on the primary alone, with a warning, and the store handed out its
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
-///   replay: check them at the resource.
+///   replay: after promoting one that was behind, raise it (`locks_raise_fence`, above)
+///   before the first grant, and check tokens at the resource.
 /// - **TLS.** A pool built from a URL connects without TLS. For TLS, build your
 ///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`]. The
 ///   connection that listens for releases ([`Postgres::wakeups`], or the URL's) does not

@@ -92,9 +92,35 @@ CREATE TABLE IF NOT EXISTS {T}_turns (
   UNIQUE (key, ticket)
 );
 
+-- The least fencing token the database's clock allows now: its milliseconds since 2025
+-- times 1024, the floor of every store's counter (see the crate's `FencingToken`).
+CREATE OR REPLACE FUNCTION {T}_clock_floor() RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+  SELECT floor(extract(epoch FROM clock_timestamp() - timestamptz '2025-01-01 00:00:00+00')
+               * 1000)::bigint * 1024
+$$;
+
 -- Fencing tokens: a sequence never goes backwards, across restarts and crashes (a crash
--- may skip values, never repeat one).
-CREATE SEQUENCE IF NOT EXISTS {T}_fence;
+-- may skip values, never repeat one). It starts at the clock's floor, so that a schema
+-- made again (the old one dropped) starts above every token the old one handed out, while
+-- that counted fewer than 1,024 grants a millisecond. It is not raised to the clock at
+-- each grant, as the Redis stores' counters are: a sequence has no "at least", and a
+-- raise at each grant would need a lock that the grant keeps to its commit, so that every
+-- grant would wait for every other's. After restoring the database from a backup, or promoting a replica
+-- that was behind, run {T}_raise_fence() before the first grant.
+DO $$ BEGIN
+  IF to_regclass('{T}_fence') IS NULL THEN
+    EXECUTE format('CREATE SEQUENCE {T}_fence START WITH %s', {T}_clock_floor());
+  END IF;
+END $$;
+
+-- Raises the fencing sequence to the clock's floor (never lowers it), and returns its
+-- value: for an operator, after a restore from a backup or a failover to a replica that
+-- was behind, before the first grant, so that no token handed out before comes again.
+CREATE OR REPLACE FUNCTION {T}_raise_fence() RETURNS bigint
+LANGUAGE sql AS $$
+  SELECT setval('{T}_fence', greatest(last_value, {T}_clock_floor())) FROM {T}_fence
+$$;
 
 CREATE TABLE IF NOT EXISTS {T}_answers (
   key text COLLATE "C" PRIMARY KEY,
@@ -1028,10 +1054,14 @@ CREATE OR REPLACE FUNCTION {T}_release(
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 SET lock_timeout = '500ms' -- see {T}_extend
--- An index scan of `key = ANY(…)` takes the rows in key order, as every call takes them (a
--- sequential scan would take them in the table's order, and could deadlock with a batch
--- that waits for one of them while it holds another): the plain DELETE below then needs
--- no ordered `FOR UPDATE` first, which would write each row twice.
+-- An index scan of `key = ANY(…)` takes the rows in key order (a sequential scan would
+-- take them in the table's order): each of the three statements below takes its rows in
+-- key order, without an ordered `FOR UPDATE` first, which would write each row twice. The
+-- three together do not: the rows without a line go first. So an attempt of another
+-- batch that took a key with a line and waits for one without can keep this release
+-- waiting for the first, until one of the two gives up its wait (500 ms, `lock_timeout`):
+-- a stall, never a deadlock that lasts, on keys that two batches share while one of them
+-- is released and waited for.
 SET enable_seqscan = off SET enable_bitmapscan = off
 AS $$
 DECLARE
