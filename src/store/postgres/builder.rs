@@ -99,6 +99,11 @@ const POOL_SIZE: usize = 16;
 ///   waiter's refused attempt of one key spent nearly half its time planning); such a
 ///   plan finds rows by the key's index, whatever the table's size when it was made.
 /// - Times are the database's clock (`clock_timestamp()`), never a client's.
+/// - A key, with its prefix, is at most about 2,700 bytes: the table's primary key (a
+///   B-tree) takes no longer entry, and the store fails (503) on one. The layer's
+///   [`max_key_len`](crate::Locks::max_key_len) is 256 by default; keep it below that.
+///   A key holds no NUL character, which `text` cannot hold: the layer refuses one (400)
+///   on every store.
 /// - Fencing tokens come from a sequence, `locks_fence`: it never goes backwards, across
 ///   restarts and crashes (a crash may skip values). A token is larger than those of
 ///   every earlier grant that shared a key with it; grants of unrelated keys at the same
