@@ -19,7 +19,7 @@ use tower_batch_lock::{
 };
 
 use crate::support::{
-    handlers::{counting_handler, gated_handler, Gate},
+    handlers::{counting_handler, gated_handler, hold, Gate},
     http::{batch, batch_router, fence_router, send},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
@@ -33,6 +33,20 @@ fn locks(db: &Database) -> Locks {
 fn rows(db: &Database) -> Vec<String> {
     let keys = db.query("SELECT key FROM tower_batch_lock.locks ORDER BY key");
     keys.lines().map(str::to_owned).collect()
+}
+
+/// A transaction of its own that keeps the row of `lock:k` (as a user's guarded
+/// transaction that runs long would) until its client sends `COMMIT`.
+async fn keep_row_of_k(db: &Database) -> tokio_postgres::Client {
+    let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    keeper
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    keeper
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -712,10 +726,7 @@ async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
     locks.check().await.expect("the store makes its schema");
     // A row for the key that holds nothing, kept by a transaction of its own.
     db.query("INSERT INTO tower_batch_lock.locks (key) VALUES ('lock:k')");
-    let (client, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
-    tokio::spawn(connection);
-    let keep = "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE";
-    client.batch_execute(keep).await.unwrap();
+    let client = keep_row_of_k(&db).await;
 
     let runs = Arc::new(AtomicUsize::new(0));
     let now = batch_router(&locks.clone().wait(Wait::none()), counting_handler(&runs));
@@ -756,14 +767,7 @@ async fn every_call_waits_for_a_kept_row_at_most_half_a_second() {
         "INSERT INTO tower_batch_lock.locks (key, owner, holds, modes, ends) \
          VALUES ('lock:k', '{owner}', '{{1}}', 'x', clock_timestamp() + interval '1 hour')"
     ));
-    let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
-    tokio::spawn(connection);
-    keeper
-        .batch_execute(
-            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
-        )
-        .await
-        .unwrap();
+    let keeper = keep_row_of_k(&db).await;
     let (caller, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
     tokio::spawn(connection);
     let f = "tower_batch_lock.locks";
@@ -805,23 +809,13 @@ async fn every_call_waits_for_a_kept_row_at_most_half_a_second() {
 async fn a_failed_withdrawal_is_retried_until_the_store_answers() {
     let db = Database::create();
     let locks = locks(&db);
-    let gate = Gate::new();
-    let holder = batch_router(&locks, gated_handler(&gate));
-    let held = tokio::spawn(async move { send(&holder, batch(&["k"])).await });
-    gate.wait_entered().await;
+    let (gate, held) = hold(&locks, "k").await;
     let patient = locks.clone().wait(Wait::up_to(Duration::from_secs(20)));
     let app = batch_router(&patient, counting_handler(&Arc::default()));
     let waiter = tokio::spawn(async move { send(&app, batch(&["k"])).await });
     waiting_turn(&db, "lock:k").await;
 
-    let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
-    tokio::spawn(connection);
-    keeper
-        .batch_execute(
-            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
-        )
-        .await
-        .unwrap();
+    let keeper = keep_row_of_k(&db).await;
     // Its client leaves: the withdrawal waits for the row, and gives up after 500 ms.
     waiter.abort();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
