@@ -27,10 +27,10 @@ const SWEEP_BATCH: i32 = 1000;
 /// is dropped. Reconnects after a lost connection, and then wakes every waiter: releases in
 /// the gap went unheard. Waiters poll meanwhile, as they do without a listener.
 ///
-/// The connection only ever receives, so a peer that vanished without closing it (a
-/// network partition, a host gone) would go unnoticed for the system's TCP keepalive
-/// time, two hours by default: the kernel probes it after 10 s idle, every 5 s, and
-/// gives it up after 3 unanswered probes.
+/// Once it listens, the connection only receives, so a server that vanished without
+/// closing it (a network partition, a host gone) would go unnoticed for the system's TCP
+/// keepalive time, two hours by default. It sets its own: the kernel probes it after 10 s
+/// idle, every 5 s, and gives it up after 3 unanswered probes (about 25 s).
 pub(super) async fn listen_for_releases(
     mut config: tokio_postgres::Config,
     channel: String,

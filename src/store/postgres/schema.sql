@@ -106,8 +106,8 @@ $$;
 -- that counted fewer than 1,024 grants a millisecond. It is not raised to the clock at
 -- each grant, as the Redis stores' counters are: a sequence has no "at least", and a
 -- raise at each grant would need a lock that the grant keeps to its commit, so that every
--- grant would wait for every other's. After restoring the database from a backup, or promoting a replica
--- that was behind, run {T}_raise_fence() before the first grant.
+-- grant would wait for every other's. After restoring the database from a backup, or
+-- promoting a replica that was behind, run {T}_raise_fence() before the first grant.
 DO $$ BEGIN
   IF to_regclass('{T}_fence') IS NULL THEN
     EXECUTE format('CREATE SEQUENCE {T}_fence START WITH %s', {T}_clock_floor());
