@@ -972,9 +972,9 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 -- Rows are waited for at most as long as in {T}_acquire: a user's transaction that
 -- guards its writes (`_guard`) keeps them until it ends. Past it the call fails, and is
--- retried (a release, a renewal: in the background) or left to expire (a withdrawal),
--- where it would otherwise keep a pooled connection past the store's timeout, the next
--- call on that connection queued behind it.
+-- tried again in the background (a release, a renewal, a withdrawal), where it would
+-- otherwise keep a pooled connection past the store's timeout, the next call on that
+-- connection queued behind it.
 SET lock_timeout = '500ms'
 SET enable_seqscan = off -- see "Plans" above
 AS $$
