@@ -19,6 +19,7 @@ use tower_batch_lock::{
 };
 
 use crate::support::{
+    clock_floor,
     handlers::{counting_handler, gated_handler, hold, Gate},
     http::{batch, batch_router, fence_router, send},
     pg_server::{PgBouncer, PgServer},
@@ -1296,16 +1297,9 @@ async fn fencing_tokens_start_at_the_clock_and_are_raised_above_a_restored_seque
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.problem());
         reply.text().parse().unwrap()
     };
-    let since_2025 = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-        - 1_735_689_600_000;
+    let floor = clock_floor();
     let first = token(send(&app, batch(&["k"])).await);
-    assert!(
-        first >= since_2025 * 1024,
-        "{first} below the clock's floor"
-    );
+    assert!(first >= floor, "{first} below the clock's floor {floor}");
     let second = token(send(&app, batch(&["k"])).await);
     assert!(second > first);
 

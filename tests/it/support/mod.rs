@@ -26,8 +26,9 @@ pub(crate) use server::{lock_value, LockValue, Observer, RedisServer, CLAIMS};
 
 /// The least fencing token a counter floored by this machine's clock gives now: its
 /// milliseconds since 2025-01-01T00:00:00Z, times 1024. The stores floor their counters so
-/// (Redis by its own clock, here the same machine's), and tests compare tokens with it.
-#[cfg(feature = "redis")]
+/// (Redis and PostgreSQL by their own clocks, here the same machine's), and tests compare
+/// tokens with it.
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn clock_floor() -> u64 {
     let since_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
