@@ -160,7 +160,6 @@ enum Attempt {
 
 /// What a request carries from one attempt to the next.
 struct Waiter<'a> {
-    started: Instant,
     /// When its wait is over.
     deadline: Instant,
     line: Line,
@@ -335,19 +334,21 @@ impl<'a> Acquisition<'a> {
                 Some(Ok((guard, fence)))
             }
             // Answered at once: the attempt's start is the time of its answer.
-            Acquire::Held(contention) if self.gives_up(&contention, started, started) => {
+            Acquire::Held(contention)
+                if Self::gives_up(&contention, started + self.wait.bound(), started) =>
+            {
                 Some(Err(Refusal::Contended(contention)))
             }
             Acquire::Held(_) => None,
         }
     }
 
-    /// Whether a request that started at `started` and was refused at `now` for
-    /// `contention` stops there: its wait is over, or it asked for an upgrade that other
+    /// Whether a request whose wait is over at `deadline`, refused at `now` for
+    /// `contention`, stops there: its wait is over, or it asked for an upgrade that other
     /// readers keep out. Such an upgrade is refused at once: one of them may be waiting to
     /// upgrade too, and each would wait for the other until the bound.
-    fn gives_up(&self, contention: &Contention, started: Instant, now: Instant) -> bool {
-        now >= started + self.wait.bound() || contention.upgrade
+    fn gives_up(contention: &Contention, deadline: Instant, now: Instant) -> bool {
+        now >= deadline || contention.upgrade
     }
 
     /// What an attempt under `holder`, standing in `line`, asks of the store; a waiter in
@@ -473,7 +474,6 @@ impl<'a> Acquisition<'a> {
             }
         };
         Waiter {
-            started,
             deadline,
             line,
             place,
@@ -557,7 +557,7 @@ impl<'a> Acquisition<'a> {
         };
         loop {
             let now = Instant::now();
-            if self.gives_up(&contention, waiter.started, now) {
+            if Self::gives_up(&contention, waiter.deadline, now) {
                 // Withdrawn before the answer, so that the client's retry does not find
                 // them in its way.
                 waiter.withdraw().await;
