@@ -948,11 +948,6 @@ fn contention(out: &mut String, contention: &Value) {
             .collect::<Vec<_>>()
             .join(" / ")
     };
-    let per_second = |value: &Value| {
-        value
-            .as_f64()
-            .map_or("–".to_owned(), |r| thousands(r as u64))
-    };
     let _ = writeln!(
         out,
         "\nContention through axum over loopback: retail orders of {} random skus of {}, purchase \
@@ -1146,11 +1141,12 @@ fn rounds(out: &mut String, contention: &Value) {
     let _ = writeln!(out, "| store |{heads}");
     let _ = writeln!(out, "| --- |{}", " ---: |".repeat(levels.len()));
     let grants = |case: &Value| {
-        let each = |field: &str| case[field].as_f64().map(|r| thousands(r as u64));
-        match (each("retail_per_second"), each("purchase_per_second")) {
-            (Some(retail), Some(purchase)) => format!("{retail} · {purchase}"),
-            (Some(one), None) | (None, Some(one)) => one,
-            (None, None) => "–".to_owned(),
+        let retail = per_second(&case["retail_per_second"]);
+        let purchase = &case["purchase_per_second"];
+        if purchase.is_number() {
+            format!("{retail} · {}", per_second(purchase))
+        } else {
+            retail
         }
     };
     for store in stores {
@@ -1171,6 +1167,13 @@ fn rounds(out: &mut String, contention: &Value) {
         }
         let _ = writeln!(out, "{row}");
     }
+}
+
+/// A contention level's grants a second, or `–` where it has none.
+fn per_second(value: &Value) -> String {
+    value
+        .as_f64()
+        .map_or("–".to_owned(), |r| thousands(r as u64))
 }
 
 fn text(value: &Value) -> &str {
