@@ -503,6 +503,11 @@ impl<'a> Acquisition<'a> {
             retry: waiter.slot.is_some() && matches!(waiter.line, Line::At(_)),
             ..self.request(holder, waiter.line, reserve)
         };
+        // Until it is answered, the attempt may reserve the batch at any time: after a
+        // withdrawal, say, if its answer never comes.
+        if let Some(place) = &mut waiter.place {
+            place.sent();
+        }
         let outcome = within(self.timeout, self.store.acquire(&request)).await;
         if matches!(outcome, Ok(Ok(_))) {
             self.outage.answered();
@@ -516,6 +521,9 @@ impl<'a> Acquisition<'a> {
             Ok(Ok(Acquire::Held(contention))) => {
                 // The store locked nothing: there is nothing to release.
                 guard.disarm();
+                if let Some(place) = &mut waiter.place {
+                    place.answered();
+                }
                 waiter.refused_holds.push(holder.hold);
                 Ok(Attempt::Held(contention))
             }
@@ -523,9 +531,12 @@ impl<'a> Acquisition<'a> {
                 self.outage.failed(&error, self.keys.len());
                 if !error.may_have_applied() {
                     guard.disarm();
+                    if let Some(place) = &mut waiter.place {
+                        place.answered();
+                    }
                 }
                 // Otherwise the guard's drop releases whatever the store may have granted,
-                // and the place's drop withdraws the reservations.
+                // and the place's drop withdraws the reservations, again later if need be.
                 Err(Refusal::Unavailable)
             }
             Err(_elapsed) => {

@@ -408,7 +408,7 @@ impl Drop for LockGuard {
                     held.release_until_answered().await;
                     if !held.answered {
                         let held = &held;
-                        late::release_again(|| async move {
+                        late::send_again(|| async move {
                             held.release().await;
                         })
                         .await;

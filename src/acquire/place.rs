@@ -1,5 +1,11 @@
 //! A fair waiter's place in line, which withdraws its reservations when the waiter goes
 //! without its grant.
+//!
+//! An attempt whose answer never came (a timeout, a request dropped while its call was in
+//! flight) may still reserve the batch after the withdrawal, its command queued on a
+//! connection given up: that reservation would keep later arrivals out of its keys until
+//! the waiter's deadline, for a waiter long gone. So, as for a grant that lands after its
+//! release ([`late`]), the withdrawal is sent again a few times once it was answered.
 
 use std::{
     sync::Arc,
@@ -8,7 +14,10 @@ use std::{
 
 use crate::{
     backoff::Backoff,
-    store::contract::{LockStore, Ticket},
+    store::{
+        contract::{LockStore, Ticket},
+        late,
+    },
 };
 
 /// A fair waiter's place in line: its ticket, and the batch its attempts reserve. Dropped
@@ -19,13 +28,16 @@ pub(super) struct Place {
     armed: Option<Reserved>,
 }
 
-/// What a withdrawal needs: where, which keys, how long an attempt may take, and when the
-/// reservations end anyway.
+/// What a withdrawal needs: where, which keys, how long an attempt may take, when the
+/// reservations end anyway, and whether they may still be put on after it.
 struct Reserved {
     store: Arc<dyn LockStore>,
     keys: Arc<[String]>,
     timeout: Duration,
     until: Instant,
+    /// Whether an attempt went out whose answer has not come (yet): it may reserve the
+    /// batch later, after the withdrawal.
+    unanswered: bool,
 }
 
 impl Place {
@@ -43,7 +55,24 @@ impl Place {
                 keys,
                 timeout,
                 until,
+                unanswered: false,
             }),
+        }
+    }
+
+    /// An attempt goes out: until it is [`answered`](Self::answered), it may reserve the
+    /// batch at any time.
+    pub(super) fn sent(&mut self) {
+        if let Some(reserved) = &mut self.armed {
+            reserved.unanswered = true;
+        }
+    }
+
+    /// The store answered the attempt (a refusal, or a failure that changed nothing): it
+    /// reserves nothing later.
+    pub(super) fn answered(&mut self) {
+        if let Some(reserved) = &mut self.armed {
+            reserved.unanswered = false;
         }
     }
 
@@ -56,8 +85,9 @@ impl Place {
     /// that the refusal goes out within its limits; if it fails, more in the background.
     pub(super) async fn withdraw(mut self) {
         if let Some(reserved) = self.armed.take() {
-            if !reserved.withdraw_once(self.ticket).await {
-                spawn_retries(reserved, self.ticket);
+            let answered = reserved.withdraw_once(self.ticket).await;
+            if !answered || reserved.unanswered {
+                spawn_rest(reserved, self.ticket, answered);
             }
         }
     }
@@ -66,23 +96,37 @@ impl Place {
 impl Drop for Place {
     fn drop(&mut self) {
         if let Some(reserved) = self.armed.take() {
-            spawn_retries(reserved, self.ticket);
+            spawn_rest(reserved, self.ticket, false);
         }
     }
 }
 
-/// Withdraws `ticket`'s reservations in the background, until the store answers.
-fn spawn_retries(reserved: Reserved, ticket: Ticket) {
+/// Withdraws `ticket`'s reservations in the background: until the store answers (unless
+/// it `answered` already), then again on [`late`]'s schedule if an attempt's answer never
+/// came.
+fn spawn_rest(reserved: Reserved, ticket: Ticket, answered: bool) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move { reserved.withdraw_until_answered(ticket).await });
+        runtime.spawn(async move {
+            if !answered && !reserved.withdraw_until_answered(ticket).await {
+                return;
+            }
+            if reserved.unanswered {
+                let reserved = &reserved;
+                late::send_again(|| async move {
+                    reserved.withdraw_once(ticket).await;
+                })
+                .await;
+            }
+        });
     }
 }
 
 impl Reserved {
-    /// Attempts until the store answers, or until the reservations would have ended
-    /// anyway. A place left behind keeps every later arrival out of its keys to its end;
-    /// on PostgreSQL, a key that a release handed to this waiter stays held for its TTL.
-    async fn withdraw_until_answered(&self, ticket: Ticket) {
+    /// Attempts until the store answers (`true`), or until the reservations would have
+    /// ended anyway. A place left behind keeps every later arrival out of its keys to its
+    /// end; on PostgreSQL, a key that a release handed to this waiter stays held for its
+    /// TTL.
+    async fn withdraw_until_answered(&self, ticket: Ticket) -> bool {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while !self.withdraw_once(ticket).await {
             if !backoff.sleep_before(self.until).await {
@@ -90,9 +134,10 @@ impl Reserved {
                     keys = self.keys.len(),
                     "could not withdraw reservations; they expire on their own"
                 );
-                return;
+                return false;
             }
         }
+        true
     }
 
     /// One attempt, bounded by the store's timeout; whether the store answered.

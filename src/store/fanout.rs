@@ -310,7 +310,7 @@ impl Fanout {
                 Err(failure) if failure.may_have_applied() => {
                     tokio::spawn(async move {
                         let (node, request, released) = (&node, &request, &released);
-                        late::release_again(|| async move {
+                        late::send_again(|| async move {
                             if released.load(Ordering::SeqCst) {
                                 let release = node.release(&request.keys, request.holder);
                                 let _ = bounded(timeout, release).await;

@@ -33,6 +33,10 @@
 //! landed, in `wire::a_grant_that_lands_after_its_release_*`). One that lands later still
 //! (a packet delayed for longer) holds its keys for no one, unrenewed: **at most one
 //! TTL**, on every store, and requests are refused them as if a crashed process held them.
+//! A fair waiter's refused attempt whose answer never came is treated the same way: its
+//! withdrawal is sent again on that schedule, so a place in line that lands after the
+//! waiter left is ended within seconds (`wire::a_reservation_that_lands_after_*`), or at
+//! the latest at the end of the waiter's wait.
 
 pub(crate) mod call;
 #[cfg(feature = "cluster")]

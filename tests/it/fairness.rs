@@ -24,7 +24,7 @@ use http::{HeaderMap, Request, StatusCode};
 use tower_batch_lock::{Lease, Locks, Wait};
 
 use crate::support::{
-    handlers::{gated_handler, Gate},
+    handlers::{hold, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
     stores::Store,
     Rng,
@@ -79,19 +79,6 @@ fn named(keys: &str, name: &str, work_ms: u64) -> Request<Body> {
     headers.insert("x-name", name.parse().unwrap());
     headers.insert("x-work-ms", work_ms.to_string().parse().unwrap());
     request
-}
-
-/// Holds `keys` through `locks` until the returned gate opens.
-async fn hold(locks: &Locks, keys: &str) -> (Arc<Gate>, tokio::task::JoinHandle<Reply>) {
-    let gate = Gate::new();
-    let app = Router::new().route(
-        "/",
-        post(gated_handler(&gate)).layer(locks.layer(header_keys)),
-    );
-    let request = post_keys("/", keys);
-    let held = tokio::spawn(async move { send(&app, request).await });
-    gate.wait_entered().await;
-    (gate, held)
 }
 
 fn waiting(locks: &Locks, bound: Duration) -> Locks {

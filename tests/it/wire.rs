@@ -12,10 +12,10 @@ use std::{
 
 use axum::Router;
 use http::StatusCode;
-use tower_batch_lock::{store::Redis, Locks};
+use tower_batch_lock::{store::Redis, Locks, Wait};
 
 use crate::support::{
-    handlers::{ledger_handler, Ledger},
+    handlers::{hold, ledger_handler, Ledger},
     http::{batch, batch_router, poll_every, send},
     proxy::{Fault, Proxy},
     Observer, RedisServer, Rng,
@@ -220,4 +220,63 @@ async fn a_grant_that_lands_after_its_release_is_ended_within_seconds_not_its_tt
         ended.is_some_and(|after| after < Duration::from_secs(4)),
         "a late grant kept its key {ended:?}"
     );
+}
+
+/// A waiter's refused attempt held up on the wire past its timeout while its withdrawal
+/// goes out on a new connection and finds nothing: when the attempt lands after it, its
+/// reservation keeps later arrivals out of the key for a waiter long gone, to the end of
+/// its wait (10 s here). The withdrawal is sent again after such an attempt (`late`), and
+/// ends that reservation within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reservation_that_lands_after_its_withdrawal_is_ended_within_seconds() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Proxy::start(server.port()).await;
+    let direct = Locks::new(Redis::url(server.url()).build().unwrap());
+    let proxied = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .store_timeout(Duration::from_millis(300))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    let ledger = Arc::new(Ledger::default());
+    let app = batch_router(&proxied, ledger_handler(&ledger));
+    assert_eq!(
+        send(&app, batch(&["late:warm"])).await.status,
+        StatusCode::OK
+    );
+    let reservations = || {
+        observer
+            .lock("lock:late:1")
+            .map_or(0, |value| value.reservations.len())
+    };
+    let (gate, held) = hold(&direct, "late:1").await;
+
+    proxy.hold_open();
+    let reply = send(&app, batch(&["late:1"])).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    // The withdrawal went out on a new connection, and found nothing to withdraw.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(reservations(), 0);
+
+    proxy.release_held();
+    let landed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        reservations() == 1
+    })
+    .await;
+    assert!(landed.is_some(), "the held attempt landed, and reserved");
+    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), || {
+        reservations() == 0
+    })
+    .await;
+    eprintln!("a late reservation ended {ended:?} after it landed");
+    assert!(
+        ended.is_some_and(|after| after < Duration::from_secs(4)),
+        "a late reservation kept its place {ended:?}"
+    );
+
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let freed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        observer.lock("lock:late:1").is_none()
+    })
+    .await;
+    assert!(freed.is_some(), "the key is gone with its hold");
 }
