@@ -12,6 +12,8 @@ use std::{
 
 use futures_util::StreamExt;
 use http::StatusCode;
+use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
+use postgres_openssl::MakeTlsConnector;
 use tower_batch_lock::{
     store::Postgres,
     tokio_postgres::{self, error::SqlState, AsyncMessage, NoTls},
@@ -21,7 +23,7 @@ use tower_batch_lock::{
 use crate::support::{
     clock_floor,
     handlers::{counting_handler, gated_handler, hold, Gate},
-    http::{batch, batch_router, fence_router, send},
+    http::{batch, batch_router, fence_router, poll_every, send},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
 };
@@ -1318,4 +1320,55 @@ async fn fencing_tokens_start_at_the_clock_and_are_raised_above_a_restored_seque
         .parse()
         .unwrap();
     assert!(again >= third, "{again} below {third}");
+}
+
+/// A server that takes TCP connections over TLS only: a store without a connector cannot
+/// connect to it; with [`Postgres::tls`], the pool and the listener of each process connect
+/// over TLS, and a waiter in one process is granted the keys that a holder in the other
+/// released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_tls_connector_the_pool_and_the_listener_connect_over_tls() {
+    let server = PgServer::start_tls();
+    let plain = Locks::new(Postgres::url(server.url()).build().unwrap());
+    assert!(plain.check().await.is_err(), "the server refuses plain TCP");
+
+    // The server's certificate is self-signed: this test does not check it.
+    let tls = || {
+        let mut builder = SslConnector::builder(SslMethod::tls()).unwrap();
+        builder.set_verify(SslVerifyMode::NONE);
+        MakeTlsConnector::new(builder.build())
+    };
+    let url = format!("{}?sslmode=require", server.url());
+    let store = || Postgres::url(&url).tls(tls()).build().unwrap();
+    let (first, second) = (
+        Locks::new(store()),
+        Locks::new(store()).wait(Wait::up_to(Duration::from_secs(5))),
+    );
+    first.check().await.unwrap();
+    second.check().await.unwrap();
+    let listening_over_tls = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
+        server.query(
+            "SELECT count(*) FROM pg_stat_activity JOIN pg_stat_ssl USING (pid) \
+             WHERE ssl AND query LIKE 'LISTEN%'",
+        ) == "2"
+    })
+    .await;
+    assert!(
+        listening_over_tls.is_some(),
+        "each process listens over TLS"
+    );
+
+    let (gate, held) = hold(&first, "tls:1").await;
+    let waiter = batch_router(&second, counting_handler(&Arc::default()));
+    let waiting = tokio::spawn(async move { send(&waiter, batch(&["tls:1"])).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the waiter waits for the key");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+    let plain_clients = server.query(
+        "SELECT count(*) FROM pg_stat_activity JOIN pg_stat_ssl USING (pid) \
+         WHERE backend_type = 'client backend' AND NOT ssl AND client_addr IS NOT NULL",
+    );
+    assert_eq!(plain_clients, "0", "every TCP connection uses TLS");
 }

@@ -158,6 +158,8 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   store never uses the commands services often disable or rename (`KEYS`, `CONFIG`,
 ///   `DEBUG`, `FLUSHALL`, `CLUSTER` subcommands other than `SLOTS`). TLS and credentials go
 ///   in the URLs (`rediss://user:password@host:port/`); every node takes the first URL's.
+///   TLS needs a TLS feature of the `redis` crate in your `Cargo.toml`, as for
+///   [`Redis`](crate::store::Redis).
 /// - **Failover.** What helps against the loss described above: `min-replicas-to-write 1`
 ///   with a small `min-replicas-max-lag` (a master that lost its replicas refuses writes:
 ///   503 instead of an unreplicated lock), a TTL longer than a failover takes, and fencing

@@ -2,10 +2,13 @@
 
 use std::{fmt, str::FromStr, sync::Arc};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
+use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::{
+    tls::{MakeTlsConnect, TlsConnect},
+    NoTls, Socket,
+};
 
-use super::{schema::Names, PostgresStore};
+use super::{schema::Names, tls::Connector, PostgresStore};
 use crate::store::handle::Store;
 
 /// Connections of the pool the store makes from a URL.
@@ -185,11 +188,11 @@ const POOL_SIZE: usize = 16;
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
 ///   replay: after promoting one that was behind, raise it (`locks_raise_fence`, above)
 ///   before the first grant, and check tokens at the resource.
-/// - **TLS.** A pool built from a URL connects without TLS. For TLS, build your
-///   deadpool-postgres pool with your connector and pass it to [`Postgres::pool`]. The
-///   connection that listens for releases ([`Postgres::wakeups`], or the URL's) does not
-///   use TLS either: on a server that requires it, leave `wakeups` out, and waiters poll
-///   for other processes' releases (see [`Postgres::pool`]).
+/// - **TLS.** Without [`tls`](Self::tls), the store's own connections (the pool built
+///   from a URL, and the connection that listens for releases) do not use TLS. With it,
+///   they do as the URL's `sslmode` says (`prefer` by default; `require` to refuse a
+///   server without TLS). A pool you pass to [`Postgres::pool`] keeps its own connector;
+///   `tls` then serves the listener.
 #[derive(Clone)]
 pub struct Postgres {
     source: Source,
@@ -198,6 +201,8 @@ pub struct Postgres {
     names: Names,
     create: bool,
     transaction_pooling: bool,
+    /// How the store's own connections connect, where not without TLS.
+    tls: Option<Connector>,
 }
 
 #[derive(Clone)]
@@ -219,6 +224,7 @@ impl fmt::Debug for Postgres {
             .field("table", &self.names.qualified())
             .field("create_schema", &self.create)
             .field("transaction_pooling", &self.transaction_pooling)
+            .field("tls", &self.tls.is_some())
             .finish()
     }
 }
@@ -234,6 +240,7 @@ impl Postgres {
             names: default_names(),
             create: true,
             transaction_pooling: false,
+            tls: None,
         }
     }
 
@@ -249,11 +256,12 @@ impl Postgres {
             names: default_names(),
             create: true,
             transaction_pooling: false,
+            tls: None,
         }
     }
 
     /// Listens at `url` (the same database) for every process's releases, to wake waiting
-    /// requests at once.
+    /// requests at once; over TLS with the connector of [`tls`](Self::tls).
     ///
     /// # Errors
     ///
@@ -315,6 +323,36 @@ impl Postgres {
         self
     }
 
+    /// Connects the store's own connections with `tls`, a TLS connector for
+    /// tokio-postgres (`postgres_openssl::MakeTlsConnector`, `postgres_native_tls`'s or
+    /// `tokio_postgres_rustls`'s): the pool built from a [`url`](Self::url), and the
+    /// connection that listens for releases. Whether TLS is required is the URL's
+    /// `sslmode` (`require`); the connector says which certificates it trusts.
+    ///
+    /// ```no_run
+    /// use openssl::ssl::{SslConnector, SslMethod};
+    /// use postgres_openssl::MakeTlsConnector;
+    /// use tower_batch_lock::{store::Postgres, Locks};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let tls = MakeTlsConnector::new(SslConnector::builder(SslMethod::tls())?.build());
+    /// let url = "postgres://app@db.internal/app?sslmode=require";
+    /// let locks = Locks::new(Postgres::url(url).tls(tls).build()?);
+    /// # drop(locks);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn tls<T>(mut self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send + Sync + 'static,
+        T::TlsConnect: Send + Sync,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.tls = Some(Connector::new(tls));
+        self
+    }
+
     /// The SQL that makes the store's schema as configured: safe to run again, for your
     /// migrations.
     pub fn schema_sql(&self) -> String {
@@ -336,13 +374,13 @@ impl Postgres {
     ///
     /// When a URL is not a valid PostgreSQL URL. Nothing connects yet.
     pub fn build(self) -> Result<Store, tokio_postgres::Error> {
+        let connector = self.tls.unwrap_or_else(|| Connector::new(NoTls));
         let (pool, listener) = match self.source {
             Source::Pool(pool) => (pool, self.wakeups),
             Source::Url(url) => {
                 let config = tokio_postgres::Config::from_str(&url)?;
-                let manager = Manager::from_config(
+                let manager = connector.manager(
                     config.clone(),
-                    NoTls,
                     ManagerConfig {
                         recycling_method: RecyclingMethod::Fast,
                     },
@@ -361,7 +399,7 @@ impl Postgres {
             pool,
             self.names,
             self.create,
-            listener,
+            listener.map(|config| (config, connector)),
             self.transaction_pooling,
         );
         Ok(Store::of(Arc::new(store)))

@@ -9,9 +9,10 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio_postgres::{
     types::{ToSql, Type},
-    AsyncMessage, NoTls,
+    AsyncMessage,
 };
 
+use super::tls::Connector;
 use crate::store::{
     message::{reconnect_backoff, wake_from_message},
     wake::Wakeups,
@@ -33,6 +34,7 @@ const SWEEP_BATCH: i32 = 1000;
 /// idle, every 5 s, and gives it up after 3 unanswered probes (about 25 s).
 pub(super) async fn listen_for_releases(
     mut config: tokio_postgres::Config,
+    connector: Connector,
     channel: String,
     wakeups: Weak<Wakeups>,
 ) {
@@ -43,14 +45,12 @@ pub(super) async fn listen_for_releases(
         .keepalives_retries(3);
     let mut backoff = reconnect_backoff();
     while wakeups.strong_count() > 0 {
-        match config.connect(NoTls).await {
-            Ok((client, mut connection)) => {
+        match connector.connect(config.clone()).await {
+            Ok((client, mut messages)) => {
                 // The connection delivers notifications to whoever polls it, which also
                 // drives the client's own statements.
                 let (sender, mut notifications) = mpsc::unbounded_channel();
                 let driver = tokio::spawn(async move {
-                    let mut messages =
-                        futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
                     while let Some(Ok(message)) = messages.next().await {
                         if let AsyncMessage::Notification(notification) = message {
                             if sender.send(notification).is_err() {

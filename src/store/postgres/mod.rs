@@ -36,6 +36,7 @@ mod failure;
 pub(super) mod guard;
 mod listen;
 mod schema;
+mod tls;
 
 /// A statement of the store: its SQL, and the types of its parameters as the client sends
 /// them (the SQL casts some further: an owner goes as text, and is a `uuid` in the call).
@@ -145,8 +146,8 @@ pub(crate) struct PostgresStore {
     /// Set once the schema was found (or made) in this version.
     ready: OnceCell<()>,
     wakeups: Arc<Wakeups>,
-    /// Where to listen for other processes' releases, if anywhere.
-    listener: Option<tokio_postgres::Config>,
+    /// Where to listen for other processes' releases, if anywhere, and how to connect.
+    listener: Option<(tokio_postgres::Config, tls::Connector)>,
     /// Set once the listener and the sweeper run.
     started: OnceLock<()>,
     /// When this store last refused a batch: big ones skip their inserts first for a while
@@ -174,7 +175,7 @@ impl PostgresStore {
         pool: Pool,
         names: Names,
         create: bool,
-        listener: Option<tokio_postgres::Config>,
+        listener: Option<(tokio_postgres::Config, tls::Connector)>,
         unprepared: bool,
     ) -> Self {
         let store = Self {
@@ -202,9 +203,10 @@ impl PostgresStore {
     fn start(&self) {
         self.started.get_or_init(|| {
             let alive = Arc::downgrade(&self.wakeups);
-            if let Some(config) = &self.listener {
+            if let Some((config, connector)) = &self.listener {
                 tokio::spawn(listen::listen_for_releases(
                     config.clone(),
+                    connector.clone(),
                     self.names.channel(),
                     alive.clone(),
                 ));

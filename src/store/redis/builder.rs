@@ -94,7 +94,12 @@ use crate::store::handle::Store;
 ///   [`replicas`](Redis::replicas)) on `~lock:*` (or your prefix; and `~idempotency:*` for
 ///   the idempotency layer) and `~tower-batch-lock:claims*` (waiters' claims), and
 ///   `&tower-batch-lock:released`.
-/// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`.
+/// - **TLS and auth** go in the URL: `rediss://user:password@host:6380/`. TLS needs one
+///   of the `redis` crate's TLS features, which this crate leaves off: add
+///   `redis = { version = "1", features = ["tokio-rustls-comp"] }` (or
+///   `tokio-native-tls-comp`) to your `Cargo.toml`, and Cargo turns it on for the
+///   store's connections too. Without it, [`build`](Redis::build) fails on a `rediss://`
+///   URL ("can't connect with TLS, the feature is not enabled").
 /// - **Failover.** A lock lives on one Redis: if it restarts without persistence, or fails
 ///   over to a replica that had not received the key, the lock is lost, and another
 ///   request can be granted its keys while the first still runs (the first learns of it at
@@ -144,8 +149,8 @@ impl fmt::Debug for Redis {
 }
 
 impl Redis {
-    /// The Redis at `url` (`redis://host:port/db`, or `rediss://` for TLS; credentials go
-    /// in the URL), with a pool of its own, and a subscription at the same URL that wakes
+    /// The Redis at `url` (`redis://host:port/db`, or `rediss://` for TLS with a TLS
+    /// feature of `redis`, above; credentials go in the URL), with a pool of its own, and a subscription at the same URL that wakes
     /// waiting requests when any process releases their keys.
     pub fn url(url: impl Into<String>) -> Self {
         let url = url.into();

@@ -23,6 +23,16 @@ impl PgServer {
     ///
     /// When `initdb` or `pg_ctl` is missing or fails, with their output.
     pub(crate) fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// Makes a cluster that takes TCP connections over TLS only (a self-signed certificate
+    /// made with `openssl`; `hostssl` alone in `pg_hba.conf`), and starts it.
+    pub(crate) fn start_tls() -> Self {
+        Self::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Self {
         let mut server = Self {
             dir: owned_dir("pg"),
             port: 0,
@@ -34,6 +44,9 @@ impl PgServer {
                 .output(),
             "initdb (apt-get install postgresql, and put initdb and pg_ctl in PATH)",
         );
+        if tls {
+            server.require_tls();
+        }
         // Another server may take the port first: then try another.
         for attempt in 1..=5 {
             server.port = free_port();
@@ -87,6 +100,38 @@ impl PgServer {
             .args(["start", "-D", &data, "-l", &log, "-w", "-o", &options])
             .output();
         succeeded(start, "pg_ctl start")
+    }
+
+    /// A certificate and its key in the data directory, owned by the server's user, TLS
+    /// on, and only TLS connections over TCP.
+    fn require_tls(&self) {
+        let data = self.data();
+        let (crt, key) = (format!("{data}/server.crt"), format!("{data}/server.key"));
+        check(
+            as_owner("openssl")
+                .args([
+                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                ])
+                .args(["-subj", "/CN=localhost", "-keyout", &key, "-out", &crt])
+                .output(),
+            "openssl req (apt-get install openssl)",
+        );
+        check(as_owner("chmod").args(["600", &key]).output(), "chmod");
+        let config = |name: &str, text: &str| {
+            let path = format!("{data}/{name}");
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .unwrap();
+            std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
+        };
+        config("postgresql.conf", "\nssl = on\n");
+        // Read top down, first match wins: TCP without TLS matches no line, and is refused.
+        std::fs::write(format!("{data}/pg_hba.conf"), "").unwrap();
+        config(
+            "pg_hba.conf",
+            "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+        );
     }
 
     fn data(&self) -> String {
