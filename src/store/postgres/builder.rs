@@ -330,6 +330,7 @@ impl Postgres {
     /// `sslmode` (`require`); the connector says which certificates it trusts.
     ///
     /// ```no_run
+    /// // Cargo.toml: postgres-openssl = "0.5", openssl = "0.10"
     /// use openssl::ssl::{SslConnector, SslMethod};
     /// use postgres_openssl::MakeTlsConnector;
     /// use tower_batch_lock::{store::Postgres, Locks};
