@@ -413,8 +413,14 @@ impl<'a> Acquisition<'a> {
             self.keys.clone(),
             holder,
             self.timeout,
-            attempted + self.ttl.saturating_sub(self.store.drift(self.ttl)),
+            self.valid_until(attempted),
         )
+    }
+
+    /// Until when every key of a grant of an attempt sent at `attempted` is surely still
+    /// held: a TTL after it, less the store's clock-drift allowance.
+    fn valid_until(&self, attempted: Instant) -> Instant {
+        attempted + self.ttl.saturating_sub(self.store.drift(self.ttl))
     }
 
     /// Tries the whole batch until it is granted, the store fails, the wait bound passes,
@@ -513,6 +519,22 @@ impl<'a> Acquisition<'a> {
             self.outage.answered();
         }
         match outcome {
+            // A grant answered after its TTL may have lost its first keys already: a batch
+            // granted in steps (a big one on one Redis) or group by group (a cluster) set
+            // each key's TTL as it took it, and another request may hold those now. Not a
+            // grant: released, and a 503 that says why (a TTL shorter than a grant takes).
+            Ok(Ok(Acquire::Granted(fence)))
+                if Instant::now() >= self.valid_until(waiter.attempted) =>
+            {
+                let (expired, _) = Self::granted(guard, waiter.place.take(), fence);
+                drop(expired);
+                let why = StoreError::timed_out(self.ttl).context(
+                    "the lock store granted the batch only after its TTL: the TTL is shorter \
+                     than a grant takes",
+                );
+                self.outage.failed(&why, self.keys.len());
+                Err(Refusal::Unavailable)
+            }
             Ok(Ok(Acquire::Granted(fence))) => Ok(Attempt::Granted(Self::granted(
                 guard,
                 waiter.place.take(),

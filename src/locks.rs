@@ -236,7 +236,9 @@ impl Locks {
 
     /// How long locks live if nobody releases them (a crashed process, a lost release).
     /// Default 30 s. Choose it longer than the slowest handler: a lock that expires while
-    /// its handler still runs no longer keeps others out.
+    /// its handler still runs no longer keeps others out. A grant whose answer comes a TTL
+    /// (less the store's drift allowance) after its attempt began is released and answered
+    /// 503: a batch granted in steps or node by node may have lost its first keys by then.
     ///
     /// # Panics
     ///

@@ -90,3 +90,67 @@ async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
         "paused {between:?} after the release"
     );
 }
+
+/// Grants only `delay` after the attempt was sent, and answers at once: as the last step of
+/// a batch granted in steps (or the last group on a cluster), whose first keys were set
+/// when the attempt began.
+#[derive(Debug)]
+struct AnswerLate {
+    delay: Duration,
+}
+
+impl Hooks for AnswerLate {
+    fn acquire<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        request: &'a AcquireRequest,
+    ) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            tokio::time::sleep(self.delay).await;
+            store.acquire(request).await
+        })
+    }
+}
+
+/// A grant answered after the TTL counted from its attempt is no grant: another request
+/// may hold its first keys by then. The request gets 503, and the keys are released.
+#[tokio::test]
+async fn a_grant_answered_after_its_ttl_is_released_and_refused() {
+    let ttl = Duration::from_millis(50);
+    let store = Arc::new(Intercepted::new(AnswerLate { delay: ttl * 2 }));
+    let locks = Locks::new(Store {
+        locks: store.clone(),
+        #[cfg(feature = "idempotency")]
+        answers: Arc::new(MemoryStore::new()),
+    })
+    .ttl(ttl);
+    let keys: Arc<[String]> = vec!["lock:a".to_owned(), "lock:b".to_owned()].into();
+    let modes = Modes::All(Mode::Exclusive);
+    let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
+    let refused = acquisition.run(OwnerToken::random(), Instant::now()).await;
+    assert!(
+        matches!(refused, Err(Refusal::Unavailable)),
+        "granted after its TTL"
+    );
+
+    // Released at once, not left to expire: the keys, granted just now, are free well
+    // within their TTL.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    for view in store.store.inspect(&keys).await.unwrap() {
+        assert_eq!(view.holds, 0, "a key is still held: {view:?}");
+    }
+
+    // A store that answers within the TTL grants as before.
+    let store = Arc::new(Intercepted::new(AnswerLate { delay: ttl / 5 }));
+    let locks = Locks::new(Store {
+        locks: store,
+        #[cfg(feature = "idempotency")]
+        answers: Arc::new(MemoryStore::new()),
+    })
+    .ttl(ttl);
+    let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
+    assert!(acquisition
+        .run(OwnerToken::random(), Instant::now())
+        .await
+        .is_ok());
+}
