@@ -19,7 +19,7 @@ use crate::{
     registry::Batches,
     rejection::Rejection,
     retry_after::{HoldTimes, RetryAfter},
-    store::{error::StoreError, handle::Store},
+    store::{error::StoreError, handle::Store, OWN_NAMES},
     wait::Wait,
 };
 #[cfg(doc)]
@@ -257,11 +257,19 @@ impl Locks {
     /// # Panics
     ///
     /// If `prefix` is empty: client-supplied keys would then name any key in the store.
+    /// If it starts `tower-batch-lock:`, or that name starts with it (`tower-`, say): a
+    /// client's key could then name the store's own keys (the waiters' claims on Redis),
+    /// and break every call.
     pub fn prefix(self, prefix: impl Into<String>) -> Self {
         let prefix = prefix.into();
         assert!(
             !prefix.is_empty(),
             "a lock prefix must not be empty: it keeps client keys apart from other data"
+        );
+        assert!(
+            !OWN_NAMES.starts_with(&prefix) && !prefix.starts_with(OWN_NAMES),
+            "a lock prefix must keep client keys apart from the store's own names, which \
+             start {OWN_NAMES:?}: {prefix:?} does not"
         );
         if self.store().locks.spreads_by_hash_slot() && has_hash_tag(&prefix) {
             tracing::warn!(

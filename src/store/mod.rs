@@ -38,6 +38,10 @@
 //! waiter left is ended within seconds (`wire::a_reservation_that_lands_after_*`), or at
 //! the latest at the end of the waiter's wait.
 
+/// The start of every name a store keeps for itself beside the locks (Redis's claims
+/// registry and release channel): no lock prefix may reach it.
+pub(crate) const OWN_NAMES: &str = "tower-batch-lock:";
+
 pub(crate) mod call;
 #[cfg(feature = "cluster")]
 mod cluster;

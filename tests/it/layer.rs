@@ -601,3 +601,18 @@ where
 fn an_empty_prefix_is_refused_at_configuration() {
     let _ = Locks::new(Store::isolated_memory()).prefix("");
 }
+
+/// A prefix that could let a client's key name the store's own keys (Redis's claims
+/// registry, `tower-batch-lock:claims`, under the key `claims`) is refused, on every store.
+#[test]
+fn a_prefix_that_reaches_the_stores_own_names_is_refused_at_configuration() {
+    for prefix in ["tower-batch-lock:", "tower-", "tower-batch-lock:claims:"] {
+        let refused = std::panic::catch_unwind(|| {
+            let _ = Locks::new(Store::isolated_memory()).prefix(prefix);
+        });
+        assert!(refused.is_err(), "{prefix:?} was taken");
+    }
+    for prefix in ["lock:", "tower:", "orders:tower-batch-lock:"] {
+        let _ = Locks::new(Store::isolated_memory()).prefix(prefix);
+    }
+}

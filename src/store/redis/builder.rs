@@ -45,8 +45,8 @@ use crate::store::handle::Store;
 /// 64 keys or more keeps its place apart from its keys, which stay as they are: its
 /// *claim*, a set of its keys under `tower-batch-lock:claims:<ticket>`, and its ticket in
 /// the sorted set `tower-batch-lock:claims`, scored by the claim's end (both live until
-/// the waiter's deadline; one registry for every namespace on the server, so a namespace
-/// must not start with `tower-batch-lock:claims`). The Lua scripts, one file each
+/// the waiter's deadline; one registry for every namespace on the server, which
+/// [`Locks::prefix`](crate::Locks::prefix) keeps out of every namespace's reach). The Lua scripts, one file each
 /// under `src/store/redis/scripts/`, are the functions of one library, which the store
 /// loads (`FUNCTION LOAD`) where a call finds it missing (the first call, after a restart
 /// without persistence or a `FUNCTION FLUSH`) and calls with `FCALL`. The library is

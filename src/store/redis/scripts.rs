@@ -18,9 +18,10 @@ use redis::{aio::ConnectionLike, FromRedisValue, RedisError, RedisResult, ToRedi
 const CLOCK: &str = include_str!("scripts/clock.lua");
 
 /// The registry of the claims of waiters with big batches (`claims.lua`), and the start of
-/// each claim's key, on one Redis and each Redlock master: outside the keys of the default
-/// namespace (`lock:`), and of every namespace that does not start with it. A cluster
-/// node's registry is this with a hash tag of one of its slots (`cluster/topology.rs`).
+/// each claim's key, on one Redis and each Redlock master: outside every lock namespace
+/// (`Locks::prefix` refuses one that could reach [`OWN_NAMES`](crate::store::OWN_NAMES)).
+/// A cluster node's registry is this with a hash tag of one of its slots
+/// (`cluster/topology.rs`).
 pub(crate) const CLAIMS: &str = "tower-batch-lock:claims";
 
 /// The functions of one library: the scripts that read or write lock values, each behind
