@@ -6,7 +6,11 @@ use http::{request, response, StatusCode};
 use tower_layer::Layer;
 
 use super::{config::Config, service::IdempotencyService};
-use crate::{keys::body::DEFAULT_BODY_LIMIT, locks::Locks, wait::Wait};
+use crate::{
+    keys::body::DEFAULT_BODY_LIMIT,
+    locks::{Locks, OnLostLease},
+    wait::Wait,
+};
 
 /// How long a stored answer is replayed unless [`Idempotency::retention`] says otherwise:
 /// 24 hours, as Stripe keeps its keys.
@@ -96,6 +100,15 @@ const NAMESPACE: &str = "idempotency:";
 ///   by default every answer except the lock layer's refusals and 401, 403, 407, 408, 413,
 ///   415, 425, 429, 502, 503 and 504 (a 500 is kept: it may have done half its work). A
 ///   body that fails half-way is not stored.
+/// - **A handler that panics** may have done part of its work: a 500 problem+json that
+///   says so is stored for its retries (if [`store_if`](Self::store_if) takes a 500), and
+///   the panic goes on to what handles panics around the layer (tower-http's
+///   `CatchPanicLayer`, or hyper, which closes the connection).
+/// - **A handler cancelled by a lock layer inside** (one with
+///   [`OnLostLease::Cancel`](crate::OnLostLease::Cancel), when its lease is lost) answers
+///   503, which is not stored: its retry runs the handler again, which must then be safe
+///   after a run stopped at any `.await`. The default,
+///   [`OnLostLease::Continue`](crate::OnLostLease::Continue), lets a handler finish.
 /// - **Fingerprint.** By default a SHA-256 of the method, the path, the query and the body;
 ///   [`fingerprint`](Self::fingerprint) replaces the query and body part (a re-serialized
 ///   JSON value, say, so that key order and spacing do not matter).
@@ -118,7 +131,11 @@ impl Locks {
     /// live where these locks do (memory, one Redis, Redlock), under a namespace of their
     /// own, `idempotency:` and these locks' prefix (`idempotency:lock:` by default: two
     /// deployments that keep their locks apart keep their answers apart too), with these
-    /// locks' TTL, `max_hold` and store timeout, and always renewed while a request runs.
+    /// locks' TTL and store timeout. An in-flight lock is renewed for as long as its
+    /// request runs, whatever these locks' [`max_hold`](Locks::max_hold), and its loss
+    /// never cancels the request, whatever their [`on_lost_lease`](Locks::on_lost_lease):
+    /// a retry must not run beside a slow first request, nor after one that was stopped
+    /// half-way with nothing stored.
     ///
     /// A concurrent duplicate gets 409 at once, as the draft says, whatever these locks'
     /// waiting: [`Idempotency::wait`] lets it wait instead.
@@ -128,8 +145,11 @@ impl Locks {
             .clone()
             .prefix(namespace)
             // Without renewal, a handler slower than the TTL would let its retry run
-            // beside it.
+            // beside it; so would a limit on renewal. And a run cancelled when its lock
+            // is lost would store nothing, so that its retry ran it again.
             .renew_lease(true)
+            .max_hold(Duration::MAX)
+            .on_lost_lease(OnLostLease::Continue)
             .metrics_label("idempotency")
             .wait(Wait::none())
             .contention_status(StatusCode::CONFLICT)
@@ -192,6 +212,11 @@ impl Idempotency {
     /// request still gets all of a larger one; its retries get 422 naming the first
     /// status, since the layer can neither replay it nor run the request again (not 409,
     /// which clients that follow the draft take for "still running" and retry).
+    ///
+    /// An answer to store is read up to this size before its head goes out (it is stored
+    /// before the in-flight lock is released): a streamed body reaches its first client
+    /// when it ends or passes this size. Stream long answers from a route without this
+    /// layer, or leave them out with [`store_if`](Self::store_if).
     pub fn max_answer(mut self, max: usize) -> Self {
         self.config.max_answer = max;
         self
@@ -289,9 +314,8 @@ impl Idempotency {
     /// included (a retry must not repeat work that may have been half done), except
     /// those that say the request did not run and that a retry, perhaps with other
     /// headers, may: 401, 403, 407 (credentials), 408, 413, 415 (the body's size or
-    /// type), 425, 429, 502, 503 and 504. A refusal by a [`LockLayer`](crate::LockLayer) inside this layer is never
-    /// stored,
-    /// whatever this says.
+    /// type), 425, 429, 502, 503 and 504. A refusal by a [`LockLayer`](crate::LockLayer)
+    /// inside this layer is never stored, whatever this says.
     ///
     /// ```
     /// use tower_batch_lock::Locks;

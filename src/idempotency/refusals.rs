@@ -41,6 +41,17 @@ pub(super) fn too_large_to_replay(first: StatusCode) -> Response {
     .into_response()
 }
 
+/// The answer kept for a request whose handler panicked, for its retries.
+pub(super) fn panicked() -> Response {
+    Rejection::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the request with this Idempotency-Key failed on the server part-way, and may have \
+         done some of its work; it is not run again with this key: check what it did, and \
+         send a new key to try again",
+    )
+    .into_response()
+}
+
 /// The answer to a duplicate of a request that still runs.
 pub(super) fn in_progress(retry_after: Option<HeaderValue>) -> Response {
     let mut response = Rejection::new(

@@ -3,6 +3,7 @@
 use std::{
     convert::Infallible,
     fmt,
+    panic::AssertUnwindSafe,
     sync::Arc,
     task::{Context, Poll},
     time::{Duration, Instant},
@@ -13,8 +14,8 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use bytes::{BufMut, Bytes, BytesMut};
-use futures_util::{stream, StreamExt};
-use http::{request, HeaderMap, Request};
+use futures_util::{stream, FutureExt, StreamExt};
+use http::{request, response, HeaderMap, Request};
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use tower_layer::Layer;
@@ -366,27 +367,50 @@ where
             if let Some(answer) = shared.stored(&run).await {
                 return Ok(answer);
             }
-            let (mut parts, body) = inner.call(request).await?.into_parts();
-            let refused = parts.extensions.remove::<Refused>().is_some();
-            if refused || !(shared.config.store_if)(&parts) {
-                tracing::debug!(status = parts.status.as_u16(), "an answer not to store");
-                return Ok(Response::from_parts(parts, Body::new(body)));
-            }
-            let captured = Captured::read(Body::new(body), shared.config.max_answer).await;
-            let kept = match &captured {
-                Captured::Whole { data, .. } => Some(Some(data.clone())),
-                // Stored without its body: a retry gets neither a replay nor another run.
-                Captured::TooLarge { .. } => Some(None),
-                // A body that failed is not an answer: a retry runs again.
-                Captured::Failed { .. } => None,
+            let response = match AssertUnwindSafe(inner.call(request)).catch_unwind().await {
+                Ok(response) => response?,
+                Err(panic) => {
+                    // The handler may have done part of its work: its retries get a 500
+                    // that says so, not a second run. The panic goes on to whatever
+                    // handles panics around this layer, as it would without it.
+                    let (parts, body) = refusals::panicked().into_parts();
+                    shared.keep(&run, parts, body).await;
+                    std::panic::resume_unwind(panic);
+                }
             };
-            if let Some(body) = kept {
-                let cookies = shared.config.scope.is_some();
-                let answer = Answer::of(run.fingerprint, &parts, body, cookies);
-                shared.store(&run, &answer).await;
-            }
-            Ok(Response::from_parts(parts, captured.into_body()))
+            let (parts, body) = response.into_parts();
+            Ok(shared.keep(&run, parts, body).await)
         })
+    }
+}
+
+impl Shared {
+    /// Stores the inner service's answer for `run` if it is one to keep, and gives the
+    /// response back to send.
+    async fn keep<B>(&self, run: &Run, mut parts: response::Parts, body: B) -> Response
+    where
+        B: HttpBody<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let refused = parts.extensions.remove::<Refused>().is_some();
+        if refused || !(self.config.store_if)(&parts) {
+            tracing::debug!(status = parts.status.as_u16(), "an answer not to store");
+            return Response::from_parts(parts, Body::new(body));
+        }
+        let captured = Captured::read(Body::new(body), self.config.max_answer).await;
+        let kept = match &captured {
+            Captured::Whole { data, .. } => Some(Some(data.clone())),
+            // Stored without its body: a retry gets neither a replay nor another run.
+            Captured::TooLarge { .. } => Some(None),
+            // A body that failed is not an answer: a retry runs again.
+            Captured::Failed { .. } => None,
+        };
+        if let Some(body) = kept {
+            let cookies = self.config.scope.is_some();
+            let answer = Answer::of(run.fingerprint, &parts, body, cookies);
+            self.store(run, &answer).await;
+        }
+        Response::from_parts(parts, captured.into_body())
     }
 }
 

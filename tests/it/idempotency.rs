@@ -20,7 +20,7 @@ use axum::{
     Router,
 };
 use bytes::Bytes;
-use tower_batch_lock::{idempotency::Idempotency, keys, Locks, Wait};
+use tower_batch_lock::{idempotency::Idempotency, keys, Locks, OnLostLease, Wait};
 
 use crate::support::{
     handlers::{gated_handler, Gate},
@@ -577,6 +577,76 @@ async fn a_request_whose_client_went_away_still_stores_its_answer() {
         .await;
         assert_eq!(retry.status, StatusCode::CREATED, "{}", store.name);
         assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
+        store.settle_runs().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_slower_than_max_hold_keeps_its_retries_out_and_is_not_cancelled() {
+    for store in [Store::memory(), Store::redis()] {
+        // Locks that give a hung handler's keys up fast, and cancel it then: settings for
+        // the resources' locks, which the in-flight lock must not take.
+        let locks = store.locks[0]
+            .clone()
+            .ttl(Duration::from_millis(300))
+            .max_hold(Duration::from_millis(400))
+            .on_lost_lease(OnLostLease::Cancel);
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        let app = orders_router(locks.idempotency(), &orders, Some(&gate));
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, order(Some("slow"), "{}")).await }
+        });
+        gate.wait_entered().await;
+        // Past max_hold and a TTL more: the retry still finds the first running.
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let retry = send(&app, order(Some("slow"), "{}")).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{}", store.name);
+        gate.open();
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{}", store.name);
+        let retry = send(&app, order(Some("slow"), "{}")).await;
+        assert_replay_of(&first, &retry);
+        assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
+        store.settle_runs().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_whose_handler_panicked_is_answered_500_and_not_run_again() {
+    for store in [Store::memory(), Store::redis()] {
+        let orders = Arc::new(Orders::default());
+        let panicking = post({
+            let orders = orders.clone();
+            move || {
+                let orders = orders.clone();
+                async move {
+                    let n = orders.created.fetch_add(1, Ordering::SeqCst) + 1;
+                    // The first run panics after its order was made, before it answers.
+                    assert!(n > 1, "the handler fails after its work");
+                    StatusCode::CREATED
+                }
+            }
+        });
+        let app = Router::new().route("/orders", panicking.layer(store.locks[0].idempotency()));
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, order(Some("crash"), "{}")).await }
+        });
+        let panicked = first.await.unwrap_err();
+        assert!(panicked.is_panic(), "the panic goes on: {panicked:?}");
+        let retry = send(&app, order(Some("crash"), "{}")).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{}",
+            store.name
+        );
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        let detail = retry.problem()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("new key"), "{detail}");
         assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
         store.settle_runs().await;
     }
