@@ -12,7 +12,10 @@ use std::{
 
 use axum::Router;
 use http::StatusCode;
-use tower_batch_lock::{store::Redis, Locks, Wait};
+use tower_batch_lock::{
+    store::{Redis, Redlock},
+    Locks, Wait,
+};
 
 use crate::support::{
     handlers::{hold, ledger_handler, Ledger},
@@ -279,4 +282,64 @@ async fn a_reservation_that_lands_after_its_withdrawal_is_ended_within_seconds()
     })
     .await;
     assert!(freed.is_some(), "the key is gone with its hold");
+}
+
+/// Redlock: an acquisition refused by a majority (the key is held on two masters) while
+/// the third master's answer is held up on the wire past the node timeout. Its rollback
+/// goes out on a new connection and finds nothing there; when the acquisition lands after
+/// it, its grant holds that master's key for no one. The rollback is sent again after such
+/// an acquisition (`late`), and ends that grant within seconds, where it would have kept
+/// the key for its whole TTL (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redlock_grant_that_lands_after_its_rollback_is_ended_within_seconds() {
+    let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+    let observer = Observer::of(&servers[0]);
+    let proxy = Proxy::start(servers[0].port()).await;
+    let urls = [proxy.url(), servers[1].url(), servers[2].url()];
+    let redlock = Redlock::new(urls)
+        .node_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let locks = Locks::new(redlock).ttl(Duration::from_secs(10));
+    let ledger = Arc::new(Ledger::default());
+    let app = batch_router(&locks, ledger_handler(&ledger));
+    assert_eq!(
+        send(&app, batch(&["late:warm"])).await.status,
+        StatusCode::OK
+    );
+    // Another process holds the key on two masters of three: a majority refuses.
+    let (b, c) = (locks_on(&servers[1]), locks_on(&servers[2]));
+    let ((gate_b, held_b), (gate_c, held_c)) = (hold(&b, "late:1").await, hold(&c, "late:1").await);
+
+    proxy.hold_open();
+    let reply = send(&app, batch(&["late:1"])).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    // The rollback went out on a new connection, and found nothing to release.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(observer.lock("lock:late:1").is_none());
+
+    proxy.release_held();
+    let landed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        observer.lock("lock:late:1").is_some()
+    })
+    .await;
+    assert!(landed.is_some(), "the held acquisition landed");
+    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), || {
+        observer.lock("lock:late:1").is_none()
+    })
+    .await;
+    eprintln!("a late Redlock grant ended {ended:?} after it landed");
+    assert!(
+        ended.is_some_and(|after| after < Duration::from_secs(4)),
+        "a late grant kept its key {ended:?}"
+    );
+    for (gate, held) in [(gate_b, held_b), (gate_c, held_c)] {
+        gate.open();
+        assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    }
+}
+
+/// Locks on one Redis of a Redlock's masters, with the same prefix.
+fn locks_on(server: &RedisServer) -> Locks {
+    Locks::new(Redis::url(server.url()).build().unwrap())
 }

@@ -324,8 +324,10 @@ impl LockStore for RedlockStore {
                 }
                 tally.record(node, reply);
             }
+            // Released before the rollback goes out: a grant that lands later still, on a
+            // master that timed out, is released again by the fan-out (`late`).
+            self.fanout.mark_released(holder);
             self.roll_back(request, &tally).await;
-            self.fanout.forget(holder);
             let masters = self.masters.len();
             if tally.failed >= self.quorum {
                 return Err(StoreError::left_nothing(format!(
