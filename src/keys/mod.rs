@@ -35,9 +35,11 @@
 //! A key closure returns its keys as strings, in any collection or iterator: a `Vec`, an
 //! array, an `Option`, `ids.map(|id| format!("sku:{id}"))` (see [`IntoKeys`]), each held
 //! exclusively; or [`Key`]s, to hold some of them [shared](Key::shared). Every refusal
-//! is a problem document (`application/problem+json`), also those of the axum extractors
-//! that [`from_parts`] and [`from_request`] run: with axum's status, and its message as the
-//! `detail`.
+//! of the extractors here is a problem document (`application/problem+json`), also those
+//! of the axum extractors that [`from_parts`] and [`from_request`] run: with axum's status,
+//! and its message as the `detail`. A key closure's error is sent as it is (a bare
+//! `StatusCode` is a response without a body): return a [`Rejection`](crate::Rejection)
+//! for a problem document with your status and `detail`.
 //!
 //! Extractors that read the body ([`json`], [`from_request`]) read it up to a cap
 //! ([`DEFAULT_BODY_LIMIT`], 2 MiB, or their `limit`), refuse a longer one with 413 without
