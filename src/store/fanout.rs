@@ -252,17 +252,12 @@ impl Fanout {
         released
     }
 
-    /// The acquisition of `holder` is released: a grant of it that lands from now on undoes
-    /// itself.
+    /// The acquisition of `holder` is released, or rolled back when it failed: a grant of
+    /// it that lands from now on undoes itself.
     pub(super) fn mark_released(&self, holder: Holder) {
         if let Some(released) = self.late().remove(&holder) {
             released.store(true, Ordering::SeqCst);
         }
-    }
-
-    /// Forgets the acquisition of `holder`: it failed, and was rolled back.
-    pub(super) fn forget(&self, holder: Holder) {
-        self.late().remove(&holder);
     }
 
     /// Runs `call` in a task of its own; the future gives its reply with `tag` (which node

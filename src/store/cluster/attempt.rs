@@ -101,7 +101,7 @@ impl Nodes {
             // Nothing was handed out: release it all, and fail.
             self.roll_back(keys, Freeing::Release(holder), &released)
                 .await;
-            self.fanout.forget(holder);
+            self.fanout.mark_released(holder);
             let error = counted.err().map(|e| e.to_string()).unwrap_or_default();
             return Attempt::Done(Err(StoreError::left_nothing(format!(
                 "could not count the grant: {error}"
@@ -145,7 +145,7 @@ impl Nodes {
             let subset = keys_of_groups(&groups, &granted, keys);
             self.roll_back(&subset, how, &released).await
         };
-        self.fanout.forget(holder);
+        self.fanout.mark_released(holder);
         if let Some(why) = why_unsure {
             return Attempt::Done(Err(StoreError::left_nothing(format!(
                 "a cluster master did not answer in time: {why}"
