@@ -187,8 +187,9 @@ impl Locks {
     /// Waiters' reservations stay: the waiters in line take the keys next, in their order,
     /// rather than a request that arrived just now (and a waiter whose process is gone loses
     /// its reservations at its deadline). The waiters first in line are woken, in this
-    /// process and (on Redis) in every process that subscribes to releases. A foreign value under a key is left alone. On Redlock, it succeeds when
-    /// a majority of the masters answered.
+    /// process and (on Redis) in every process that subscribes to releases. A foreign
+    /// value under a key is left alone. On Redlock, it succeeds when a majority of the
+    /// masters answered.
     ///
     /// Every call is logged as a warning, with the keys, the `reason` and how many were
     /// held.
