@@ -10,6 +10,15 @@ use crate::store::{
     },
 };
 
+/// Locks over `store`; idempotent answers, which these tests do not use, in memory.
+fn locks_over(store: Arc<dyn LockStore>) -> Locks {
+    Locks::new(Store {
+        locks: store,
+        #[cfg(feature = "idempotency")]
+        answers: Arc::new(MemoryStore::new()),
+    })
+}
+
 /// Releases `holder`'s keys during the waiter's second attempt, after the store found
 /// them held and before the attempt's answer comes back; notes on tokio's clock when
 /// each attempt started and ended.
@@ -65,12 +74,7 @@ async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
     assert!(matches!(held, Acquire::Granted(_)));
     *store.hooks.holder.lock().unwrap() = Some((keys.clone(), holder));
 
-    let locks = Locks::new(Store {
-        locks: store.clone(),
-        #[cfg(feature = "idempotency")]
-        answers: Arc::new(MemoryStore::new()),
-    })
-    .wait(Wait::up_to(Duration::from_secs(1)));
+    let locks = locks_over(store.clone()).wait(Wait::up_to(Duration::from_secs(1)));
     let modes = Modes::All(Mode::Exclusive);
     let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
     let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
@@ -118,12 +122,7 @@ impl Hooks for AnswerLate {
 async fn a_grant_answered_after_its_ttl_is_released_and_refused() {
     let ttl = Duration::from_millis(50);
     let store = Arc::new(Intercepted::new(AnswerLate { delay: ttl * 2 }));
-    let locks = Locks::new(Store {
-        locks: store.clone(),
-        #[cfg(feature = "idempotency")]
-        answers: Arc::new(MemoryStore::new()),
-    })
-    .ttl(ttl);
+    let locks = locks_over(store.clone()).ttl(ttl);
     let keys: Arc<[String]> = vec!["lock:a".to_owned(), "lock:b".to_owned()].into();
     let modes = Modes::All(Mode::Exclusive);
     let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
@@ -142,12 +141,7 @@ async fn a_grant_answered_after_its_ttl_is_released_and_refused() {
 
     // A store that answers within the TTL grants as before.
     let store = Arc::new(Intercepted::new(AnswerLate { delay: ttl / 5 }));
-    let locks = Locks::new(Store {
-        locks: store,
-        #[cfg(feature = "idempotency")]
-        answers: Arc::new(MemoryStore::new()),
-    })
-    .ttl(ttl);
+    let locks = locks_over(store).ttl(ttl);
     let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
     assert!(acquisition
         .run(OwnerToken::random(), Instant::now())
