@@ -137,7 +137,6 @@ impl NodeFailure {
 
     /// Whether the command may still run on the node later: it got no answer in time, or
     /// its connection failed; an error that the node answered with ended it.
-    #[cfg(feature = "cluster")]
     pub(super) fn may_run_later(&self) -> bool {
         let answered = self.redis_error().is_some_and(|error| {
             matches!(
@@ -150,7 +149,6 @@ impl NodeFailure {
 
     /// The error of Redis, or of the connection to it, that the node failed with, if any:
     /// the first among the causes of its error.
-    #[cfg(feature = "cluster")]
     pub(super) fn redis_error(&self) -> Option<&redis::RedisError> {
         let Self::Failed(error) = self else {
             return None;
@@ -301,8 +299,12 @@ impl Fanout {
                     let _ = fanout.release_on(node, request.keys, release).await;
                 }
                 // The grant may still land. (While the batch holds, with a majority of
-                // Redlock's masters, a grant there is the batch's own: left alone.)
-                Err(failure) if failure.may_have_applied() => {
+                // Redlock's masters, a grant there is the batch's own: left alone.) A node
+                // that answered, even with an error, ran all of the call it ever will: the
+                // caller's release undoes that, and nothing is sent again later, which
+                // could end a next attempt under the same hold (the cluster's, after a
+                // moved slot).
+                Err(failure) if failure.may_run_later() => {
                     tokio::spawn(async move {
                         let (node, request, released) = (&node, &request, &released);
                         late::send_again(|| async move {

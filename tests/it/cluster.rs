@@ -178,6 +178,64 @@ async fn a_plain_pass_that_meets_a_moved_slot_leaves_nothing_behind() {
     assert_emptied(&cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_made_again_after_a_moved_slot_keeps_every_key_while_it_runs() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    // Steps of 10 keys: a release sent to a master that lost one slot of its group still
+    // frees the steps without a key of that slot.
+    let locks = Locks::new(
+        RedisCluster::new(cluster.urls())
+            .node_timeout(Duration::from_secs(1))
+            .retry_for(Duration::from_secs(2))
+            .step_keys(10)
+            .build()
+            .expect("valid cluster URLs"),
+    )
+    .ttl(Duration::from_secs(10));
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let batch_keys = keys("sku:", 300);
+    // The store reads the slot map; then one slot of the batch moves behind its back.
+    gate.open();
+    assert_eq!(send(&app, batch(&batch_keys)).await.status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+    let masters = cluster.masters();
+    let (from, _) = cluster.shard_of(masters[0], "lock:sku:0");
+    let to = masters.iter().copied().find(|&port| port != from).unwrap();
+    cluster.move_slot("lock:sku:0", to);
+
+    // The first attempt's group on `from` answers `MOVED`; the batch is made again on a
+    // fresh map under the same hold, and granted.
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let request = tokio::spawn({
+        let batch_keys = batch_keys.clone();
+        async move { send(&app, batch(&batch_keys)).await }
+    });
+    within(Duration::from_secs(10), "the grant", gate.wait_entered()).await;
+    let wanted: BTreeSet<String> = batch_keys.iter().map(|k| format!("lock:{k}")).collect();
+    let held =
+        || -> BTreeSet<String> { cluster.locks_on_masters().into_iter().flatten().collect() };
+    assert_eq!(held(), wanted);
+    // Nothing of the first attempt is released again later: a release sent after it (the
+    // fan-out's re-sends are due at 0.25 s and 1.25 s) would free the keys that the
+    // second attempt holds, under the same hold, while its handler runs.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let lost = &wanted - &held();
+    assert!(
+        lost.is_empty(),
+        "{} keys freed under a running handler: {lost:?}",
+        lost.len()
+    );
+
+    gate.open();
+    let reply = within(Duration::from_secs(10), "the response", request)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_emptied(&cluster).await;
+}
+
 /// Two "processes" send `requests` random, overlapping batches out of `space` keys, at
 /// once, retrying on 409, while `meanwhile` runs: request `i` draws `size(i, rng)` keys. No
 /// two critical sections that share a key overlap, and the later one carries the larger

@@ -30,7 +30,8 @@ pub(super) enum Attempt {
     /// The answer for the caller.
     Done(Result<Acquire, StoreError>),
     /// A group was refused because the cluster moved under it: nothing of the attempt is
-    /// left anywhere, and it may be made again on a fresh map.
+    /// left anywhere, nor can land later, and it may be made again on a fresh map, under
+    /// the same hold.
     Moved(String),
 }
 
@@ -80,8 +81,10 @@ impl Nodes {
                 Err(failure) if !failure.may_have_applied() => moved = Some(failure.to_string()),
                 // The map moved under the group: its node may have taken keys before it met
                 // the move (a plain pass, or the steps before), which are released with the
-                // granted groups, on the new map.
-                Err(failure) if cluster_moved(&failure) => {
+                // granted groups, on the new map. Only when the node answered: the batch is
+                // then made again under the same hold, which no part of this attempt may
+                // land on later (one that may is unsure, below).
+                Err(failure) if cluster_moved(&failure) && !failure.may_run_later() => {
                     moved = Some(failure.to_string());
                     moved_under.push(index);
                 }
