@@ -119,7 +119,7 @@
 //! | a path no route matches, under [`Router::layer`](axum::Router::layer) | the router's fallback's (404) | nothing locked ([where to put the layer](LockLayer#where-to-put-it)) |
 //! | a method the route does not serve | 405 under a method router's `route_layer`; elsewhere the layer reads the keys first | ([where to put the layer](LockLayer#where-to-put-it)) |
 //! | a key is held by another request in a mode that excludes this one's, or reserved by a waiter that came earlier (after [waiting](Locks::wait)), or an upgrade beside other readers | 409 ([`Locks::contention_status`] for 423) | names up to 20 conflicting keys ([`Locks::max_named_conflicts`]); `Retry-After` ([`Locks::retry_after`]) |
-//! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged, once per outage); `Retry-After: 1` |
+//! | the store is unreachable or slower than [`Locks::store_timeout`] (2 s) | 503 | no internal details (those are logged once per outage: an error when it starts, a summary every 10 s, a warning at the first answer 10 s after the last failure, so that a store failing only some calls logs one outage); `Retry-After: 1` |
 //! | the request names no key | 400, `"limit": "no_keys"` | unless [`Locks::require_keys(false)`](Locks::require_keys) lets it pass unlocked |
 //! | more than [`Locks::max_keys`] (10,000) distinct keys | 413, `"limit": "max_keys"` | |
 //! | an empty key | 400, `"limit": "empty_key"` | |

@@ -1,6 +1,11 @@
 //! The log of a store outage: one error when it starts, a summary while it lasts, and one
 //! line when it ends, instead of an error per request. Every request still gets its 503,
 //! and the metrics still count each one.
+//!
+//! An outage ends at the first answer that comes [`SETTLED_AFTER`] after its last
+//! failure, not at the first answer: a store that fails some calls and answers others
+//! (one master of a cluster down, a Redlock master timing out now and then) is one outage,
+//! where ending it at each answer logged a start and an end for nearly every request.
 
 use std::{
     sync::{
@@ -12,6 +17,11 @@ use std::{
 
 /// How often an outage that goes on is summarized.
 const SUMMARY_EVERY: Duration = Duration::from_secs(10);
+
+/// How long the store must go without a failure for an answer to end its outage: as long
+/// as between two summaries, so that a store that fails now and then logs at most a line
+/// per 10 s.
+const SETTLED_AFTER: Duration = SUMMARY_EVERY;
 
 /// The outage of one [`Locks`](crate::Locks) handle's store, if it is down now.
 #[derive(Debug, Default)]
@@ -25,6 +35,7 @@ pub(crate) struct OutageLog {
 #[derive(Debug)]
 struct Outage {
     since: Instant,
+    last_failure: Instant,
     /// Failed calls since the outage began, and since the last summary.
     failures: u64,
     unreported: u64,
@@ -40,6 +51,7 @@ impl OutageLog {
         let Some(outage) = outage.as_mut() else {
             *outage = Some(Outage {
                 since: now,
+                last_failure: now,
                 failures: 1,
                 unreported: 0,
                 summarized_at: now,
@@ -55,6 +67,7 @@ impl OutageLog {
         };
         outage.failures += 1;
         outage.unreported += 1;
+        outage.last_failure = now;
         if now.duration_since(outage.summarized_at) >= SUMMARY_EVERY {
             tracing::error!(
                 error = %why,
@@ -67,19 +80,20 @@ impl OutageLog {
         }
     }
 
-    /// The store answered: ends the outage, if there was one, with a line that says how
-    /// long it lasted.
+    /// The store answered: ends the outage, if there was one and its last failure was
+    /// [`SETTLED_AFTER`] ago, with a line that says how long it lasted.
     pub(crate) fn answered(&self) {
         if !self.down.load(Ordering::Acquire) {
             return;
         }
         let mut outage = self.outage.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(ended) = outage.take() {
+        let settled = |o: &Outage| o.last_failure.elapsed() >= SETTLED_AFTER;
+        if let Some(ended) = outage.take_if(|o| settled(o)) {
             self.down.store(false, Ordering::Release);
             tracing::warn!(
                 failed = ended.failures,
-                down_for_ms = ended.since.elapsed().as_millis() as u64,
-                "the lock store answers again"
+                failing_for_ms = ended.last_failure.duration_since(ended.since).as_millis() as u64,
+                "the lock store answers again (no call failed for 10 s)"
             );
         }
     }
@@ -89,18 +103,34 @@ impl OutageLog {
 mod tests {
     use super::*;
 
+    /// When the outage began and how many calls failed in it, if one is under way.
+    fn outage(log: &OutageLog) -> Option<(Instant, u64)> {
+        let outage = log.outage.lock().unwrap();
+        outage.as_ref().map(|o| (o.since, o.failures))
+    }
+
     #[test]
-    fn an_outage_starts_once_counts_its_failures_and_ends() {
+    fn an_outage_starts_once_counts_its_failures_and_ends_once_settled() {
         let log = OutageLog::default();
         log.answered();
         assert!(!log.down.load(Ordering::Acquire));
         for _ in 0..3 {
             log.failed(&"connection refused", 1);
         }
-        let failures = log.outage.lock().unwrap().as_ref().map(|o| o.failures);
-        assert_eq!(failures, Some(3));
+        let (since, failures) = outage(&log).unwrap();
+        assert_eq!(failures, 3);
+        // Answers between failures (one master of several down) do not end it: the same
+        // outage counts every failure.
+        for _ in 0..3 {
+            log.answered();
+            log.failed(&"connection refused", 1);
+        }
+        assert_eq!(outage(&log), Some((since, 6)));
+        // The first answer once no call failed for a while ends it.
+        let settled_since = Instant::now().checked_sub(SETTLED_AFTER).unwrap();
+        log.outage.lock().unwrap().as_mut().unwrap().last_failure = settled_since;
         log.answered();
-        assert!(log.outage.lock().unwrap().is_none());
+        assert_eq!(outage(&log), None);
         assert!(!log.down.load(Ordering::Acquire));
     }
 }

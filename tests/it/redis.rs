@@ -2269,8 +2269,8 @@ async fn a_slow_script_is_bounded_by_the_store_timeout_not_by_the_clients_defaul
 }
 
 /// While the store is down, every request gets its 503, and the log gets one error when
-/// the outage starts, not one per request (a summary follows every 10 s, and a line when
-/// the store answers again).
+/// the outage starts, not one per request (a summary follows every 10 s, and a line at
+/// the first answer 10 s after the last failure).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_is_logged_once_not_once_per_request() {
     crate::support::logs::errors_logged();
