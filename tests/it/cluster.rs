@@ -236,6 +236,69 @@ async fn a_batch_made_again_after_a_moved_slot_keeps_every_key_while_it_runs() {
     assert_emptied(&cluster).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn masters_announced_without_a_host_are_reached_at_the_host_of_the_urls() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    // `CLUSTER SLOTS` as every node gives it, once each says the same of every master.
+    let cluster = &cluster;
+    let slots_agree = |agree: fn(&str) -> bool| {
+        poll_every(
+            Duration::from_millis(50),
+            Duration::from_secs(10),
+            move || {
+                cluster
+                    .slots_everywhere()
+                    .iter()
+                    .all(|slots| agree(&format!("{slots:?}")))
+            },
+        )
+    };
+    // As behind a load balancer: `CLUSTER SLOTS` gives each master's port, and NULL for its
+    // host (the host the client asked is the one to use).
+    cluster.config_set("cluster-preferred-endpoint-type", "unknown-endpoint");
+    let no_host = slots_agree(|slots| slots.matches("array([nil, int(").count() == 3).await;
+    assert!(no_host.is_some(), "{:?}", cluster.slots_everywhere());
+    let locks = locks(cluster);
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    let reply = send(&app, batch(&keys("sku:", 300))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_emptied(cluster).await;
+
+    // Hostnames announced by two masters, one of them the fencing counter's (every grant
+    // counts there), and none by the third, which `CLUSTER SLOTS` then gives as "?": its
+    // keys get 503, the others are served.
+    let masters = cluster.masters();
+    let (counter, _) = cluster.shard_of(masters[0], "lock:");
+    let unknown = masters
+        .iter()
+        .copied()
+        .find(|&port| port != counter)
+        .unwrap();
+    let announced: Vec<u16> = masters.into_iter().filter(|&p| p != unknown).collect();
+    for &port in &announced {
+        let announce = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-announce-hostname")
+            .arg("localhost")
+            .to_owned();
+        let _: () = cluster.cmd(port, &mut announce.clone());
+    }
+    cluster.config_set("cluster-preferred-endpoint-type", "hostname");
+    let gossiped =
+        slots_agree(|slots| slots.matches("\"localhost\"").count() == 2 && slots.contains("\"?\""))
+            .await;
+    assert!(gossiped.is_some(), "{:?}", cluster.slots_everywhere());
+    let on = |port: u16| keys_on(cluster, port, "sku:", 1);
+    let locks = self::locks(cluster);
+    let app = batch_router(&locks, counting_handler(&Arc::default()));
+    let reply = send(&app, batch(&on(announced[0]))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let reply = send(&app, batch(&on(unknown))).await;
+    let unavailable = StatusCode::SERVICE_UNAVAILABLE;
+    assert_eq!(reply.status, unavailable, "{}", reply.text());
+    assert_emptied(cluster).await;
+}
+
 /// Two "processes" send `requests` random, overlapping batches out of `space` keys, at
 /// once, retrying on 409, while `meanwhile` runs: request `i` draws `size(i, rng)` keys. No
 /// two critical sections that share a key overlap, and the later one carries the larger

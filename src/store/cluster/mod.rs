@@ -160,6 +160,13 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 ///   in the URLs (`rediss://user:password@host:port/`); every node takes the first URL's.
 ///   TLS needs a TLS feature of the `redis` crate in your `Cargo.toml`, as for
 ///   [`Redis`](crate::store::Redis).
+/// - **Masters' addresses.** Each master is reached where `CLUSTER SLOTS` says. One given
+///   without a host (NULL or `""`: nodes behind a load balancer, with
+///   `cluster-preferred-endpoint-type unknown-endpoint`) is reached at the first URL's
+///   host with the port it gives. One given as `"?"` (`cluster-preferred-endpoint-type
+///   hostname` on a node that announces no hostname) cannot be reached: its keys get 503
+///   and the store logs why, while the other masters' keys are served (unless it serves
+///   the namespace's fencing counter, which every grant counts on).
 /// - **Failover.** What helps against the loss described above: `min-replicas-to-write 1`
 ///   with a small `min-replicas-max-lag` (a master that lost its replicas refuses writes:
 ///   503 instead of an unreplicated lock), a TTL longer than a failover takes, and fencing

@@ -112,9 +112,14 @@ impl Nodes {
         })
         .await
         .map_err(|failure| StoreError::left_nothing(failure.to_string()))?;
+        let asked_host = match self.seed.addr() {
+            ConnectionAddr::Tcp(host, _) | ConnectionAddr::TcpTls { host, .. } => host.as_str(),
+            _ => "",
+        };
         let topology = Arc::new(Topology::from_slots(
             &reply,
             current.generation + 1,
+            asked_host,
             |host, port| self.pool_for(host, port),
         )?);
         *self

@@ -53,9 +53,18 @@ impl Group {
 
 impl Topology {
     /// The map that `CLUSTER SLOTS` answered, with a pool for each master from `pool_for`.
+    ///
+    /// A master given without a host (NULL or `""`: behind a load balancer, with
+    /// `cluster-preferred-endpoint-type unknown-endpoint`, or not knowing its own address)
+    /// is reached at `asked_host`, the host of the store's first URL, with the port it
+    /// gives.
+    /// One given as `"?"` (announced hostnames without one set) cannot be reached: its
+    /// slots are left without a master, so that their keys get 503 and the others are
+    /// served.
     pub(super) fn from_slots(
         reply: &Value,
         generation: u64,
+        asked_host: &str,
         mut pool_for: impl FnMut(&str, u16) -> Result<Arc<RedisStore>, StoreError>,
     ) -> Result<Self, StoreError> {
         let invalid = || StoreError::left_nothing("the cluster answered CLUSTER SLOTS oddly");
@@ -76,7 +85,16 @@ impl Topology {
             else {
                 return Err(invalid());
             };
-            let (Some(host), Some(port)) = (text(master.first()), int(master.get(1))) else {
+            let host = match master.first() {
+                Some(Value::Nil) => asked_host.to_owned(),
+                endpoint => match text(endpoint) {
+                    Some(host) if host.is_empty() => asked_host.to_owned(),
+                    Some(host) if host == "?" => continue,
+                    Some(host) => host,
+                    None => return Err(invalid()),
+                },
+            };
+            let Some(port) = int(master.get(1)) else {
                 return Err(invalid());
             };
             let port = u16::try_from(port).map_err(|_| invalid())?;
@@ -138,7 +156,10 @@ impl Topology {
                 .owners
                 .get(&Slot::for_key(&keys[index]))
                 .ok_or_else(|| {
-                    StoreError::left_nothing("a key's slot has no master in the cluster")
+                    StoreError::left_nothing(
+                        "a key's slot has no master in the cluster (or its master's \
+                         address is unknown: `?` in CLUSTER SLOTS)",
+                    )
                 })?;
             if group_of[master] == usize::MAX {
                 group_of[master] = groups.len();

@@ -131,6 +131,20 @@ impl Cluster {
         self.locks_on_masters().iter().all(BTreeSet::is_empty)
     }
 
+    /// Sets the configuration `name` to `value` on every live node.
+    pub(crate) fn config_set(&self, name: &str, value: &str) {
+        for port in self.live() {
+            let _: () = self.cmd(port, redis::cmd("CONFIG").arg("SET").arg(name).arg(value));
+        }
+    }
+
+    /// What `CLUSTER SLOTS` answers on every live node, replicas too.
+    pub(crate) fn slots_everywhere(&self) -> Vec<redis::Value> {
+        self.live()
+            .map(|port| self.cmd(port, redis::cmd("CLUSTER").arg("SLOTS")))
+            .collect()
+    }
+
     /// Runs `cmd` on the master at `port`.
     pub(crate) fn cmd<T: redis::FromRedisValue>(&self, port: u16, cmd: &mut redis::Cmd) -> T {
         query(port, cmd).expect("the node answers")
