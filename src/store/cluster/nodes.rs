@@ -218,6 +218,10 @@ impl Nodes {
                     if retry.is_empty() {
                         return Ok(answered);
                     }
+                    // In the batch's order again, as on the first pass: a group's keys in
+                    // any other order would let a probe count keys as free past one that
+                    // it did not read.
+                    retry.sort_unstable();
                     pending = retry;
                     failure.unwrap_or_default()
                 }
