@@ -138,7 +138,7 @@ pub(crate) struct Acquisition<'a> {
     /// The metrics label of a request's acquisition (not of a handler's `Lease::lock`).
     layer: Option<&'a Layer>,
     /// Where a failed store is logged.
-    outage: &'a OutageLog,
+    outage: &'a Arc<OutageLog>,
 }
 
 /// Why a batch was not granted.
@@ -414,6 +414,7 @@ impl<'a> Acquisition<'a> {
             holder,
             self.timeout,
             self.valid_until(attempted),
+            self.outage.clone(),
         )
     }
 

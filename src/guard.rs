@@ -16,6 +16,7 @@ use tokio::{
 use crate::{
     backoff::Backoff,
     observe::{self, Layer, ReleaseFailure},
+    outage::OutageLog,
     registry::Registered,
     retry_after::HoldTimes,
     store::{
@@ -100,6 +101,9 @@ struct Held {
     holder: Holder,
     timeout: Duration,
     status: Arc<LeaseState>,
+    /// Where a release or an extension that fails is logged: once per outage of the
+    /// store, with the acquisitions' failures, not once per request and attempt.
+    outage: Arc<OutageLog>,
     renewal: Option<Renewal>,
     /// A renewal not started yet: its TTL, its end, and when its first extension is due
     /// (see [`LockGuard::renew_later`]).
@@ -142,6 +146,7 @@ impl LockGuard {
         holder: Holder,
         timeout: Duration,
         expires_at: Instant,
+        outage: Arc<OutageLog>,
     ) -> Self {
         let status = LeaseState::new(expires_at);
         Self {
@@ -151,6 +156,7 @@ impl LockGuard {
                 holder,
                 timeout,
                 status,
+                outage,
                 renewal: None,
                 deferred: None,
                 timed: None,
@@ -225,6 +231,7 @@ impl LockGuard {
             first,
             attempt_limit: held.timeout.min(ttl / 3),
             status: held.status.clone(),
+            outage: held.outage.clone(),
             layer: held.layer.clone(),
         };
         let task = tokio::spawn(renewer.run(stopped));
@@ -342,19 +349,19 @@ impl Held {
         let released = within(self.timeout, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
+                self.outage.answered();
                 self.released(count);
                 true
             }
             Ok(Err(error)) => {
-                tracing::warn!(keys = self.keys.len(), %error, "could not release locks");
+                let why = format_args!("could not release locks: {error}");
+                self.outage.failed(&why, self.keys.len());
                 false
             }
             Err(_) => {
-                tracing::warn!(
-                    keys = self.keys.len(),
-                    timeout_ms = self.timeout.as_millis() as u64,
-                    "releasing locks timed out"
-                );
+                let ms = self.timeout.as_millis();
+                let why = format_args!("releasing locks timed out after {ms} ms");
+                self.outage.failed(&why, self.keys.len());
                 false
             }
         }
@@ -384,7 +391,8 @@ impl Held {
         while !self.release().await {
             self.count_release_failure(ReleaseFailure::Retried);
             if !backoff.sleep_before(self.status.get().expires_at).await {
-                tracing::warn!(
+                // Counted; the outage it belongs to is logged already.
+                tracing::debug!(
                     keys = self.keys.len(),
                     "gave up releasing locks; they expire with their TTL"
                 );
@@ -436,6 +444,7 @@ struct Renewer {
     /// How long one extension may take: never so long that the lease runs out unseen.
     attempt_limit: Duration,
     status: Arc<LeaseState>,
+    outage: Arc<OutageLog>,
     layer: Option<Layer>,
     phase: Arc<AtomicU8>,
 }
@@ -481,6 +490,7 @@ impl Renewer {
             self.phase.store(SLEEPING, Ordering::Release);
             match extended {
                 Ok(Ok(true)) => {
+                    self.outage.answered();
                     let valid_for = self.ttl.saturating_sub(self.store.drift(self.ttl));
                     self.status.update(|s| s.expires_at = now + valid_for);
                     next = now + every;
@@ -490,12 +500,13 @@ impl Renewer {
                     return self.lost("the keys expired or were taken by another owner")
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(%error, keys = self.keys.len(), "could not extend the lease; retrying")
+                    let why = format_args!("could not extend a lease (retrying): {error}");
+                    self.outage.failed(&why, self.keys.len());
                 }
-                Err(_) => tracing::warn!(
-                    keys = self.keys.len(),
-                    "extending the lease timed out; retrying"
-                ),
+                Err(_) => {
+                    let why = "extending a lease timed out (retrying)";
+                    self.outage.failed(&why, self.keys.len());
+                }
             }
             // Retry soon, and at the latest when an attempt can still finish in time.
             let latest = expires_at.checked_sub(self.attempt_limit).unwrap_or(now);
@@ -571,6 +582,7 @@ mod tests {
             owner,
             ttl,
             Instant::now() + ttl,
+            Arc::default(),
         );
         let stalled = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
         assert!(stalled.is_err(), "the first release should have stalled");

@@ -230,7 +230,7 @@ impl Locks {
     }
 
     /// Where the store's outage is logged.
-    pub(crate) fn outage(&self) -> &OutageLog {
+    pub(crate) fn outage(&self) -> &Arc<OutageLog> {
         &self.shared.outage
     }
 

@@ -1,6 +1,8 @@
 //! The log of a store outage: one error when it starts, a summary while it lasts, and one
 //! line when it ends, instead of an error per request. Every request still gets its 503,
-//! and the metrics still count each one.
+//! and the metrics still count each one. Releases and lease extensions that fail (each
+//! retried until the store answers or the keys expire) count in the same outage, where
+//! each attempt logged a warning of its own.
 //!
 //! An outage ends at the first answer that comes [`SETTLED_AFTER`] after its last
 //! failure, not at the first answer: a store that fails some calls and answers others

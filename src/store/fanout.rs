@@ -347,7 +347,9 @@ impl Fanout {
                         _ => return,
                     }
                 }
-                tracing::warn!(
+                // The node's failures are logged where they are reported (at most every
+                // 10 s per node), not once per release.
+                tracing::debug!(
                     store,
                     keys = keys.len(),
                     "a node never answered a release; its keys expire with their TTL"

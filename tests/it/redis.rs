@@ -2308,6 +2308,33 @@ async fn a_store_outage_is_logged_once_not_once_per_request() {
     assert!(answered, "the store never answered again");
 }
 
+/// Releases that fail while the store is down (retried until their keys expire) count in
+/// its outage: one error, not a warning per release and attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_that_fail_in_an_outage_are_logged_with_it_not_once_per_attempt() {
+    crate::support::logs::warnings_logged();
+    let mut server = RedisServer::start();
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap())
+        .ttl(Duration::from_secs(2))
+        .store_timeout(Duration::from_millis(300));
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    // Twenty-three keys: a count no other test uses, to find this test's lines in the log.
+    let keys: Vec<String> = (0..23).map(|i| format!("release-outage-{i}")).collect();
+    let request = tokio::spawn(async move { send(&app, batch(&keys)).await });
+    gate.wait_entered().await;
+
+    server.kill();
+    gate.open();
+    assert_eq!(request.await.unwrap().status, StatusCode::OK);
+    // The release is retried, 50 ms to 1 s apart, until its keys would have expired.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let logged = crate::support::logs::warnings_logged();
+    let lines: Vec<&str> = logged.lines().filter(|l| l.contains("keys=23")).collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert!(lines[0].contains("the lock store failed"), "{}", lines[0]);
+}
+
 /// A 5 s stall under 64 clients: each caller that times out retires the shared connection,
 /// and the next connection is made by one caller while the others wait for it, not by each
 /// of them (the pool's bound, 8 here, does not count connections taken out of it).

@@ -3,8 +3,8 @@
 //! The test binary installs one global subscriber, on first use: a thread-local one
 //! (`tracing::subscriber::set_default`) misses events that other tests' threads race it
 //! for, through tracing's global cache of which callsites are enabled. It keeps two logs:
-//! every error event ([`errors_logged`]), in which each test looks for the lines of its own
-//! routes or keys; and the crate's spans and events at `DEBUG` inside a [`traced`] span
+//! every warning and error event ([`warnings_logged`], [`errors_logged`]), in which each
+//! test looks for the lines of its own routes or keys; and the crate's spans and events at `DEBUG` inside a [`traced`] span
 //! ([`traced_logged`]), with a line for each span's close, for the test of the spans
 //! themselves, which counts them.
 
@@ -56,7 +56,7 @@ fn logs() -> &'static (Captured, Captured) {
         let errors_layer = fmt::layer()
             .with_writer(move || errors_writer.clone())
             .with_ansi(false)
-            .with_filter(LevelFilter::ERROR);
+            .with_filter(LevelFilter::WARN);
         // A `traced` span, and the crate's spans and events at `DEBUG` under it: the only
         // spans this layer sees are those, so any current span is a `traced` one or under it.
         let under_traced = DynFilterFn::new(|metadata, cx| {
@@ -85,8 +85,18 @@ fn logs() -> &'static (Captured, Captured) {
 }
 
 /// The error events of this test binary so far, from the global subscriber (installed on
-/// the first call).
+/// the first call), a line each.
 pub(crate) fn errors_logged() -> String {
+    let logged = warnings_logged();
+    logged
+        .lines()
+        .filter(|line| line.contains(" ERROR "))
+        .map(|line| format!("{line}\n"))
+        .collect()
+}
+
+/// The warning and error events of this test binary so far, as [`errors_logged`].
+pub(crate) fn warnings_logged() -> String {
     logs().0.text()
 }
 
