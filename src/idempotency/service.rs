@@ -225,14 +225,21 @@ impl Shared {
             answers.load_answer(&run.answer_key),
         )
         .await;
+        // A store that fails is logged once per outage, with the locks' own calls.
+        let outage = self.locks.outage();
         let bytes = match loaded {
-            Ok(Ok(bytes)) => bytes?,
+            Ok(Ok(bytes)) => {
+                outage.answered();
+                bytes?
+            }
             Ok(Err(error)) => {
-                tracing::error!(%error, "could not read a stored idempotent answer");
+                let why = format_args!("could not read a stored idempotent answer: {error}");
+                outage.failed(&why, 1);
                 return Some(Rejection::unavailable().into_response());
             }
             Err(_) => {
-                tracing::error!("the store did not answer a read of an idempotent answer in time");
+                let why = "the store did not answer a read of an idempotent answer in time";
+                outage.failed(&why, 1);
                 return Some(Rejection::unavailable().into_response());
             }
         };
@@ -264,22 +271,21 @@ impl Shared {
         loop {
             let store = self.locks.store().answers.store_answer(&stored);
             let failure = match tokio::time::timeout(self.locks.call_timeout(), store).await {
-                Ok(Ok(true)) => return,
+                Ok(Ok(true)) => return self.locks.outage().answered(),
                 Ok(Ok(false)) => return self.stored_first(run, &stored.bytes).await,
                 Ok(Err(error)) => error.to_string(),
                 Err(_) => "the store did not answer in time".to_owned(),
             };
             if !backoff.sleep_before(give_up_at).await {
+                // One line for each request given up: its retry will run it again.
                 tracing::error!(
                     failure,
                     "could not store an idempotent answer: a retry will run the request again"
                 );
                 return;
             }
-            tracing::warn!(
-                failure,
-                "could not store an idempotent answer; trying again"
-            );
+            let why = format_args!("could not store an idempotent answer (retrying): {failure}");
+            self.locks.outage().failed(&why, 1);
         }
     }
 

@@ -25,6 +25,7 @@ use tower_batch_lock::{idempotency::Idempotency, keys, Locks, OnLostLease, Wait}
 use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
+    logs::warnings_logged,
     stores::Store,
     Rng,
 };
@@ -667,6 +668,7 @@ async fn an_answer_the_store_could_not_take_at_once_is_stored_when_it_can() {
         async move { send(&app, order(Some("later"), "{}")).await }
     });
     gate.wait_entered().await;
+    let logged_before = warnings_logged().len();
     // The store goes down as the handler finishes (a failover, say), and is back a second
     // later, empty: the answer must still get there.
     store.servers[0].kill();
@@ -675,6 +677,14 @@ async fn an_answer_the_store_could_not_take_at_once_is_stored_when_it_can() {
     store.servers[0].restart();
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
+    // Its attempts meanwhile (50 ms to 1 s apart) are logged with the store's outage, once
+    // (unless a release or an extension started the outage first), not each.
+    let logged = warnings_logged();
+    let attempts = logged[logged_before..]
+        .lines()
+        .filter(|line| line.contains("could not store an idempotent answer"))
+        .count();
+    assert!(attempts <= 1, "{}", &logged[logged_before..]);
     let retry = send(&app, order(Some("later"), "{}")).await;
     assert_replay_of(&first, &retry);
     assert_eq!(orders.created.load(Ordering::SeqCst), 1);
