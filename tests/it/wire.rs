@@ -18,7 +18,7 @@ use tower_batch_lock::{
 };
 
 use crate::support::{
-    handlers::{hold, ledger_handler, Ledger},
+    handlers::{gated_handler, hold, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, poll_every, send},
     proxy::{Fault, Proxy},
     Observer, RedisServer, Rng,
@@ -330,6 +330,43 @@ async fn a_redlock_grant_that_lands_after_its_rollback_is_ended_within_seconds()
         gate.open();
         assert_eq!(held.await.unwrap().status, StatusCode::OK);
     }
+}
+
+/// A Redlock lease on a batch that goes to each master in several steps, over a link
+/// slow enough that the steps together take longer than one node timeout (each within
+/// it): its renewals get a node timeout a step, as its acquisition did, and the lease
+/// renews. Bounded by one node timeout, every renewal failed and the lease was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redlock_lease_on_a_batch_of_many_steps_renews_over_a_slow_link() {
+    let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+    let mut proxies = Vec::new();
+    for server in &servers {
+        let proxy = Proxy::start(server.port()).await;
+        proxy.set(Fault::Latency(Duration::from_millis(10)));
+        proxies.push(proxy);
+    }
+    // 100 keys in steps of 10: ten round trips of 20 ms or more a call, against a node
+    // timeout of 100 ms.
+    let redlock = Redlock::new(proxies.iter().map(Proxy::url))
+        .node_timeout(Duration::from_millis(100))
+        .step_keys(10)
+        .build()
+        .unwrap();
+    let locks = Locks::new(redlock)
+        .ttl(Duration::from_millis(1500))
+        .store_timeout(Duration::from_secs(3));
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let keys: Vec<String> = (0..100).map(|i| format!("steps:{i}")).collect();
+    let request = tokio::spawn(async move { send(&app, batch(&keys)).await });
+    gate.wait_entered().await;
+    // Twice the TTL: three renewals or more.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lease = gate.lease();
+    assert!(!lease.is_lost(), "the lease was lost");
+    assert!(lease.expires_at() > Instant::now());
+    gate.open();
+    assert_eq!(request.await.unwrap().status, StatusCode::OK);
 }
 
 /// Locks on one Redis of a Redlock's masters, with the same prefix.

@@ -97,15 +97,18 @@ impl RedlockStore {
             .collect()
     }
 
-    /// `call` on every master at once, each bounded by the node timeout.
-    fn start_everywhere<T, F, Fut>(&self, call: F) -> Replies<T>
+    /// `call` on every master at once, a call on `keys` keys: each bounded by the time its
+    /// master may take for it ([`Fanout::timeout_for`], a node timeout a step), as an
+    /// acquisition is. A renewal of a big batch bounded by one node timeout missed it on
+    /// every master, and its lease was lost, where its acquisition had fit.
+    fn start_everywhere<T, F, Fut>(&self, keys: usize, call: F) -> Replies<T>
     where
         T: Send + 'static,
         F: Fn(Arc<RedisStore>) -> Fut,
         Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
     {
-        let timeout = self.fanout.node_timeout();
         self.start_on(0..self.masters.len(), |_, node| {
+            let timeout = self.fanout.timeout_for(keys, node.step());
             bounded(timeout, call(node))
         })
     }
@@ -130,9 +133,9 @@ impl RedlockStore {
         keys: &Arc<[String]>,
         ticket: Ticket,
     ) -> Replies<usize> {
-        let timeout = self.fanout.node_timeout();
         self.start_on(nodes, |_, node| {
             let keys = keys.clone();
+            let timeout = self.fanout.timeout_for(keys.len(), node.step());
             async move { bounded(timeout, node.withdraw(&keys, ticket)).await }
         })
     }
@@ -351,7 +354,7 @@ impl LockStore for RedlockStore {
         Box::pin(async move {
             self.fanout.note_ttl(ttl);
             let valid_until = Instant::now() + ttl.saturating_sub(self.drift(ttl));
-            let mut replies = self.start_everywhere(|node| {
+            let mut replies = self.start_everywhere(keys.len(), |node| {
                 let keys = keys.clone();
                 async move { node.extend(&keys, holder, ttl).await }
             });
@@ -454,12 +457,12 @@ impl LockStore for RedlockStore {
         keys == 1
     }
 
-    /// Probes every master at once (each bounded by the node timeout): the keys free on a
+    /// Probes every master at once (each bounded by its node timeouts): the keys free on a
     /// majority, from the first, are free. With fewer than a majority answering, it says
     /// all are: the attempt that follows gets the masters' own answer.
     fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
         Box::pin(async move {
-            let mut replies = self.start_everywhere(|node| {
+            let mut replies = self.start_everywhere(request.keys.len(), |node| {
                 let request = request.clone();
                 async move { node.probe(&request).await }
             });
@@ -478,11 +481,11 @@ impl LockStore for RedlockStore {
         })
     }
 
-    /// Asks every master (each bounded by the node timeout) and reports, per key, what a
+    /// Asks every master (each bounded by its node timeouts) and reports, per key, what a
     /// majority of them see ([`majority_view`]); fails when fewer than a majority answer.
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
         Box::pin(async move {
-            let mut replies = self.start_everywhere(|node| {
+            let mut replies = self.start_everywhere(keys.len(), |node| {
                 let keys = keys.clone();
                 async move { node.inspect(&keys).await }
             });
@@ -514,12 +517,12 @@ impl LockStore for RedlockStore {
         })
     }
 
-    /// Ends the holds on every master at once (each bounded by the node timeout), and
+    /// Ends the holds on every master at once (each bounded by its node timeouts), and
     /// succeeds when a majority answered: a master that did not keeps its holds until they
     /// expire, and alone they keep nobody out.
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
         Box::pin(async move {
-            let replies = self.start_everywhere(|node| {
+            let replies = self.start_everywhere(keys.len(), |node| {
                 let keys = keys.clone();
                 async move { node.force_release(&keys).await }
             });
@@ -537,7 +540,7 @@ impl LockStore for RedlockStore {
     /// A majority of the masters pass their own check within the node timeout.
     fn check(&self) -> Reply<'_, ()> {
         Box::pin(async move {
-            let mut replies = self.start_everywhere(|node| async move { node.check().await });
+            let mut replies = self.start_everywhere(1, |node| async move { node.check().await });
             let (mut passed, mut failures) = (0, Vec::new());
             while let Some((node, reply)) = replies.next().await {
                 match reply {
@@ -579,7 +582,7 @@ impl AnswerStore for RedlockStore {
     fn load_answer<'a>(&'a self, key: &'a str) -> Reply<'a, Option<Bytes>> {
         Box::pin(async move {
             let key: Arc<str> = key.into();
-            let mut replies = self.start_everywhere(|node| {
+            let mut replies = self.start_everywhere(1, |node| {
                 let key = key.clone();
                 async move { node.load_answer(&key).await }
             });
@@ -608,7 +611,7 @@ impl AnswerStore for RedlockStore {
     /// a majority now has this answer.
     fn store_answer<'a>(&'a self, answer: &'a StoredAnswer) -> Reply<'a, bool> {
         Box::pin(async move {
-            let mut replies = self.start_everywhere(|node| {
+            let mut replies = self.start_everywhere(1, |node| {
                 let answer = answer.clone();
                 async move { node.store_answer(&answer).await }
             });
