@@ -8,8 +8,13 @@ use std::{
 use bytes::Bytes;
 
 /// A table sweeps its expired answers when it has grown to this many, and then again
-/// whenever it has doubled since the last sweep, as a lock shard does.
+/// whenever it has doubled since the last sweep, as a lock shard does; and when its order
+/// has more than twice as many records as that (keys stored again after they expired add
+/// a record each, and no entry).
 const FIRST_SWEEP_AT: usize = 1024;
+
+/// How often the memory store says, at most, that it dropped answers for want of room.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// The idempotency layer's answers, each until its retention ends, within
 /// [`ANSWER_BUDGET`] bytes. Answers are few next to locks (one per request with an
@@ -24,6 +29,8 @@ pub(super) struct Answers {
     /// The bytes of all entries' answers.
     bytes: usize,
     sweep_at: usize,
+    /// When answers dropped for want of room were last logged.
+    warned_at: Option<Instant>,
 }
 
 /// How many bytes of answers the memory store keeps: past it, the oldest go first, and a
@@ -47,7 +54,8 @@ impl Answers {
         if self.load(key, now).is_some() {
             return false;
         }
-        if self.entries.len() >= self.sweep_at.max(FIRST_SWEEP_AT) {
+        let sweep_at = self.sweep_at.max(FIRST_SWEEP_AT);
+        if self.entries.len() >= sweep_at || self.order.len() >= 2 * sweep_at {
             self.entries.retain(|_, (_, until)| *until > now);
             self.forget_gone();
             self.sweep_at = self.entries.len() * 2;
@@ -67,15 +75,18 @@ impl Answers {
             if self.entries.get(&oldest).is_some_and(|(_, u)| *u == until) {
                 let (answer, _) = self.entries.remove(&oldest).expect("just seen");
                 self.bytes -= answer.len();
-                evicted += 1;
+                // One that had expired was gone for its retries already.
+                evicted += usize::from(until > now);
             }
         }
-        if evicted > 0 {
+        if evicted > 0 && self.warned_at.is_none_or(|at| now >= at + WARN_EVERY) {
+            self.warned_at = Some(now);
             tracing::warn!(
                 evicted,
                 budget_mib = ANSWER_BUDGET >> 20,
                 "the memory store dropped stored idempotent answers before their retention \
-                 ended; retries with their keys run again (use Redis for many answers)"
+                 ended; retries with their keys run again (use Redis for many answers; \
+                 warned at most every 10 s)"
             );
         }
         true
@@ -115,5 +126,48 @@ mod tests {
         assert!(answers.load("k5", later).is_none());
         assert!(answers.store("k5", Bytes::from_static(b"new"), day, later));
         assert_eq!(answers.load("k5", later).as_deref(), Some(&b"new"[..]));
+    }
+
+    #[test]
+    fn expired_answers_dropped_for_room_are_not_reported_as_lost() {
+        let mut answers = Answers::default();
+        let now = Instant::now();
+        let mib = Bytes::from(vec![0; 1024 * 1024]);
+        for i in 0..ANSWER_BUDGET / mib.len() {
+            assert!(answers.store(&format!("k{i}"), mib.clone(), Duration::from_secs(1), now));
+        }
+        // All expired, and not swept yet (a table of 64 entries): the room they take is
+        // made without a warning that answers were lost.
+        let later = now + Duration::from_secs(2);
+        assert!(answers.store("new", mib.clone(), Duration::from_secs(60), later));
+        assert!(answers.bytes <= ANSWER_BUDGET);
+        assert_eq!(answers.warned_at, None);
+        // A live one dropped is reported.
+        for i in 0..ANSWER_BUDGET / mib.len() {
+            let retention = Duration::from_secs(60);
+            assert!(answers.store(&format!("live{i}"), mib.clone(), retention, later));
+        }
+        assert_eq!(answers.warned_at, Some(later));
+    }
+
+    #[test]
+    fn a_few_keys_stored_again_and_again_keep_the_table_small() {
+        let mut answers = Answers::default();
+        let mut now = Instant::now();
+        let second = Duration::from_secs(1);
+        // Ten keys, each stored again once its answer has expired, 100,000 times in all.
+        for i in 0..100_000 {
+            if i % 10 == 0 {
+                now += 2 * second;
+            }
+            let key = format!("k{}", i % 10);
+            assert!(answers.store(&key, Bytes::from_static(b"ok"), second, now));
+        }
+        assert!(answers.entries.len() <= 10);
+        assert!(
+            answers.order.len() <= 2 * FIRST_SWEEP_AT + 10,
+            "{}",
+            answers.order.len()
+        );
     }
 }
