@@ -89,10 +89,13 @@ const WATCHED_CONFLICTS: usize = 20;
 /// before, still finds them.
 const RESERVATION_MARGIN: Duration = Duration::from_millis(500);
 
-/// A granted batch: its guard, its fencing token, and when the grant was seen.
+/// A granted batch: its guard, its fencing token, and when the grant was asked for and
+/// seen.
 pub(crate) struct Granted {
     pub(crate) guard: LockGuard,
     pub(crate) fencing_token: FencingToken,
+    /// When the acquisition started: the owner's arrival ([`Line::Holder`]).
+    pub(crate) started: Instant,
     /// When the store's answer arrived: the hold starts here.
     pub(crate) at: Instant,
 }
@@ -280,6 +283,7 @@ impl<'a> Acquisition<'a> {
                 let granted = Granted {
                     guard,
                     fencing_token,
+                    started,
                     at,
                 };
                 (Ok(granted), Outcome::Granted)

@@ -373,6 +373,7 @@ async fn lock_for(
         mut guard,
         fencing_token,
         at,
+        ..
     } = Acquisition::new(locks, &keys, &modes, Some(owner.arrived()), None)
         .acquire(owner.token, &Span::current())
         .await?;

@@ -20,10 +20,13 @@ use crate::{
 #[derive(Debug)]
 pub(crate) struct RequestOwner {
     pub(crate) token: OwnerToken,
-    /// When the owner was first granted keys (from the clock read the grant already made,
-    /// rather than a ticket taken for every request): its place in line on keys it does not
-    /// hold yet, when it locks more (see [`Line::Holder`](crate::store::contract::Line)).
-    granted_at: OnceLock<Instant>,
+    /// When the acquisition that first granted the owner keys started (a clock read the
+    /// acquisition already made, rather than a ticket taken for every request): its place
+    /// in line on keys it does not hold yet, when it locks more (see
+    /// [`Line::Holder`](crate::store::contract::Line)). Not the grant's answer: a waiter
+    /// that arrived while the grant was on its way, and that the grant then kept out, would
+    /// be ahead of the owner on its next keys, and each would wait for the other.
+    arrived_at: OnceLock<Instant>,
     /// The holds the handler took through [`Lease::lock`], released with the request.
     extra: Mutex<Vec<(u64, LockGuard)>>,
 }
@@ -32,20 +35,21 @@ impl RequestOwner {
     pub(crate) fn new(token: OwnerToken) -> Arc<Self> {
         Arc::new(Self {
             token,
-            granted_at: OnceLock::new(),
+            arrived_at: OnceLock::new(),
             extra: Mutex::default(),
         })
     }
 
-    /// Notes that the owner was granted keys at `at` (the first grant counts).
-    pub(crate) fn granted(&self, at: Instant) {
-        let _ = self.granted_at.set(at);
+    /// Notes that the owner was granted keys by an acquisition that started at `started`
+    /// (the first grant counts).
+    pub(crate) fn granted(&self, started: Instant) {
+        let _ = self.arrived_at.set(started);
     }
 
-    /// The owner's place in line: its first grant, or now, before it holds anything (a
-    /// trusted caller's owner).
+    /// The owner's place in line: the start of its first granted acquisition, or now,
+    /// before it holds anything (a trusted caller's owner).
     pub(crate) fn arrived(&self) -> Ticket {
-        self.granted_at
+        self.arrived_at
             .get()
             .map_or_else(Ticket::take, |at| Ticket::since(at.elapsed()))
     }

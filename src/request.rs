@@ -227,9 +227,10 @@ impl<B> Pending<B> {
         let Granted {
             mut guard,
             fencing_token,
+            started,
             at: granted_at,
         } = acquired.map_err(|rejection| locks.refuse(rejection))?;
-        owner.granted(granted_at);
+        owner.granted(started);
         // The handler's view of its locks, and of those of the layers around this one, for
         // the request's extensions (a granted guard is always armed, so there is one).
         let lease = guard.status().map(|status| {

@@ -26,8 +26,9 @@ use tower_batch_lock::{Lease, Locks, Wait};
 use crate::support::{
     handlers::{hold, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
+    proxy::{Fault, Proxy},
     stores::Store,
-    Rng,
+    Observer, RedisServer, Rng,
 };
 
 /// A way to look inside a store.
@@ -707,6 +708,45 @@ async fn an_owner_that_holds_keys_is_not_kept_out_by_a_waiters_reservations() {
             store.settle().await;
         }
     }
+}
+
+/// A waiter that arrives while an owner's first grant is on its way, and that the grant
+/// then keeps out, came after the owner: it does not keep the owner out of the next key
+/// its handler locks. (The owner stood in line from its grant's answer: the waiter was
+/// ahead of it on that key, and each waited for the other until one's bound.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_that_arrives_while_an_owners_grant_is_on_its_way_comes_after_it() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Proxy::start(server.port()).await;
+    let slow =
+        Locks::new(Redis::url(proxy.url()).build().unwrap()).store_timeout(Duration::from_secs(5));
+    let direct = Locks::new(Redis::url(server.url()).build().unwrap());
+    let inner = |Extension(lease): Extension<Lease>| async move { lock_b(&lease).await };
+    let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
+    let app = Router::new().route("/", get(inner).layer(slow.layer(only_a)));
+    let get_root = || Request::get("/").body(Body::empty()).unwrap();
+    // Connected first: the proxy's latency then only delays each command and its answer.
+    assert_eq!(send(&app, get_root()).await.text(), "locked b");
+    proxy.set(Fault::Latency(Duration::from_millis(100)));
+
+    let owner = tokio::spawn(async move { send(&app, get_root()).await });
+    // The owner's attempt reaches Redis about 100 ms after it was sent; its answer comes
+    // back 100 ms after that. A waiter for `a` and `b` arrives in between: `a` held, it
+    // reserves both.
+    let granted = poll_every(Duration::from_millis(2), Duration::from_secs(2), || {
+        observer.lock("lock:a").is_some()
+    })
+    .await;
+    assert!(granted.is_some(), "the owner's grant never landed");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let app = recording_router(&waiting(&direct, Duration::from_secs(5)), &order);
+    let waiter = tokio::spawn(async move { send(&app, named("a,b", "w", 0)).await });
+
+    let reply = within(Duration::from_secs(5), "the owner", owner).await;
+    assert_eq!(reply.unwrap().text(), "locked b");
+    let waited = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(waited.unwrap().status, StatusCode::OK);
 }
 
 // ---------------------------------------------------------------------------------------
