@@ -19,7 +19,7 @@ use tower_batch_lock::{
 
 use crate::support::{
     handlers::{gated_handler, hold, ledger_handler, Gate, Ledger},
-    http::{batch, batch_router, poll_every, send},
+    http::{batch, batch_router, poll_every, send, within},
     proxy::{Fault, Proxy},
     Observer, RedisServer, Rng,
 };
@@ -367,6 +367,79 @@ async fn a_redlock_lease_on_a_batch_of_many_steps_renews_over_a_slow_link() {
     assert!(lease.expires_at() > Instant::now());
     gate.open();
     assert_eq!(request.await.unwrap().status, StatusCode::OK);
+}
+
+/// A Redlock waiter granted by two masters while its attempt on the third is held up on
+/// the wire: the place it withdraws there comes back when that attempt lands and is
+/// refused (another holder has the key there), and is withdrawn again within seconds,
+/// where it kept later requests out of that master to the waiter's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redlock_waiters_place_put_back_by_a_late_attempt_is_withdrawn_again() {
+    let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+    let third = Observer::of(&servers[2]);
+    let proxy = Proxy::start(servers[2].port()).await;
+    let redlock = |urls: [String; 3]| {
+        let store = Redlock::new(urls)
+            .node_timeout(Duration::from_millis(200))
+            .build()
+            .unwrap();
+        Locks::new(store).ttl(Duration::from_secs(10))
+    };
+    let waiting = redlock([servers[0].url(), servers[1].url(), proxy.url()])
+        .wait(Wait::up_to(Duration::from_secs(8)));
+    let app = batch_router(&waiting, ledger_handler(&Arc::new(Ledger::default())));
+    assert_eq!(
+        send(&app, batch(&["late:warm"])).await.status,
+        StatusCode::OK
+    );
+    // Another process holds the key on the third master alone, where it refuses every
+    // batch; a Redlock holder has it on the other two.
+    let (gate_third, held_third) = hold(&locks_on(&servers[2]), "late:k").await;
+    let holder = redlock([servers[0].url(), servers[1].url(), servers[2].url()]);
+    let (gate, held) = hold(&holder, "late:k").await;
+    let place = || {
+        third
+            .lock("lock:late:k")
+            .map_or(0, |v| v.reservations.len())
+    };
+
+    let waiter = tokio::spawn(async move { send(&app, batch(&["late:k"])).await });
+    let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
+        place() == 1
+    });
+    assert!(in_line.await.is_some(), "the waiter never stood in line");
+    // Its next attempt on the third master is held up on the wire; the holder's release
+    // wakes it, and the other two grant it.
+    proxy.hold_open();
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    let withdrawn = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
+        place() == 0
+    });
+    assert!(withdrawn.await.is_some(), "the place was never withdrawn");
+
+    // The held attempt lands, is refused, and puts the place back; it is withdrawn again
+    // (let go after the first withdrawal's first re-send, 0.25 s after it: the next is
+    // due a second later).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    proxy.release_held();
+    let back = poll_every(Duration::from_millis(5), Duration::from_secs(2), || {
+        place() == 1
+    });
+    assert!(back.await.is_some(), "the held attempt never landed");
+    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
+        place() == 0
+    });
+    let ended = ended.await;
+    eprintln!("a place put back late ended {ended:?} after it was seen");
+    assert!(
+        ended.is_some_and(|after| after < Duration::from_secs(4)),
+        "{ended:?}"
+    );
+    gate_third.open();
+    assert_eq!(held_third.await.unwrap().status, StatusCode::OK);
 }
 
 /// Locks on one Redis of a Redlock's masters, with the same prefix.

@@ -26,6 +26,7 @@ use crate::store::{
     },
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout, NodeFailure, NodeReply},
+    late,
     redis::{Freeing, RedisStore},
     wake::Wakeups,
 };
@@ -149,30 +150,46 @@ impl RedlockStore {
     /// after the majority did has ended the place there itself, as every grant does: a
     /// withdrawal there found nothing, and read the whole batch to find it (2,000-key
     /// orders one at a time on three masters: every grant sent one, and the masters' CPU a
-    /// grant was 10.5-11.7 ms with it, 9.0-9.9 without).
+    /// grant was 10.5-11.7 ms with it, 9.0-9.9 without). A master whose acquisition got
+    /// no answer (`unanswered`, and those in `rest` that fail so) may still run it later,
+    /// be refused and put the place back: it is sent the withdrawal again on [`late`]'s
+    /// schedule.
     fn withdraw_when_answered(
         &self,
         mut rest: Replies<Acquire>,
         granted: &[(usize, u64)],
         keys: &Keys,
         ticket: Ticket,
+        mut unanswered: Vec<usize>,
     ) {
         // The masters outside the majority's grants, by index, as `rest` names them.
         let mut refused: Vec<(usize, Arc<RedisStore>)> = (0..self.masters.len())
             .filter(|node| granted.iter().all(|&(g, _)| g != *node))
             .map(|node| (node, self.masters[node].node.clone()))
             .collect();
-        let (keys, timeout) = (keys.clone(), self.fanout.node_timeout());
+        let (keys, fanout) = (keys.clone(), self.fanout.clone());
         tokio::spawn(async move {
             while let Some((node, reply)) = rest.next().await {
-                if matches!(reply, Ok(Acquire::Granted(_))) {
-                    refused.retain(|(other, _)| *other != node);
+                match reply {
+                    Ok(Acquire::Granted(_)) => refused.retain(|(other, _)| *other != node),
+                    Err(failure) if failure.may_run_later() => unanswered.push(node),
+                    _ => {}
                 }
             }
-            let withdrawals = refused
-                .iter()
-                .map(|(_, master)| bounded(timeout, master.withdraw(&keys, ticket)));
-            join_all(withdrawals).await;
+            let withdraw = |master: &Arc<RedisStore>| {
+                let (master, keys) = (master.clone(), keys.clone());
+                let timeout = fanout.timeout_for(keys.len(), master.step());
+                async move { bounded(timeout, master.withdraw(&keys, ticket)).await }
+            };
+            join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
+            refused.retain(|(node, _)| unanswered.contains(node));
+            if !refused.is_empty() {
+                let (refused, withdraw) = (&refused, &withdraw);
+                late::send_again(|| async move {
+                    join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
+                })
+                .await;
+            }
         });
     }
 
@@ -309,7 +326,14 @@ impl LockStore for RedlockStore {
                         // own task.
                         match request.line {
                             Line::At(ticket) => {
-                                self.withdraw_when_answered(replies, &tally.granted, keys, ticket)
+                                let unanswered = tally.timed_out.clone();
+                                self.withdraw_when_answered(
+                                    replies,
+                                    &tally.granted,
+                                    keys,
+                                    ticket,
+                                    unanswered,
+                                );
                             }
                             Line::Outside | Line::Holder(_) => finish_in_background(replies),
                         }
