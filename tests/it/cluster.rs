@@ -21,15 +21,27 @@ use crate::support::{
 
 /// A `Locks` of its own on the cluster: one "process".
 fn locks(cluster: &Cluster) -> Locks {
-    Locks::new(
-        RedisCluster::new(cluster.urls())
-            .node_timeout(Duration::from_secs(1))
-            .retry_for(Duration::from_secs(2))
-            .build()
-            .expect("valid cluster URLs"),
-    )
-    .ttl(Duration::from_secs(10))
-    .store_timeout(Duration::from_secs(3))
+    locks_with(cluster, |store| store)
+}
+
+/// As [`locks`], with the store set further by `set`.
+fn locks_with(cluster: &Cluster, set: impl FnOnce(RedisCluster) -> RedisCluster) -> Locks {
+    let store = RedisCluster::new(cluster.urls())
+        .node_timeout(Duration::from_secs(1))
+        .retry_for(Duration::from_secs(2));
+    Locks::new(set(store).build().expect("valid cluster URLs"))
+        .ttl(Duration::from_secs(10))
+        .store_timeout(Duration::from_secs(3))
+}
+
+/// Lets the request that `gate` holds up go on: it answers 200, and leaves no key behind.
+async fn let_finish(cluster: &Cluster, gate: &Gate, request: tokio::task::JoinHandle<Reply>) {
+    gate.open();
+    let reply = within(Duration::from_secs(10), "the response", request)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_emptied(cluster).await;
 }
 
 fn keys(prefix: &str, count: usize) -> Vec<String> {
@@ -92,12 +104,7 @@ async fn a_batch_of_3000_keys_is_spread_over_every_master_and_released_from_all(
     let calls = script_calls() - calls_before;
     assert!((1..=2).contains(&calls), "{calls} script calls");
 
-    gate.open();
-    let reply = within(Duration::from_secs(10), "the response", request)
-        .await
-        .unwrap();
-    assert_eq!(reply.status, StatusCode::OK);
-    assert_emptied(&cluster).await;
+    let_finish(&cluster, &gate, request).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -183,15 +190,7 @@ async fn a_batch_made_again_after_a_moved_slot_keeps_every_key_while_it_runs() {
     let (_serial, cluster) = Cluster::start_in_turn().await;
     // Steps of 10 keys: a release sent to a master that lost one slot of its group still
     // frees the steps without a key of that slot.
-    let locks = Locks::new(
-        RedisCluster::new(cluster.urls())
-            .node_timeout(Duration::from_secs(1))
-            .retry_for(Duration::from_secs(2))
-            .step_keys(10)
-            .build()
-            .expect("valid cluster URLs"),
-    )
-    .ttl(Duration::from_secs(10));
+    let locks = locks_with(&cluster, |store| store.step_keys(10));
     let gate = Gate::new();
     let app = batch_router(&locks, gated_handler(&gate));
     let batch_keys = keys("sku:", 300);
@@ -227,13 +226,7 @@ async fn a_batch_made_again_after_a_moved_slot_keeps_every_key_while_it_runs() {
         "{} keys freed under a running handler: {lost:?}",
         lost.len()
     );
-
-    gate.open();
-    let reply = within(Duration::from_secs(10), "the response", request)
-        .await
-        .unwrap();
-    assert_eq!(reply.status, StatusCode::OK);
-    assert_emptied(&cluster).await;
+    let_finish(&cluster, &gate, request).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
