@@ -354,13 +354,13 @@ impl Held {
                 true
             }
             Ok(Err(error)) => {
-                let why = format_args!("could not release locks: {error}");
+                let why = format!("could not release locks: {error}");
                 self.outage.failed(&why, self.keys.len());
                 false
             }
             Err(_) => {
                 let ms = self.timeout.as_millis();
-                let why = format_args!("releasing locks timed out after {ms} ms");
+                let why = format!("releasing locks timed out after {ms} ms");
                 self.outage.failed(&why, self.keys.len());
                 false
             }
@@ -500,7 +500,7 @@ impl Renewer {
                     return self.lost("the keys expired or were taken by another owner")
                 }
                 Ok(Err(error)) => {
-                    let why = format_args!("could not extend a lease (retrying): {error}");
+                    let why = format!("could not extend a lease (retrying): {error}");
                     self.outage.failed(&why, self.keys.len());
                 }
                 Err(_) => {

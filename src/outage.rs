@@ -11,8 +11,8 @@
 
 use std::{
     sync::{
-        atomic::{AtomicBool, Ordering},
-        Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+        LazyLock, Mutex, PoisonError,
     },
     time::{Duration, Instant},
 };
@@ -28,10 +28,18 @@ const SETTLED_AFTER: Duration = SUMMARY_EVERY;
 /// The outage of one [`Locks`](crate::Locks) handle's store, if it is down now.
 #[derive(Debug, Default)]
 pub(crate) struct OutageLog {
-    /// Whether an outage is under way: the one read on the way of every answer, so that a
-    /// store that answers costs one atomic load.
-    down: AtomicBool,
+    /// When an answer may end the outage under way ([`now_ms`]), or 0 when there is none:
+    /// the one read on the way of every answer, so that an answer costs one atomic load,
+    /// in an outage too (one cluster master down: most calls answer), until one may end it.
+    settles_at: AtomicU64,
     outage: Mutex<Option<Outage>>,
+}
+
+/// Milliseconds on the process's monotonic clock, from 1: what [`OutageLog::settles_at`]
+/// counts in.
+fn now_ms() -> u64 {
+    static START: LazyLock<Instant> = LazyLock::new(Instant::now);
+    u64::try_from(START.elapsed().as_millis()).unwrap_or(u64::MAX) + 1
 }
 
 #[derive(Debug)]
@@ -50,6 +58,9 @@ impl OutageLog {
     pub(crate) fn failed(&self, why: &dyn std::fmt::Display, keys: usize) {
         let now = Instant::now();
         let mut outage = self.outage.lock().unwrap_or_else(PoisonError::into_inner);
+        let settled_ms = u64::try_from(SETTLED_AFTER.as_millis()).unwrap_or(u64::MAX);
+        self.settles_at
+            .store(now_ms() + settled_ms, Ordering::Release);
         let Some(outage) = outage.as_mut() else {
             *outage = Some(Outage {
                 since: now,
@@ -58,12 +69,11 @@ impl OutageLog {
                 unreported: 0,
                 summarized_at: now,
             });
-            self.down.store(true, Ordering::Release);
             tracing::error!(
                 error = %why,
                 keys,
-                "the lock store failed; requests get 503 until it answers again \
-                 (further failures are summarized every 10 s)"
+                "the lock store failed; requests whose calls fail get 503 (further \
+                 failures are summarized every 10 s, and the outage ends 10 s after the last)"
             );
             return;
         };
@@ -85,13 +95,14 @@ impl OutageLog {
     /// The store answered: ends the outage, if there was one and its last failure was
     /// [`SETTLED_AFTER`] ago, with a line that says how long it lasted.
     pub(crate) fn answered(&self) {
-        if !self.down.load(Ordering::Acquire) {
+        let settles_at = self.settles_at.load(Ordering::Acquire);
+        if settles_at == 0 || now_ms() < settles_at {
             return;
         }
         let mut outage = self.outage.lock().unwrap_or_else(PoisonError::into_inner);
         let settled = |o: &Outage| o.last_failure.elapsed() >= SETTLED_AFTER;
         if let Some(ended) = outage.take_if(|o| settled(o)) {
-            self.down.store(false, Ordering::Release);
+            self.settles_at.store(0, Ordering::Release);
             tracing::warn!(
                 failed = ended.failures,
                 failing_for_ms = ended.last_failure.duration_since(ended.since).as_millis() as u64,
@@ -115,7 +126,7 @@ mod tests {
     fn an_outage_starts_once_counts_its_failures_and_ends_once_settled() {
         let log = OutageLog::default();
         log.answered();
-        assert!(!log.down.load(Ordering::Acquire));
+        assert_eq!(log.settles_at.load(Ordering::Acquire), 0);
         for _ in 0..3 {
             log.failed(&"connection refused", 1);
         }
@@ -131,8 +142,9 @@ mod tests {
         // The first answer once no call failed for a while ends it.
         let settled_since = Instant::now().checked_sub(SETTLED_AFTER).unwrap();
         log.outage.lock().unwrap().as_mut().unwrap().last_failure = settled_since;
+        log.settles_at.store(1, Ordering::Release);
         log.answered();
         assert_eq!(outage(&log), None);
-        assert!(!log.down.load(Ordering::Acquire));
+        assert_eq!(log.settles_at.load(Ordering::Acquire), 0);
     }
 }

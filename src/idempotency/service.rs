@@ -233,7 +233,7 @@ impl Shared {
                 bytes?
             }
             Ok(Err(error)) => {
-                let why = format_args!("could not read a stored idempotent answer: {error}");
+                let why = format!("could not read a stored idempotent answer: {error}");
                 outage.failed(&why, 1);
                 return Some(Rejection::unavailable().into_response());
             }
@@ -284,7 +284,7 @@ impl Shared {
                 );
                 return;
             }
-            let why = format_args!("could not store an idempotent answer (retrying): {failure}");
+            let why = format!("could not store an idempotent answer (retrying): {failure}");
             self.locks.outage().failed(&why, 1);
         }
     }

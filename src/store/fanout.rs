@@ -136,15 +136,18 @@ impl NodeFailure {
     }
 
     /// Whether the command may still run on the node later: it got no answer in time, or
-    /// its connection failed; an error that the node answered with ended it.
+    /// its connection failed; an error that the node answered with ended it, and a
+    /// connection refused (a step after earlier ones, say, on a master failing over) sent
+    /// nothing.
     pub(super) fn may_run_later(&self) -> bool {
-        let answered = self.redis_error().is_some_and(|error| {
-            matches!(
-                error.kind(),
-                redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
-            )
+        let ended = self.redis_error().is_some_and(|error| {
+            error.is_connection_refusal()
+                || matches!(
+                    error.kind(),
+                    redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+                )
         });
-        self.may_have_applied() && !answered
+        self.may_have_applied() && !ended
     }
 
     /// The error of Redis, or of the connection to it, that the node failed with, if any:

@@ -163,10 +163,12 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(1);
 /// - **Masters' addresses.** Each master is reached where `CLUSTER SLOTS` says. One given
 ///   without a host (NULL or `""`: nodes behind a load balancer, with
 ///   `cluster-preferred-endpoint-type unknown-endpoint`) is reached at the first URL's
-///   host with the port it gives. One given as `"?"` (`cluster-preferred-endpoint-type
-///   hostname` on a node that announces no hostname) cannot be reached: its keys get 503
-///   and the store logs why, while the other masters' keys are served (unless it serves
-///   the namespace's fencing counter, which every grant counts on).
+///   host with the port it gives: nodes that have hosts of their own must announce them.
+///   One given as `"?"` (`cluster-preferred-endpoint-type hostname` on a node that
+///   announces no hostname) cannot be reached: its keys get 503 once the store has read
+///   the map again for [`retry_for`](Self::retry_for), and the store logs why, while the
+///   other masters' keys are served (unless it serves the namespace's fencing counter,
+///   which every grant counts on).
 /// - **Failover.** What helps against the loss described above: `min-replicas-to-write 1`
 ///   with a small `min-replicas-max-lag` (a master that lost its replicas refuses writes:
 ///   503 instead of an unreplicated lock), a TTL longer than a failover takes, and fencing

@@ -200,8 +200,8 @@ impl RedlockStore {
     }
 
     /// Waits for every master's answer to `call`, which frees `keys` for others (each is
-    /// bounded by the node timeout), reports those that failed, and wakes this process's
-    /// waiters: how many answered, and the largest count any of them gave.
+    /// bounded by its node timeouts, one a step), reports those that failed, and wakes this
+    /// process's waiters: how many answered, and the largest count any of them gave.
     async fn freed_everywhere(
         &self,
         call: &'static str,
@@ -456,8 +456,9 @@ impl LockStore for RedlockStore {
         })
     }
 
-    /// Withdraws on every master at once, and waits for each (each bounded by the node
-    /// timeout): a reservation left on a master that does not answer expires on its own.
+    /// Withdraws on every master at once, and waits for each (each bounded by its node
+    /// timeouts, one a step): a reservation left on a master that does not answer expires
+    /// on its own.
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
         Box::pin(async move {
             let replies = self.start_withdrawals(0..self.masters.len(), keys, ticket);
@@ -481,9 +482,9 @@ impl LockStore for RedlockStore {
         keys == 1
     }
 
-    /// Probes every master at once (each bounded by its node timeouts): the keys free on a
-    /// majority, from the first, are free. With fewer than a majority answering, it says
-    /// all are: the attempt that follows gets the masters' own answer.
+    /// Probes every master at once (each bounded by its node timeouts, one a step): the
+    /// keys free on a majority, from the first, are free. With fewer than a majority
+    /// answering, it says all are: the attempt that follows gets the masters' own answer.
     fn probe<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, usize> {
         Box::pin(async move {
             let mut replies = self.start_everywhere(request.keys.len(), |node| {
@@ -505,8 +506,9 @@ impl LockStore for RedlockStore {
         })
     }
 
-    /// Asks every master (each bounded by its node timeouts) and reports, per key, what a
-    /// majority of them see ([`majority_view`]); fails when fewer than a majority answer.
+    /// Asks every master (each bounded by its node timeouts, one a step) and reports, per
+    /// key, what a majority of them see ([`majority_view`]); fails when fewer than a
+    /// majority answer.
     fn inspect<'a>(&'a self, keys: &'a Keys) -> Reply<'a, Vec<KeyView>> {
         Box::pin(async move {
             let mut replies = self.start_everywhere(keys.len(), |node| {
@@ -541,9 +543,9 @@ impl LockStore for RedlockStore {
         })
     }
 
-    /// Ends the holds on every master at once (each bounded by its node timeouts), and
-    /// succeeds when a majority answered: a master that did not keeps its holds until they
-    /// expire, and alone they keep nobody out.
+    /// Ends the holds on every master at once (each bounded by its node timeouts, one a
+    /// step), and succeeds when a majority answered: a master that did not keeps its holds
+    /// until they expire, and alone they keep nobody out.
     fn force_release<'a>(&'a self, keys: &'a Keys) -> Reply<'a, usize> {
         Box::pin(async move {
             let replies = self.start_everywhere(keys.len(), |node| {
