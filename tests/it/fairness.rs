@@ -722,13 +722,22 @@ async fn a_waiter_that_arrives_while_an_owners_grant_is_on_its_way_comes_after_i
     let slow =
         Locks::new(Redis::url(proxy.url()).build().unwrap()).store_timeout(Duration::from_secs(5));
     let direct = Locks::new(Redis::url(server.url()).build().unwrap());
-    let inner = |Extension(lease): Extension<Lease>| async move { lock_b(&lease).await };
+    // Whether the owner's grant has been answered: its handler has run.
+    let answered = Arc::new(AtomicBool::new(false));
+    let inner = {
+        let answered = answered.clone();
+        move |Extension(lease): Extension<Lease>| {
+            answered.store(true, Ordering::SeqCst);
+            async move { lock_b(&lease).await }
+        }
+    };
     let only_a = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["a"]);
     let app = Router::new().route("/", get(inner).layer(slow.layer(only_a)));
     let get_root = || Request::get("/").body(Body::empty()).unwrap();
     // Connected first: the proxy's latency then only delays each command and its answer.
     assert_eq!(send(&app, get_root()).await.text(), "locked b");
     proxy.set(Fault::Latency(Duration::from_millis(100)));
+    answered.store(false, Ordering::SeqCst);
 
     let owner = tokio::spawn(async move { send(&app, get_root()).await });
     // The owner's attempt reaches Redis about 100 ms after it was sent; its answer comes
@@ -742,6 +751,18 @@ async fn a_waiter_that_arrives_while_an_owners_grant_is_on_its_way_comes_after_i
     let order = Arc::new(Mutex::new(Vec::new()));
     let app = recording_router(&waiting(&direct, Duration::from_secs(5)), &order);
     let waiter = tokio::spawn(async move { send(&app, named("a,b", "w", 0)).await });
+    let reserved = poll_every(Duration::from_millis(2), Duration::from_secs(2), || {
+        observer
+            .lock("lock:b")
+            .is_some_and(|v| v.reservations.len() == 1)
+    })
+    .await;
+    assert!(reserved.is_some(), "the waiter never stood in line on b");
+    // Otherwise this run missed the moment it tests (a loaded machine): not a pass.
+    assert!(
+        !answered.load(Ordering::SeqCst),
+        "the waiter stood in line after the owner's grant was answered"
+    );
 
     let reply = within(Duration::from_secs(5), "the owner", owner).await;
     assert_eq!(reply.unwrap().text(), "locked b");

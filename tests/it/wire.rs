@@ -376,7 +376,6 @@ async fn a_redlock_lease_on_a_batch_of_many_steps_renews_over_a_slow_link() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redlock_waiters_place_put_back_by_a_late_attempt_is_withdrawn_again() {
     let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
-    let third = Observer::of(&servers[2]);
     let proxy = Proxy::start(servers[2].port()).await;
     let redlock = |urls: [String; 3]| {
         let store = Redlock::new(urls)
@@ -392,18 +391,39 @@ async fn a_redlock_waiters_place_put_back_by_a_late_attempt_is_withdrawn_again()
         send(&app, batch(&["late:warm"])).await.status,
         StatusCode::OK
     );
+    let holder = redlock([servers[0].url(), servers[1].url(), servers[2].url()]);
+    // A round counts when the waiter's attempt is what the wire held up (on a loaded
+    // machine its probe may be, and the attempt then goes on a connection of its own).
+    for round in 0..3 {
+        let key = format!("late:k{round}");
+        if waiter_put_back(&waiting, &holder, &servers[2], &proxy, &key).await {
+            return;
+        }
+        eprintln!("round {round}: the wire held no attempt; again");
+    }
+    panic!("the held attempt never landed in three rounds");
+}
+
+/// One round of the test above on `key`: whether the waiter's held attempt landed (and
+/// then, that the place it put back ended within seconds).
+async fn waiter_put_back(
+    waiting: &Locks,
+    holder: &Locks,
+    third: &RedisServer,
+    proxy: &Proxy,
+    key: &str,
+) -> bool {
+    let app = batch_router(waiting, ledger_handler(&Arc::new(Ledger::default())));
     // Another process holds the key on the third master alone, where it refuses every
     // batch; a Redlock holder has it on the other two.
-    let (gate_third, held_third) = hold(&locks_on(&servers[2]), "late:k").await;
-    let holder = redlock([servers[0].url(), servers[1].url(), servers[2].url()]);
-    let (gate, held) = hold(&holder, "late:k").await;
-    let place = || {
-        third
-            .lock("lock:late:k")
-            .map_or(0, |v| v.reservations.len())
-    };
+    let (gate_third, held_third) = hold(&locks_on(third), key).await;
+    let (gate, held) = hold(holder, key).await;
+    let observer = Observer::of(third);
+    let lock_key = format!("lock:{key}");
+    let place = || observer.lock(&lock_key).map_or(0, |v| v.reservations.len());
 
-    let waiter = tokio::spawn(async move { send(&app, batch(&["late:k"])).await });
+    let keys = [key.to_owned()];
+    let waiter = tokio::spawn(async move { send(&app, batch(&keys)).await });
     let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
         place() == 1
     });
@@ -428,18 +448,21 @@ async fn a_redlock_waiters_place_put_back_by_a_late_attempt_is_withdrawn_again()
     let back = poll_every(Duration::from_millis(5), Duration::from_secs(2), || {
         place() == 1
     });
-    assert!(back.await.is_some(), "the held attempt never landed");
-    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
-        place() == 0
-    });
-    let ended = ended.await;
-    eprintln!("a place put back late ended {ended:?} after it was seen");
-    assert!(
-        ended.is_some_and(|after| after < Duration::from_secs(4)),
-        "{ended:?}"
-    );
+    let landed = back.await.is_some();
+    if landed {
+        let ended = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
+            place() == 0
+        });
+        let ended = ended.await;
+        eprintln!("a place put back late ended {ended:?} after it was seen");
+        assert!(
+            ended.is_some_and(|after| after < Duration::from_secs(4)),
+            "{ended:?}"
+        );
+    }
     gate_third.open();
     assert_eq!(held_third.await.unwrap().status, StatusCode::OK);
+    landed
 }
 
 /// Locks on one Redis of a Redlock's masters, with the same prefix.
