@@ -215,21 +215,36 @@ async fn a_grant_that_lands_after_its_release_is_ended_within_seconds_not_its_tt
 /// of `key` appears on `observer`'s server), and checks that the grant ends within 4 s of
 /// landing, where its TTL (10 s in these tests) would have kept it.
 async fn a_late_grant_ends_within_seconds(proxy: &Proxy, observer: &Observer, key: &str) {
+    let landed = lands_and_ends_within_seconds(
+        proxy,
+        "a late grant",
+        || observer.lock(key).is_some(),
+        || observer.lock(key).is_none(),
+    )
+    .await;
+    assert!(landed, "the held acquisition never landed");
+}
+
+/// Lets the bytes `proxy` holds go on and waits up to 2 s for what they carry to land
+/// (`landed`); once it has, checks that it ends (`ended`) within 4 s, where a TTL or a
+/// waiter's deadline would have kept it. Whether it landed.
+async fn lands_and_ends_within_seconds(
+    proxy: &Proxy,
+    what: &str,
+    landed: impl FnMut() -> bool,
+    ended: impl FnMut() -> bool,
+) -> bool {
     proxy.release_held();
-    let landed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
-        observer.lock(key).is_some()
-    })
-    .await;
-    assert!(landed.is_some(), "the held acquisition landed");
-    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), || {
-        observer.lock(key).is_none()
-    })
-    .await;
-    eprintln!("a late grant ended {ended:?} after it landed");
-    assert!(
-        ended.is_some_and(|after| after < Duration::from_secs(4)),
-        "a late grant kept its key {ended:?}"
-    );
+    let landed = poll_every(Duration::from_millis(5), Duration::from_secs(2), landed).await;
+    if landed.is_some() {
+        let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), ended).await;
+        eprintln!("{what} ended {ended:?} after it landed");
+        assert!(
+            ended.is_some_and(|after| after < Duration::from_secs(4)),
+            "{what} kept its place {ended:?}"
+        );
+    }
+    landed.is_some()
 }
 
 /// A waiter's refused attempt held up on the wire past its timeout while its withdrawal
@@ -266,21 +281,14 @@ async fn a_reservation_that_lands_after_its_withdrawal_is_ended_within_seconds()
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(reservations(), 0);
 
-    proxy.release_held();
-    let landed = poll_every(Duration::from_millis(10), Duration::from_secs(2), || {
-        reservations() == 1
-    })
+    let landed = lands_and_ends_within_seconds(
+        &proxy,
+        "a late reservation",
+        || reservations() == 1,
+        || reservations() == 0,
+    )
     .await;
-    assert!(landed.is_some(), "the held attempt landed, and reserved");
-    let ended = poll_every(Duration::from_millis(20), Duration::from_secs(9), || {
-        reservations() == 0
-    })
-    .await;
-    eprintln!("a late reservation ended {ended:?} after it landed");
-    assert!(
-        ended.is_some_and(|after| after < Duration::from_secs(4)),
-        "a late reservation kept its place {ended:?}"
-    );
+    assert!(landed, "the held attempt never landed and reserved");
 
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
@@ -444,22 +452,13 @@ async fn waiter_put_back(
     // (let go after the first withdrawal's first re-send, 0.25 s after it: the next is
     // due a second later).
     tokio::time::sleep(Duration::from_millis(400)).await;
-    proxy.release_held();
-    let back = poll_every(Duration::from_millis(5), Duration::from_secs(2), || {
-        place() == 1
-    });
-    let landed = back.await.is_some();
-    if landed {
-        let ended = poll_every(Duration::from_millis(20), Duration::from_secs(5), || {
-            place() == 0
-        });
-        let ended = ended.await;
-        eprintln!("a place put back late ended {ended:?} after it was seen");
-        assert!(
-            ended.is_some_and(|after| after < Duration::from_secs(4)),
-            "{ended:?}"
-        );
-    }
+    let landed = lands_and_ends_within_seconds(
+        proxy,
+        "a place put back late",
+        || place() == 1,
+        || place() == 0,
+    )
+    .await;
     gate_third.open();
     assert_eq!(held_third.await.unwrap().status, StatusCode::OK);
     landed
