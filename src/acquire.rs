@@ -7,7 +7,7 @@
 //! 1. **A place in line.** A fair waiter takes a [`Ticket`] when it starts: its arrival
 //!    (milliseconds, then bits that increase within a process, then 64 random bits, so that
 //!    two processes' waiters never share one). Its first refused attempt reserves every key
-//!    of its batch until its deadline, and half a second more ([`RESERVATION_MARGIN`]): a
+//!    of its batch until its deadline, and half a second more ([`RESERVATION_MARGIN`](waiter::RESERVATION_MARGIN)): a
 //!    reservation keeps out every later arrival, waiting or not, and lives on whatever
 //!    happens to the holds before it (on Redis, holds that reservations outlive keep their
 //!    end in the value, so that a holder that dies takes only its holds). On every shared
@@ -51,6 +51,7 @@
 //!    is refused at once with 503 and `Retry-After`, holding nothing.
 
 mod place;
+mod waiter;
 
 use std::{
     sync::Arc,
@@ -59,13 +60,12 @@ use std::{
 
 use tracing::Span;
 
-use self::place::Place;
+use self::{place::Place, waiter::Waiter};
 
 use crate::{
-    backoff::Backoff,
     guard::LockGuard,
-    locks::{Locks, WaiterSlot},
-    observe::{self, Layer, Outcome, Unanswered, Waiting},
+    locks::Locks,
+    observe::{self, Layer, Outcome, Unanswered},
     outage::OutageLog,
     rejection::Rejection,
     store::{
@@ -75,7 +75,6 @@ use crate::{
             OwnerToken, Ticket,
         },
         error::StoreError,
-        wake::{any_released, Watches},
     },
     wait::Wait,
 };
@@ -84,10 +83,6 @@ use crate::{
 /// response names, on a store that cannot probe them (see [`LockStore::probe`]): a lost
 /// wake-up only costs a poll interval.
 const WATCHED_CONFLICTS: usize = 20;
-
-/// How long a waiter's reservations outlast its deadline: its last attempt, sent just
-/// before, still finds them.
-const RESERVATION_MARGIN: Duration = Duration::from_millis(500);
 
 /// A granted batch: its guard, its fencing token, and when the grant was asked for and
 /// seen.
@@ -159,43 +154,6 @@ enum Attempt {
     Granted((LockGuard, FencingToken)),
     /// Held or reserved by others.
     Held(Contention),
-}
-
-/// What a request carries from one attempt to the next.
-struct Waiter<'a> {
-    /// When its wait is over.
-    deadline: Instant,
-    line: Line,
-    /// Its place in line, when it waits fairly: withdrawn when it goes without a grant.
-    place: Option<Place>,
-    /// The pauses between attempts, for when a wake-up is lost.
-    backoff: Backoff,
-    /// Counted from the first refusal that makes the request wait, until it ends.
-    waiting: Option<Waiting>,
-    /// Its place among the requests that wait (`Locks::max_waiters`), from then on.
-    slot: Option<WaiterSlot>,
-    /// When its last attempt was sent: a hold it grants starts no earlier.
-    attempted: Instant,
-    /// The holds of its refused attempts: a hand-over names one of them (the store wrote
-    /// it beside the waiter's place), which nobody else knows; one that names another (a
-    /// notification anybody connected to PostgreSQL could send) grants nothing.
-    refused_holds: Vec<u64>,
-    /// The last wait's watch, kept through the next attempt: a release while that attempt
-    /// is under way (after the store found a key held, before its answer came back) has
-    /// woken it, and the waiter tries again at once rather than after a pause. Measured
-    /// across two processes on one Redis, a release that lands in that gap took 1-2% of
-    /// the waits to 20-40 ms. A waiter in line watches for its turn from before its first
-    /// attempt.
-    watched: Option<Watches<'a>>,
-}
-
-impl Waiter<'_> {
-    /// Withdraws its reservations now, if it has a place in line.
-    async fn withdraw(&mut self) {
-        if let Some(place) = self.place.take() {
-            place.withdraw().await;
-        }
-    }
 }
 
 impl<'a> Acquisition<'a> {
@@ -347,14 +305,6 @@ impl<'a> Acquisition<'a> {
         }
     }
 
-    /// Whether a request whose wait is over at `deadline`, refused at `now` for
-    /// `contention`, stops there: its wait is over, or it asked for an upgrade that other
-    /// readers keep out. Such an upgrade is refused at once: one of them may be waiting to
-    /// upgrade too, and each would wait for the other until the bound.
-    fn gives_up(contention: &Contention, deadline: Instant, now: Instant) -> bool {
-        now >= deadline || contention.upgrade
-    }
-
     /// What an attempt under `holder`, standing in `line`, asks of the store; a waiter in
     /// line kept out keeps its reservations for `reserve`.
     fn request(&self, holder: Holder, line: Line, reserve: Duration) -> AcquireRequest {
@@ -368,44 +318,6 @@ impl<'a> Acquisition<'a> {
             line,
             reserve,
             retry: false,
-        }
-    }
-
-    /// How long a waiter in line that is kept out at `now` keeps its reservations: to its
-    /// deadline, and [`RESERVATION_MARGIN`] more.
-    fn reserve_until(deadline: Instant, now: Instant) -> Duration {
-        deadline
-            .saturating_duration_since(now)
-            .saturating_add(RESERVATION_MARGIN)
-    }
-
-    /// How many of `blockers` (positions in the batch, ascending), from the first, no
-    /// longer keep `owner`, standing in `line`, out: see [`LockStore::probe`].
-    async fn probe(
-        &self,
-        owner: OwnerToken,
-        line: Line,
-        blockers: &[usize],
-    ) -> Result<usize, Refusal> {
-        let request = AcquireRequest {
-            keys: blockers.iter().map(|&i| self.keys[i].clone()).collect(),
-            modes: self.modes.part(blockers),
-            ..self.request(Holder::new(owner), line, Duration::ZERO)
-        };
-        match within(self.timeout, self.store.probe(&request)).await {
-            Ok(Ok(free)) => {
-                self.outage.answered();
-                Ok(free)
-            }
-            Ok(Err(error)) => {
-                self.outage.failed(&error, self.keys.len());
-                Err(Refusal::Unavailable)
-            }
-            Err(_elapsed) => {
-                let why = StoreError::timed_out(self.timeout);
-                self.outage.failed(&why, self.keys.len());
-                Err(Refusal::Unavailable)
-            }
         }
     }
 
@@ -458,42 +370,6 @@ impl<'a> Acquisition<'a> {
             if let Some(granted) = self.wait(owner, &mut waiter, contention).await? {
                 return Ok(granted);
             }
-        }
-    }
-
-    /// The state of a request that may wait, which started at `started`: its place in
-    /// line, when it waits fairly and holds nothing yet.
-    fn waiter(&self, started: Instant) -> Waiter<'a> {
-        let deadline = started + self.wait.bound();
-        let place = (self.wait.queues() && self.holder_since.is_none()).then(|| {
-            let until = deadline + RESERVATION_MARGIN;
-            Place::take(self.store.clone(), self.keys.clone(), self.timeout, until)
-        });
-        let line = match (&place, self.holder_since) {
-            (_, Some(arrived)) => Line::Holder(arrived),
-            (Some(place), None) => Line::At(place.ticket),
-            (None, None) => Line::Outside,
-        };
-        // A waiter in line is woken when its turn comes, and otherwise it could only
-        // notice a hold or a place before it that expired (its process died): it polls
-        // seldom, so that a long line does not cost the store a probe per waiter every few
-        // milliseconds.
-        let backoff = match line {
-            Line::At(_) => Backoff::new(Duration::from_millis(200), Duration::from_secs(2)),
-            Line::Outside | Line::Holder(_) => {
-                Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
-            }
-        };
-        Waiter {
-            deadline,
-            line,
-            place,
-            backoff,
-            waiting: None,
-            slot: None,
-            attempted: started,
-            refused_holds: Vec::new(),
-            watched: matches!(line, Line::At(_)).then(|| self.watch(line, self.keys)),
         }
     }
 
@@ -574,79 +450,6 @@ impl<'a> Acquisition<'a> {
         }
     }
 
-    /// Waits after an attempt refused for `contention`: until the waiter should send its
-    /// whole batch again (`None`), a release hands it the batch, or it gives up.
-    async fn wait(
-        &self,
-        owner: OwnerToken,
-        waiter: &mut Waiter<'a>,
-        contention: Contention,
-    ) -> Result<Option<(LockGuard, FencingToken)>, Refusal> {
-        if let (None, Some(layer)) = (&waiter.waiting, self.layer) {
-            waiter.waiting = Some(Waiting::start(layer));
-        }
-        // Where the store probes: the positions of the keys that kept the attempt out (the
-        // batch is sorted), less those that a probe finds free as the wait goes.
-        let mut blockers: Vec<usize> = if self.store.probes() {
-            let position = |key: &String| self.keys.binary_search(key).ok();
-            contention.keys.iter().filter_map(position).collect()
-        } else {
-            Vec::new()
-        };
-        loop {
-            let now = Instant::now();
-            if Self::gives_up(&contention, waiter.deadline, now) {
-                // Withdrawn before the answer, so that the client's retry does not find
-                // them in its way.
-                waiter.withdraw().await;
-                return Err(Refusal::Contended(contention));
-            }
-            if waiter.slot.is_none() {
-                // It waits: only while fewer than the bound already do.
-                waiter.slot = self.locks.start_waiting();
-                if waiter.slot.is_none() {
-                    waiter.withdraw().await;
-                    return Err(Refusal::Crowded);
-                }
-            }
-            let mut released = match waiter.watched.take() {
-                Some(watches) if watches.covers(&contention.keys) => watches,
-                _ => self.watch(waiter.line, &contention.keys),
-            };
-            let wake_at = (now + waiter.backoff.pause()).min(waiter.deadline);
-            let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
-                .await
-                .is_ok();
-            // Granted by the release itself (PostgreSQL, a waiter of one key): its hold
-            // began after the attempt before this wait, which its guard counts from.
-            let handover = released.take_handover();
-            if let Some(handover) = handover.filter(|h| waiter.refused_holds.contains(&h.hold)) {
-                let holder = Holder {
-                    owner,
-                    hold: handover.hold,
-                };
-                let guard = self.guard(holder, waiter.attempted);
-                let fence = FencingToken::new(handover.token);
-                return Ok(Some(Self::granted(guard, waiter.place.take(), fence)));
-            }
-            waiter.watched = Some(released);
-            waiter.attempted = Instant::now();
-            // Woken for the one key that still kept it out (first in line on it, or its
-            // watcher), on a store where nothing else wakes it: a probe would find that
-            // key free, and only add a round trip to the grant (a hot key's waiters made
-            // one a grant).
-            let turn = woken && self.store.whole_attempts(self.keys.len());
-            if blockers.is_empty() || (blockers.len() == 1 && turn) {
-                return Ok(None);
-            }
-            let free = self.probe(owner, waiter.line, &blockers).await?;
-            blockers.drain(..free.min(blockers.len()));
-            if blockers.is_empty() {
-                return Ok(None);
-            }
-        }
-    }
-
     /// A grant, by the waiter's attempt or handed over by a release: the guard answered,
     /// and the waiter's place in line ended with it (the grant took its reservations off
     /// the batch).
@@ -660,16 +463,6 @@ impl<'a> Acquisition<'a> {
             place.disarm();
         }
         (guard, fence)
-    }
-
-    /// What a waiter kept out by `keys` waits for: its turn, when it stands in line (its
-    /// reservations cover its whole batch); otherwise a release of one of those keys.
-    fn watch(&self, line: Line, keys: &[String]) -> Watches<'a> {
-        let wakeups = self.store.wakeups();
-        match line {
-            Line::At(ticket) => wakeups.watch_ticket(ticket.key()),
-            Line::Outside | Line::Holder(_) => wakeups.watch(keys),
-        }
     }
 }
 
