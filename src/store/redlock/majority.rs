@@ -3,7 +3,7 @@
 
 use crate::store::{
     contract::{Acquire, Contention, KeyStatus, KeyView},
-    fanout::{NodeFailure, NodeReply},
+    fanout::NodeReply,
 };
 
 /// What the masters answered an acquisition, so far.
@@ -12,8 +12,10 @@ pub(super) struct Tally {
     /// The masters that granted the batch, with their fencing counters.
     pub(super) granted: Vec<(usize, u64)>,
     pub(super) held: Vec<Contention>,
-    /// The masters that gave no answer in time: their acquisition may still run.
-    pub(super) timed_out: Vec<usize>,
+    /// The masters that gave no answer and may still run the acquisition later (see
+    /// [`NodeFailure::may_run_later`]): a connection that broke after the send is one, as
+    /// a timeout is, where a refused connection sent nothing.
+    pub(super) unanswered: Vec<usize>,
     /// Masters that gave no answer, for whatever reason.
     pub(super) failed: usize,
 }
@@ -25,8 +27,8 @@ impl Tally {
             Ok(Acquire::Held(contention)) => self.held.push(contention),
             Err(failure) => {
                 self.failed += 1;
-                if matches!(failure, NodeFailure::TimedOut) {
-                    self.timed_out.push(node);
+                if failure.may_run_later() {
+                    self.unanswered.push(node);
                 }
             }
         }
@@ -80,9 +82,30 @@ pub(super) fn majority_view(views: &[KeyView], quorum: usize) -> KeyView {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::{io, time::Duration};
 
     use super::*;
+    use crate::store::{error::StoreError, fanout::NodeFailure};
+
+    /// A master that gave no answer may run the acquisition later, and gets its release or
+    /// withdrawal again then, whatever the failure: a timeout, or a connection that broke
+    /// after the send. A refused connection sent nothing, and a command never sent runs
+    /// nowhere.
+    #[test]
+    fn a_master_whose_connection_broke_after_the_send_may_run_the_acquisition_later() {
+        let io_failure = |kind: io::ErrorKind| {
+            let error = redis::RedisError::from(io::Error::new(kind, "on the wire"));
+            Err(NodeFailure::Failed(StoreError::unknown(error)))
+        };
+        let mut tally = Tally::default();
+        tally.record(0, Err(NodeFailure::TimedOut));
+        tally.record(1, io_failure(io::ErrorKind::ConnectionReset));
+        tally.record(2, io_failure(io::ErrorKind::ConnectionRefused));
+        let not_sent = StoreError::not_sent(io::Error::other("no connection"));
+        tally.record(3, Err(NodeFailure::Failed(not_sent)));
+        assert_eq!(tally.unanswered, [0, 1]);
+        assert_eq!(tally.failed, 4);
+    }
 
     #[test]
     fn a_key_is_held_when_a_majority_holds_it() {

@@ -16,6 +16,8 @@ use futures_util::{
     StreamExt,
 };
 
+mod place;
+
 use super::majority::{majority_view, Tally};
 #[cfg(feature = "idempotency")]
 use crate::store::contract::{AnswerStore, StoredAnswer};
@@ -26,7 +28,6 @@ use crate::store::{
     },
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout, NodeFailure, NodeReply},
-    late,
     redis::{Freeing, RedisStore},
     wake::Wakeups,
 };
@@ -127,72 +128,6 @@ impl RedlockStore {
         })
     }
 
-    /// Withdraws a waiter's reservations on each of `nodes` at once.
-    fn start_withdrawals(
-        &self,
-        nodes: impl Iterator<Item = usize>,
-        keys: &Arc<[String]>,
-        ticket: Ticket,
-    ) -> Replies<usize> {
-        self.start_on(nodes, |_, node| {
-            let keys = keys.clone();
-            let timeout = self.fanout.timeout_for(keys.len(), node.step());
-            async move { bounded(timeout, node.withdraw(&keys, ticket)).await }
-        })
-    }
-
-    /// Withdraws a granted waiter's place in line on the masters that did not grant its
-    /// batch, where its reservations (or its claim) would keep later requests out until
-    /// its deadline: once the masters still at work on the acquisition (`rest`) have
-    /// answered, in the background. A withdrawal that overtook a master's acquisition would
-    /// be undone by that master's refusal, which puts the place back; a claim's retry, a
-    /// plain pass and then a script, left it behind so in a full run. A master that grants
-    /// after the majority did has ended the place there itself, as every grant does: a
-    /// withdrawal there found nothing, and read the whole batch to find it (2,000-key
-    /// orders one at a time on three masters: every grant sent one, and the masters' CPU a
-    /// grant was 10.5-11.7 ms with it, 9.0-9.9 without). A master whose acquisition got
-    /// no answer (`unanswered`, and those in `rest` that fail so) may still run it later,
-    /// be refused and put the place back: it is sent the withdrawal again on [`late`]'s
-    /// schedule.
-    fn withdraw_when_answered(
-        &self,
-        mut rest: Replies<Acquire>,
-        granted: &[(usize, u64)],
-        keys: &Keys,
-        ticket: Ticket,
-        mut unanswered: Vec<usize>,
-    ) {
-        // The masters outside the majority's grants, by index, as `rest` names them.
-        let mut refused: Vec<(usize, Arc<RedisStore>)> = (0..self.masters.len())
-            .filter(|node| granted.iter().all(|&(g, _)| g != *node))
-            .map(|node| (node, self.masters[node].node.clone()))
-            .collect();
-        let (keys, fanout) = (keys.clone(), self.fanout.clone());
-        tokio::spawn(async move {
-            while let Some((node, reply)) = rest.next().await {
-                match reply {
-                    Ok(Acquire::Granted(_)) => refused.retain(|(other, _)| *other != node),
-                    Err(failure) if failure.may_run_later() => unanswered.push(node),
-                    _ => {}
-                }
-            }
-            let withdraw = |master: &Arc<RedisStore>| {
-                let (master, keys) = (master.clone(), keys.clone());
-                let timeout = fanout.timeout_for(keys.len(), master.step());
-                async move { bounded(timeout, master.withdraw(&keys, ticket)).await }
-            };
-            join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
-            refused.retain(|(node, _)| unanswered.contains(node));
-            if !refused.is_empty() {
-                let (refused, withdraw) = (&refused, &withdraw);
-                late::send_again(|| async move {
-                    join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
-                })
-                .await;
-            }
-        });
-    }
-
     /// Counts and logs that a master did not answer a call (see [`Fanout::report`]).
     fn report(&self, node: usize, call: &'static str, failure: &NodeFailure) {
         self.fanout
@@ -283,8 +218,8 @@ impl RedlockStore {
                 });
             while reserved.next().await.is_some() {}
         }
-        finish_in_background(self.start_releases(tally.timed_out.iter().copied(), keys, how));
-        let answered = (0..self.masters.len()).filter(|node| !tally.timed_out.contains(node));
+        finish_in_background(self.start_releases(tally.unanswered.iter().copied(), keys, how));
+        let answered = (0..self.masters.len()).filter(|node| !tally.unanswered.contains(node));
         let mut releases = self.start_releases(answered, keys, how);
         while releases.next().await.is_some() {}
     }
@@ -326,7 +261,7 @@ impl LockStore for RedlockStore {
                         // own task.
                         match request.line {
                             Line::At(ticket) => {
-                                let unanswered = tally.timed_out.clone();
+                                let unanswered = tally.unanswered.clone();
                                 self.withdraw_when_answered(
                                     replies,
                                     &tally.granted,
