@@ -1,11 +1,16 @@
 //! One owner per request: shared by nested layers and by the handler's own acquisitions.
 
+#[cfg(feature = "idempotency")]
+use std::future::Future;
 use std::{
     sync::{Arc, Mutex, OnceLock, PoisonError},
     time::Instant,
 };
 
 use futures_util::future::{join_all, BoxFuture};
+#[cfg(feature = "idempotency")]
+use futures_util::future::{select, Either};
+use tokio::sync::watch;
 
 #[cfg(doc)]
 use crate::lease::Lease;
@@ -29,6 +34,21 @@ pub(crate) struct RequestOwner {
     arrived_at: OnceLock<Instant>,
     /// The holds the handler took through [`Lease::lock`], released with the request.
     extra: Mutex<Vec<(u64, LockGuard)>>,
+    /// The runs of the request's inner service that go on in tasks of their own
+    /// ([`run_apart`](Self::run_apart)), once there is one: most requests never have one.
+    apart: OnceLock<watch::Sender<Apart>>,
+}
+
+/// The runs of a request that go on apart from its future, numbered as they start.
+#[derive(Debug, Default)]
+struct Apart {
+    /// The number of the next run to start.
+    next: u64,
+    /// Those still running.
+    running: Vec<u64>,
+    /// The runs from this number on are cancelled (a layer around them lost its lease and
+    /// cancels its inner service).
+    cancelled_from: Option<u64>,
 }
 
 impl RequestOwner {
@@ -37,7 +57,59 @@ impl RequestOwner {
             token,
             arrived_at: OnceLock::new(),
             extra: Mutex::default(),
+            apart: OnceLock::new(),
         })
+    }
+
+    /// Where the owner's runs apart stand now: a layer's guard made now is around every
+    /// run that starts from here on, and none that started before.
+    pub(crate) fn runs_from(&self) -> u64 {
+        self.apart.get().map_or(0, |apart| apart.borrow().next)
+    }
+
+    /// Runs `run` (the inner service, in the idempotency layer's task, which goes on when
+    /// the request's future is dropped) apart from the request: until it ends, the layers
+    /// around it keep their holds and renew them even when the request is dropped (a
+    /// client that left), and a layer around it that cancels its inner service when it
+    /// loses its lease cancels this run (`None`).
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn run_apart<F: Future>(
+        self: &Arc<Self>,
+        run: F,
+    ) -> impl Future<Output = Option<F::Output>> {
+        let mut number = 0;
+        let apart = self
+            .apart
+            .get_or_init(|| watch::Sender::new(Apart::default()));
+        apart.send_modify(|apart| {
+            number = apart.next;
+            apart.next += 1;
+            apart.running.push(number);
+        });
+        let ended = RunEnded(self.clone(), number);
+        let mut cancels = apart.subscribe();
+        async move {
+            let _ended = ended;
+            let cancelled = cancels.wait_for(|a| a.cancelled_from.is_some_and(|c| c <= number));
+            // The cancellation first: a run woken by both (its handler's last wait ended
+            // just as its lease was lost) is cancelled, as the layer already answered. A
+            // statement of its own: a cancellation's answer borrows the channel, which
+            // `_ended` then changes.
+            let output = match select(std::pin::pin!(cancelled), std::pin::pin!(run)).await {
+                Either::Left(_) => None,
+                Either::Right((output, _)) => Some(output),
+            };
+            output
+        }
+    }
+
+    /// Cancels the runs apart that started at `from` or later.
+    fn cancel_runs_from(&self, from: u64) {
+        if let Some(apart) = self.apart.get() {
+            apart.send_modify(|apart| {
+                apart.cancelled_from = Some(apart.cancelled_from.map_or(from, |c| c.min(from)));
+            });
+        }
     }
 
     /// Notes that the owner was granted keys by an acquisition that started at `started`
@@ -74,6 +146,20 @@ impl RequestOwner {
     }
 }
 
+/// Ends a run apart, however it ends.
+#[cfg(feature = "idempotency")]
+struct RunEnded(Arc<RequestOwner>, u64);
+
+#[cfg(feature = "idempotency")]
+impl Drop for RunEnded {
+    fn drop(&mut self) {
+        let number = self.1;
+        if let Some(apart) = self.0.apart.get() {
+            apart.send_modify(|apart| apart.running.retain(|&n| n != number));
+        }
+    }
+}
+
 /// The handler's extra holds of a request, given back when the request ends. Held by the
 /// layer that made the request's owner; dropped early (the request was dropped), it drops
 /// the guards, which release in the background.
@@ -104,6 +190,10 @@ impl Drop for ExtraHolds {
 pub(crate) struct RequestGuard {
     pub(crate) guard: LockGuard,
     pub(crate) extra: Option<ExtraHolds>,
+    pub(crate) owner: Arc<RequestOwner>,
+    /// The owner's runs apart from this number on run inside this layer
+    /// ([`RequestOwner::runs_from`] when the guard was made).
+    pub(crate) runs_from: u64,
 }
 
 impl RequestGuard {
@@ -122,12 +212,44 @@ impl RequestGuard {
     /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
     /// a drop midway leaves is released in the background.
     pub(crate) fn release(self) -> BoxFuture<'static, ()> {
-        let Self { guard, extra } = self;
+        let Self { guard, extra, .. } = self;
         Box::pin(async move {
             if let Some(extra) = &extra {
                 join_all(extra.take().into_iter().map(LockGuard::release)).await;
             }
             guard.release().await;
         })
+    }
+
+    /// Releases, as [`release`](Self::release) does, after cancelling the runs apart
+    /// inside this layer: it lost its lease, which cancels its inner service.
+    pub(crate) fn cancel(self) -> BoxFuture<'static, ()> {
+        self.owner.cancel_runs_from(self.runs_from);
+        self.release()
+    }
+
+    /// Lets the guard go, its request dropped while its inner service ran: at once, unless
+    /// a run of that service goes on apart ([`RequestOwner::run_apart`]), which still uses
+    /// the keys; they stay held, and renewed, until it ends, and are released then in the
+    /// background.
+    pub(crate) fn drop_after_runs_apart(mut self) {
+        let from = self.runs_from;
+        let Some(mut apart) = self.owner.apart.get().map(watch::Sender::subscribe) else {
+            return;
+        };
+        if !apart.borrow().running.iter().any(|&n| n >= from) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        self.start_deferred_renewal();
+        runtime.spawn(async move {
+            // The sender lives in the owner, which this guard keeps.
+            let _ = apart
+                .wait_for(|a| !a.running.iter().any(|&n| n >= from))
+                .await;
+            drop(self);
+        });
     }
 }

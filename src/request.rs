@@ -278,11 +278,17 @@ impl<B> Pending<B> {
             request.extensions_mut().insert(lease);
         }
         // The layer that made the owner gives back the handler's holds too.
-        let extra = made_here.then(|| ExtraHolds(owner));
+        let runs_from = owner.runs_from();
+        let extra = made_here.then(|| ExtraHolds(owner.clone()));
         Ok((
             request,
             Some(Holding {
-                guard: RequestGuard { guard, extra },
+                guard: RequestGuard {
+                    guard,
+                    extra,
+                    owner,
+                    runs_from,
+                },
                 cancel_on_loss,
                 until_body_end: policy.hold_until_body_end,
                 renew_at,

@@ -53,7 +53,10 @@ const NAMESPACE: &str = "idempotency:";
 /// with the [`Locks`]' lease: renewed while the handler runs, released when the answer is
 /// stored, and free again one TTL after its process died, so that a retry then runs. A
 /// request with a key runs to its end even when its client goes away or a timeout around
-/// the layer gives up on it, so that its answer is there for the retry.
+/// the layer gives up on it, so that its answer is there for the retry. A lock layer
+/// around this one (a lock on the whole router, say) keeps its keys, renewed, until that
+/// run ends, and one whose [`on_lost_lease`](crate::Locks::on_lost_lease) cancels
+/// cancels the run when it loses them.
 ///
 /// ```
 /// use axum::{routing::post, Router};

@@ -165,6 +165,7 @@ where
             // again (an outer lock layer's, which its lease names, so the lease is taken
             // off meanwhile): two requests with one key are duplicates, whoever owns them.
             run.outer_lease = parts.extensions.remove::<Lease>();
+            let outer_owner = run.outer_lease.as_ref().map(|lease| lease.owner().clone());
             // A retry of a finished request is answered without taking any lock.
             if let Some(answer) = shared.stored(&run).await {
                 return Ok(answer);
@@ -174,9 +175,20 @@ where
             // The run goes on in a task of its own, so that it reaches its end and stores
             // its answer even when this future is dropped: a client that went away (hyper
             // then drops it) or a timeout around this layer must not leave a request that
-            // did its work but stored nothing, which its retry would run again.
-            let response = match tokio::spawn(inner.call(request)).await {
-                Ok(response) => response?,
+            // did its work but stored nothing, which its retry would run again. Lock
+            // layers around this one keep their keys until it ends (a run apart), and
+            // one that loses its lease and cancels its inner service cancels it.
+            let call = inner.call(request);
+            let run = async move {
+                match outer_owner {
+                    Some(owner) => owner.run_apart(call).await,
+                    None => Some(call.await),
+                }
+            };
+            let response = match tokio::spawn(run).await {
+                Ok(Some(response)) => response?,
+                // Cancelled by a layer around this one, which answers for it.
+                Ok(None) => return Ok(Rejection::unavailable().into_response()),
                 Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
                 // The runtime is shutting down.
                 Err(_) => return Ok(Rejection::unavailable().into_response()),

@@ -33,6 +33,21 @@ pin_project! {
         state: State<S, B, ResBody>,
         span: Span,
     }
+
+    impl<S, B, ResBody> PinnedDrop for ResponseFuture<S, B, ResBody>
+    where
+        S: Service<Request<B>, Response = Response<ResBody>>,
+    {
+        fn drop(this: Pin<&mut Self>) {
+            // Dropped while the inner service runs (the client left): a run of it that goes
+            // on apart (an idempotency layer's, inside) keeps the keys until it ends.
+            if let StateProj::Running { guard, .. } = this.project().state.project() {
+                if let Some(guard) = guard.take() {
+                    guard.drop_after_runs_apart();
+                }
+            }
+        }
+    }
 }
 
 pin_project! {
@@ -162,8 +177,9 @@ where
                         lost.as_mut().map(|lost| lost.as_mut().poll(cx))
                     {
                         let output = Some(Ok(refusal.map(ResponseBody::refusal)));
-                        let release = guard.take().map_or_else(no_release, RequestGuard::release);
-                        // Dropping the inner future here is the cancellation.
+                        let release = guard.take().map_or_else(no_release, RequestGuard::cancel);
+                        // Dropping the inner future here is the cancellation (and
+                        // `cancel` cancels its runs apart).
                         this.state.set(State::Releasing { release, output });
                         continue;
                     }

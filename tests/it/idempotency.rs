@@ -583,6 +583,96 @@ async fn a_request_whose_client_went_away_still_stores_its_answer() {
     }
 }
 
+/// [`orders_router`] inside a lock layer of `locks` on `product:7`: a lock layer around the
+/// idempotency layer.
+fn product_locked_orders(locks: &Locks, orders: &Arc<Orders>, gate: &Arc<Gate>) -> Router {
+    let product = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["product:7"]);
+    orders_router(locks.idempotency(), orders, Some(gate)).route_layer(locks.layer(product))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_layer_around_keeps_its_keys_while_a_request_whose_client_went_away_runs() {
+    for store in [Store::memory(), Store::redis()] {
+        // A short TTL: the keys outlive it only if their renewal goes on.
+        let locks = store.locks[0]
+            .clone()
+            .ttl(Duration::from_millis(300))
+            .wait(Wait::none());
+        let orders = Arc::new(Orders::default());
+        let gate = Gate::new();
+        let app = product_locked_orders(&locks, &orders, &gate);
+        let first = tokio::spawn({
+            let app = app.clone();
+            async move { send(&app, order(Some("went-away"), "{}")).await }
+        });
+        gate.wait_entered().await;
+        // The client goes away; its handler goes on in the idempotency layer's task, and
+        // still holds the product past several TTLs: another order for it is refused.
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let other = within(
+            Duration::from_secs(3),
+            "another order while the first runs",
+            send(&app, order(Some("another"), "{}")),
+        )
+        .await;
+        assert_eq!(other.status, StatusCode::CONFLICT, "{}", store.name);
+        gate.open();
+        // The run ends and stores its answer; then the product is free again.
+        let retry = within(
+            Duration::from_secs(5),
+            "the first answer is stored",
+            async {
+                loop {
+                    let reply = send(&app, order(Some("went-away"), "{}")).await;
+                    if reply.status != StatusCode::CONFLICT {
+                        return reply;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+        )
+        .await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{}", store.name);
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        gate.open();
+        let other = send(&app, order(Some("another"), "{}")).await;
+        assert_eq!(other.status, StatusCode::CREATED, "{}", store.name);
+        assert_eq!(orders.created.load(Ordering::SeqCst), 2, "{}", store.name);
+        store.settle_runs().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_layer_around_that_loses_its_lease_and_cancels_cancels_the_run() {
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory())
+        .ttl(Duration::from_millis(300))
+        .wait(Wait::none())
+        .on_lost_lease(OnLostLease::Cancel);
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    let app = product_locked_orders(&locks, &orders, &gate);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(Some("lost"), "{}")).await }
+    });
+    gate.wait_entered().await;
+    let ended = locks.force_release(["product:7"], "test").await.unwrap();
+    assert_eq!(ended, 1);
+    // The next renewal finds the product gone: the layer answers 503 and cancels its
+    // inner service, the idempotency layer's run in a task of its own included.
+    let first = within(Duration::from_secs(3), "the cancelled answer", first).await;
+    assert_eq!(first.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    gate.open();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        0,
+        "the cancelled run went on without its lock"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_slower_than_max_hold_keeps_its_retries_out_and_is_not_cancelled() {
     for store in [Store::memory(), Store::redis()] {
