@@ -26,6 +26,7 @@ use crate::support::{
     http::{batch, batch_router, fence_router, poll_every, send},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
+    proxy::Proxy,
 };
 
 fn locks(db: &Database) -> Locks {
@@ -362,6 +363,39 @@ async fn an_operator_sees_a_held_batch_and_frees_it() {
     assert!(rows(&db).is_empty());
     gate.open();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
+}
+
+/// A connection whose call got no answer in time is closed, not given back to the pool,
+/// where the next call queued behind the statement still on it: with a server gone silent
+/// without closing its connections (a host gone, an address moved in a failover), every
+/// call got 503 until the kernel gave the connection up, minutes later. And
+/// `Locks::check` asks the server, where a pooled connection answered it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_is_given_up_with_its_call_and_the_next_call_connects_again() {
+    let db = Database::create();
+    let proxy = Proxy::start(5432).await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port(),
+        db.name()
+    );
+    let locks =
+        Locks::new(Postgres::url(url).build().unwrap()).store_timeout(Duration::from_millis(300));
+    locks.check().await.unwrap();
+    // The connections open now go silent; new ones pass.
+    proxy.hold_open();
+    assert!(
+        locks.check().await.is_err(),
+        "the check answered without the server"
+    );
+    let give_up = Instant::now() + Duration::from_secs(3);
+    while locks.inspect(["k"]).await.is_err() {
+        assert!(
+            Instant::now() < give_up,
+            "every call after the silent connection got no answer"
+        );
+    }
+    proxy.release_held();
 }
 
 /// Behind PgBouncer in transaction mode, where each transaction may run on another of its

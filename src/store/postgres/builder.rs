@@ -8,7 +8,7 @@ use tokio_postgres::{
     NoTls, Socket,
 };
 
-use super::{schema::Names, tls::Connector, PostgresStore};
+use super::{listen, schema::Names, tls::Connector, PostgresStore};
 use crate::store::handle::Store;
 
 /// Connections of the pool the store makes from a URL.
@@ -188,6 +188,15 @@ const POOL_SIZE: usize = 16;
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
 ///   replay: after promoting one that was behind, raise it (`locks_raise_fence`, above)
 ///   before the first grant, and check tokens at the resource.
+/// - **A server gone silent** (a host gone, an address moved to a new primary, without a
+///   reset): a connection whose call got no answer within the
+///   [`store_timeout`](crate::Locks::store_timeout) is closed, not given back to the pool,
+///   so the next call connects again (to the server that answers now) rather than queue
+///   behind it. The store's own connections (the pool built from a URL, the listener)
+///   set TCP keepalives, so that an idle one to a vanished server is given up in about
+///   25 s (probes after 10 s idle, every 5 s, 3 of them); set them on a pool you pass to
+///   [`Postgres::pool`] (`keepalives_idle` and the like in its URL).
+///   [`Locks::check`](crate::Locks::check) asks the server each time.
 /// - **TLS.** Without [`tls`](Self::tls), the store's own connections (the pool built
 ///   from a URL, and the connection that listens for releases) do not use TLS. With it,
 ///   they do as the URL's `sslmode` says (`prefer` by default; `require` to refuse a
@@ -379,7 +388,8 @@ impl Postgres {
         let (pool, listener) = match self.source {
             Source::Pool(pool) => (pool, self.wakeups),
             Source::Url(url) => {
-                let config = tokio_postgres::Config::from_str(&url)?;
+                let mut config = tokio_postgres::Config::from_str(&url)?;
+                listen::keep_alive(&mut config);
                 let manager = connector.manager(
                     config.clone(),
                     ManagerConfig {

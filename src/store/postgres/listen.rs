@@ -24,25 +24,31 @@ const SWEEP_EVERY: Duration = Duration::from_secs(30);
 /// Rows a sweep deletes at most in one statement.
 const SWEEP_BATCH: i32 = 1000;
 
+/// Sets the TCP keepalive of the store's connections: a server that vanished without
+/// closing them (a network partition, a host gone) would go unnoticed by an idle
+/// connection for the system's keepalive time, two hours by default. The kernel probes one
+/// after 10 s idle, every 5 s, and gives it up after 3 unanswered probes (about 25 s).
+pub(super) fn keep_alive(config: &mut tokio_postgres::Config) {
+    config
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3);
+}
+
 /// Wakes this process's waiters for every release notified on `channel`, until the store
 /// is dropped. Reconnects after a lost connection, and then wakes every waiter: releases in
 /// the gap went unheard. Waiters poll meanwhile, as they do without a listener.
 ///
 /// Once it listens, the connection only receives, so a server that vanished without
-/// closing it (a network partition, a host gone) would go unnoticed for the system's TCP
-/// keepalive time, two hours by default. It sets its own: the kernel probes it after 10 s
-/// idle, every 5 s, and gives it up after 3 unanswered probes (about 25 s).
+/// closing it would go unnoticed for the system's TCP keepalive time ([`keep_alive`]).
 pub(super) async fn listen_for_releases(
     mut config: tokio_postgres::Config,
     connector: Connector,
     channel: String,
     wakeups: Weak<Wakeups>,
 ) {
-    config
-        .keepalives(true)
-        .keepalives_idle(Duration::from_secs(10))
-        .keepalives_interval(Duration::from_secs(5))
-        .keepalives_retries(3);
+    keep_alive(&mut config);
     let mut backoff = reconnect_backoff();
     while wakeups.strong_count() > 0 {
         match connector.connect(config.clone()).await {

@@ -216,13 +216,13 @@ impl PostgresStore {
         });
     }
 
-    /// A connection, once the schema is known to be there.
-    async fn client(&self) -> Result<Object, StoreError> {
-        let client = self.pool.get().await.map_err(|error| {
+    /// A connection, once the schema is known to be there, for a call: see [`Calling`].
+    async fn client(&self) -> Result<Calling, StoreError> {
+        let client = Calling(Some(self.pool.get().await.map_err(|error| {
             StoreError::not_sent(error).context("could not get a PostgreSQL connection")
-        })?;
+        })?));
         self.ready
-            .get_or_try_init(|| schema::prepare(&client, &self.names, self.create))
+            .get_or_try_init(|| schema::prepare(client.get(), &self.names, self.create))
             .await?;
         Ok(client)
     }
@@ -251,20 +251,26 @@ impl PostgresStore {
         call: &Call,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Result<Vec<Row>, tokio_postgres::Error>, StoreError> {
-        let client = self.client().await?;
-        if self.unprepared {
+        let calling = self.client().await?;
+        let client = calling.get();
+        let answer = if self.unprepared {
             let typed: Vec<_> = params
                 .iter()
                 .copied()
                 .zip(call.types.iter().cloned())
                 .collect();
-            return Ok(client.query_typed(&call.sql, &typed).await);
-        }
-        let statement = client
-            .prepare_typed_cached(&call.sql, &call.types)
-            .await
-            .map_err(|e| failed(e, false))?;
-        Ok(client.query(&statement, params).await)
+            client.query_typed(&call.sql, &typed).await
+        } else {
+            match client.prepare_typed_cached(&call.sql, &call.types).await {
+                Ok(statement) => client.query(&statement, params).await,
+                Err(error) => {
+                    calling.answered();
+                    return Err(failed(error, false));
+                }
+            }
+        };
+        calling.answered();
+        Ok(answer)
     }
 
     /// Frees keys for others with `sql` (release, withdraw, force_release), whose last
@@ -344,6 +350,36 @@ impl PostgresStore {
             earliest_expiry: from_millis(row.get(2)),
             upgrade: row.get(4),
         }))
+    }
+}
+
+/// A pooled connection with a call on it. Dropped before the call was answered (the
+/// store's timeout, a request that went away), it is closed rather than given back to the
+/// pool, where the next call would queue behind the statement still on it: on a server
+/// that went silent without closing its connections (a host gone, a failover that moved
+/// its address), every connection of the pool would hang so, and every call get 503, until
+/// the kernel gave up on them, minutes later; a new connection finds the server that
+/// answers now.
+struct Calling(Option<Object>);
+
+impl Calling {
+    fn get(&self) -> &Object {
+        self.0
+            .as_ref()
+            .expect("a connection is taken out at its answer only")
+    }
+
+    /// The call was answered: the connection goes back to the pool.
+    fn answered(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Calling {
+    fn drop(&mut self) {
+        if let Some(unanswered) = self.0.take() {
+            drop(Object::take(unanswered));
+        }
     }
 }
 
@@ -484,9 +520,20 @@ impl LockStore for PostgresStore {
         })
     }
 
-    /// PostgreSQL 12 or later, and the schema in this version (made if allowed).
+    /// PostgreSQL 12 or later, the schema in this version (made if allowed), and a round
+    /// trip to the server: a pooled connection that is there says nothing of a server
+    /// that stopped answering.
     fn check(&self) -> Reply<'_, ()> {
-        Box::pin(async move { self.client().await.map(drop) })
+        Box::pin(async move {
+            let calling = self.client().await?;
+            calling
+                .get()
+                .simple_query("")
+                .await
+                .map_err(|error| failed(error, false))?;
+            calling.answered();
+            Ok(())
+        })
     }
 
     fn wakeups(&self) -> &Wakeups {

@@ -14,7 +14,7 @@ pub(crate) mod logs;
 pub(crate) mod pg_server;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod proxy;
 #[cfg(feature = "redis")]
 mod server;

@@ -93,6 +93,13 @@ impl Proxy {
         self.held_below.send_replace(0);
     }
 
+    /// The loopback port it listens on.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
