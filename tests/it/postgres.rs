@@ -42,12 +42,17 @@ fn rows(db: &Database) -> Vec<String> {
 /// A transaction of its own that keeps the row of `lock:k` (as a user's guarded
 /// transaction that runs long would) until its client sends `COMMIT`.
 async fn keep_row_of_k(db: &Database) -> tokio_postgres::Client {
+    keep_row(db, "lock:k").await
+}
+
+/// [`keep_row_of_k`] for the row of `key`.
+async fn keep_row(db: &Database, key: &str) -> tokio_postgres::Client {
     let (keeper, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
     tokio::spawn(connection);
     keeper
-        .batch_execute(
-            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = 'lock:k' FOR UPDATE",
-        )
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM tower_batch_lock.locks WHERE key = '{key}' FOR UPDATE"
+        ))
         .await
         .unwrap();
     keeper
@@ -235,6 +240,37 @@ async fn a_waiter_of_one_key_is_handed_it_by_the_release_in_either_process() {
         );
         assert!(rows(&db).is_empty(), "{process}: {:?}", rows(&db));
     }
+}
+
+/// A key handed over is held a whole TTL from the hand-over, as the waiter counts it (from
+/// its refused attempt, before): the release, which waited 400 ms for another row of its
+/// batch first (a user's transaction kept it), counted it from its own start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_handed_over_after_the_release_waited_is_held_a_whole_ttl() {
+    let db = Database::create();
+    let locks = locks(&db).wait(Wait::up_to(Duration::from_secs(5)));
+    let (holders, waiters) = (Gate::new(), Gate::new());
+    let holder = batch_router(&locks, gated_handler(&holders));
+    let held = tokio::spawn(async move { send(&holder, batch(&["a", "k"])).await });
+    holders.wait_entered().await;
+    let waiter = batch_router(&locks, gated_handler(&waiters));
+    let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
+    waiting_turn(&db, "lock:k").await;
+    // The release frees `a` first, whose row a transaction keeps for 400 ms, then hands
+    // `k` over.
+    let keeper = keep_row(&db, "lock:a").await;
+    holders.open();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    keeper.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    waiters.wait_entered().await;
+    let ttl = locks.inspect(["k"]).await.unwrap()[0].ttl().unwrap();
+    assert!(
+        ttl > Duration::from_millis(9_800),
+        "the key handed over ends in {ttl:?} of its 10 s"
+    );
+    waiters.open();
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
 }
 
 /// A hand-over is believed only when it names the hold of one of the waiter's refused

@@ -1024,8 +1024,11 @@ BEGIN
                          WHERE x.key = u.key AND x.head = u.ticket)
            ORDER BY u.key
   LOOP
+    -- Its TTL from now, not from the release's start (`p_now`): the release may have
+    -- waited for rows before it came here, after the waiter's refused attempt (which left
+    -- its turn) was sent, and the waiter counts its hold from that attempt.
     UPDATE {T} l SET owner = t.owner, holds = ARRAY[t.hold], modes = 'x',
-        ends = p_now + t.ttl_ms * interval '1 ms', readers = NULL,
+        ends = clock_timestamp() + t.ttl_ms * interval '1 ms', readers = NULL,
         line = {T}_without(l.line, t.ticket, p_now)
       WHERE l.key = t.key AND NOT (l.owner IS NOT NULL AND l.ends > p_now)
         AND NOT EXISTS (SELECT 1 FROM unnest(l.readers) x WHERE x.ends > p_now);
