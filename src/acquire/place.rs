@@ -83,9 +83,14 @@ impl Place {
 
     /// Withdraws the reservations: one attempt now, bounded by the store's timeout, so
     /// that the refusal goes out within its limits; if it fails, more in the background.
+    /// The place stays armed until that attempt is answered: dropped before (the request
+    /// was dropped meanwhile), it withdraws in the background.
     pub(super) async fn withdraw(mut self) {
+        let Some(reserved) = &self.armed else {
+            return;
+        };
+        let answered = reserved.withdraw_once(self.ticket).await;
         if let Some(reserved) = self.armed.take() {
-            let answered = reserved.withdraw_once(self.ticket).await;
             if !answered || reserved.unanswered {
                 spawn_rest(reserved, self.ticket, answered);
             }

@@ -148,3 +148,65 @@ async fn a_grant_answered_after_its_ttl_is_released_and_refused() {
         .await
         .is_ok());
 }
+
+/// Withdraws only `delay` after it was asked to, the first time.
+#[derive(Debug)]
+struct FirstWithdrawalLate {
+    delay: Duration,
+    asked: std::sync::atomic::AtomicBool,
+}
+
+impl Hooks for FirstWithdrawalLate {
+    fn withdraw<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        keys: &'a Keys,
+        ticket: Ticket,
+    ) -> Reply<'a, usize> {
+        Box::pin(async move {
+            if !self.asked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                tokio::time::sleep(self.delay).await;
+            }
+            store.withdraw(keys, ticket).await
+        })
+    }
+}
+
+/// A waiter dropped while its withdrawal is under way (it gave up, and its client's
+/// timeout came before the store answered) still withdraws its place, in the background:
+/// dropped, its reservations kept every later request out until its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_during_its_withdrawal_withdraws_in_the_background() {
+    let store = Arc::new(Intercepted::new(FirstWithdrawalLate {
+        delay: Duration::from_secs(2),
+        asked: false.into(),
+    }));
+    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+    let holder = Holder::new(OwnerToken::random());
+    let request = AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.clone(),
+        modes: Modes::All(Mode::Exclusive),
+        holder,
+        ttl: Duration::from_secs(30),
+        report: 0,
+        line: Line::Outside,
+        reserve: Duration::ZERO,
+        retry: false,
+    };
+    let held = store.store.acquire(&request).await.unwrap();
+    assert!(matches!(held, Acquire::Granted(_)));
+
+    // It waits 1 s, reserving the key until 1.5 s, gives up, and is dropped at 1.1 s,
+    // while its withdrawal waits on the store.
+    let locks = locks_over(store.clone()).wait(Wait::up_to(Duration::from_secs(1)));
+    let modes = Modes::All(Mode::Exclusive);
+    let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
+    let run = acquisition.run(OwnerToken::random(), Instant::now());
+    assert!(tokio::time::timeout(Duration::from_millis(1_100), run)
+        .await
+        .is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let view = &store.store.inspect(&keys).await.unwrap()[0];
+    assert_eq!(view.waiters, 0, "its place is still there: {view:?}");
+}

@@ -1,4 +1,4 @@
-//! The memory store with a hook around its acquisitions and releases, for unit tests of
+//! The memory store with a hook around its acquisitions, releases and withdrawals, for unit tests of
 //! what the layer does when a store answers late, never, or after the world changed.
 
 use std::time::Duration;
@@ -27,9 +27,18 @@ pub(crate) trait Hooks: std::fmt::Debug + Send + Sync + 'static {
     ) -> Reply<'a, usize> {
         store.release(keys, holder)
     }
+
+    fn withdraw<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        keys: &'a Keys,
+        ticket: Ticket,
+    ) -> Reply<'a, usize> {
+        store.withdraw(keys, ticket)
+    }
 }
 
-/// The memory store, its acquisitions and releases going through `hooks`.
+/// The memory store, its acquisitions, releases and withdrawals going through `hooks`.
 #[derive(Debug)]
 pub(crate) struct Intercepted<H> {
     pub(crate) store: MemoryStore,
@@ -55,7 +64,7 @@ impl<H: Hooks> LockStore for Intercepted<H> {
     }
 
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
-        self.store.withdraw(keys, ticket)
+        self.hooks.withdraw(&self.store, keys, ticket)
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
