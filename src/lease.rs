@@ -81,6 +81,10 @@ pub struct Lease {
     /// The lease of the holds around this one: an outer lock layer's (with those around
     /// it), the idempotency layer's in-flight hold.
     enclosing: Option<Arc<Lease>>,
+    /// Whether losing this hold cancels a lock layer's inner service, where the layer's
+    /// [`on_lost_lease`](Locks::on_lost_lease) says so: not the idempotency layer's
+    /// in-flight hold (see [`Locks::idempotency`](crate::Locks::idempotency)).
+    cancels: bool,
 }
 
 /// A hold around the request that is not its owner's, for the lock layers inside to count
@@ -106,6 +110,7 @@ impl Lease {
             locks,
             owner,
             enclosing: None,
+            cancels: true,
         }
     }
 
@@ -117,6 +122,14 @@ impl Lease {
         self.enclosing = outer
             .or_else(|| extensions.get::<Enclosing>().map(|e| e.0.clone()))
             .map(Arc::new);
+        self
+    }
+
+    /// This hold, whose loss never cancels a lock layer's inner service (it still counts
+    /// in [`lost`](Self::lost) and [`expires_at`](Self::expires_at)).
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn never_cancelling(mut self) -> Self {
+        self.cancels = false;
         self
     }
 
@@ -273,6 +286,20 @@ impl Lease {
             return self.own_lost().await;
         }
         let each = self.chain().map(|lease| Box::pin(lease.own_lost()));
+        futures_util::future::select_all(each).await;
+    }
+
+    /// [`lost`](Self::lost), of the holds whose loss cancels a lock layer's inner service
+    /// (every hold but the idempotency layer's in-flight one).
+    pub(crate) async fn lost_cancelling(&self) {
+        let each: Vec<_> = self
+            .chain()
+            .filter(|lease| lease.cancels)
+            .map(|lease| Box::pin(lease.own_lost()))
+            .collect();
+        if each.is_empty() {
+            return std::future::pending().await;
+        }
         futures_util::future::select_all(each).await;
     }
 

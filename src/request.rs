@@ -266,7 +266,7 @@ impl<B> Pending<B> {
             .map(|lease| {
                 let (lease, locks) = (lease.clone(), locks.clone());
                 Box::pin(async move {
-                    lease.lost().await;
+                    lease.lost_cancelling().await;
                     tracing::warn!("lease lost while the handler ran; cancelling it");
                     locks.refuse(Rejection::new(
                         StatusCode::SERVICE_UNAVAILABLE,

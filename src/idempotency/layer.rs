@@ -136,7 +136,9 @@ impl Locks {
     /// deployments that keep their locks apart keep their answers apart too), with these
     /// locks' TTL and store timeout. An in-flight lock is renewed for as long as its
     /// request runs, whatever these locks' [`max_hold`](Locks::max_hold), and its loss
-    /// never cancels the request, whatever their [`on_lost_lease`](Locks::on_lost_lease):
+    /// never cancels the request, whatever their [`on_lost_lease`](Locks::on_lost_lease)
+    /// or that of a lock layer inside (whose [`Lease`](crate::Lease) counts it, lost with
+    /// it, for the handler to see):
     /// a retry must not run beside a slow first request, nor after one that was stopped
     /// half-way with nothing stored.
     ///

@@ -368,7 +368,9 @@ where
             // Its hold still counts in the lease the handler sees: lost with it, expiring
             // with it.
             let extensions = request.extensions_mut();
-            let in_flight = extensions.remove::<Lease>();
+            // Its loss never cancels the request (`Locks::idempotency`), where a lock
+            // layer inside would.
+            let in_flight = extensions.remove::<Lease>().map(Lease::never_cancelling);
             match (run.outer_lease.clone(), in_flight) {
                 (Some(outer), Some(hold)) => {
                     extensions.insert(outer.within(hold));

@@ -261,6 +261,40 @@ async fn the_lease_under_two_layers_is_lost_when_the_outer_hold_is() {
     assert!((250..1000).contains(&ms), "{}", answer.body);
 }
 
+/// The loss of the idempotency layer's in-flight hold never cancels the request, even
+/// where a lock layer inside cancels on a lost lease: its handler sees the loss and
+/// answers. Cancelled half-way, it would have stored nothing, and its retry would run it
+/// again.
+#[cfg(feature = "idempotency")]
+#[tokio::test]
+async fn the_loss_of_the_in_flight_hold_never_cancels_a_lock_layer_inside() {
+    let in_flight = Locks::new(Store::isolated_memory()).ttl(Duration::from_millis(300));
+    let operator = in_flight.clone().prefix("idempotency:lock:");
+    let inner =
+        Locks::new(Store::isolated_memory()).on_lost_lease(tower_batch_lock::OnLostLease::Cancel);
+    let app = Router::new().route(
+        "/",
+        post(|lease: Lease| lost_after(lease))
+            .layer(inner.layer(header_keys))
+            .layer(in_flight.idempotency()),
+    );
+    let request = Request::post("/")
+        .header("x-keys", "sku:a")
+        .header("idempotency-key", "\"k-3\"")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let answer = tokio::spawn(async move { send_text(&app, request).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let ended = operator
+        .force_release(["run:0::k-3"], "test")
+        .await
+        .unwrap();
+    assert_eq!(ended, 1, "the in-flight hold was still there");
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+    assert!(answer.body.contains("lost after"), "{}", answer.body);
+}
+
 /// The idempotency layer's in-flight hold counts in the lease of a lock layer inside it.
 #[cfg(feature = "idempotency")]
 #[tokio::test]
