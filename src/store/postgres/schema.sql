@@ -896,13 +896,12 @@ BEGIN
         WHERE l.key = cur.key;
       -- The waiter first in line on a key granted shared may be a reader too.
       IF shared AND {T}_head(cur.line, now) IS NOT NULL
-         AND NOT ('#' || {T}_head(cur.line, now)::text) = ANY(heads) THEN
-        heads := heads || ('#' || {T}_head(cur.line, now)::text);
+         AND NOT {T}_head(cur.line, now)::text = ANY(heads) THEN
+        heads := heads || {T}_head(cur.line, now)::text;
       END IF;
   END LOOP;
-  IF cardinality(heads) > 0 THEN
-    PERFORM pg_notify('{C}', left(',' || array_to_string(heads, ','), 7900));
-  END IF;
+  -- As a release does: too many to name wakes every waiter.
+  IF cardinality(heads) > 0 THEN PERFORM {T}_announce('', heads); END IF;
   token := {T}_granted(CASE WHEN claiming THEN p_ticket END);
   RETURN NEXT;
 END $$;
