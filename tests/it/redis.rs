@@ -2338,6 +2338,45 @@ async fn releases_that_fail_in_an_outage_are_logged_with_it_not_once_per_attempt
     assert!(lines[0].contains("the lock store failed"), "{}", lines[0]);
 }
 
+/// A release listener whose server went away says so once, not at each attempt to
+/// subscribe again (100 ms to 5 s apart: a line every 5 s for as long as the server is
+/// away), and subscribes again when the server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_whose_server_went_away_says_so_once_and_subscribes_again() {
+    let logged_before = crate::support::logs::warnings_logged().len();
+    let mut server = RedisServer::start();
+    let subscribers = |server: &RedisServer| -> i64 {
+        let counts: (String, i64) = Observer::of(server).cmd(
+            redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg("tower-batch-lock:released"),
+        );
+        counts.1
+    };
+    let _locks = Locks::new(Redis::url(server.url()).build().unwrap());
+    let subscribed = poll_every(Duration::from_millis(20), Duration::from_secs(3), || {
+        subscribers(&server) == 1
+    });
+    assert!(subscribed.await.is_some(), "the listener never subscribed");
+
+    server.kill();
+    // Attempts about 0.1, 0.3, 0.7, 1.5 and 3.1 s after the loss.
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let at = format!("at=127.0.0.1:{}", server.port());
+    let logged = crate::support::logs::warnings_logged();
+    let lines: Vec<&str> = logged[logged_before..]
+        .lines()
+        .filter(|line| line.contains(&at))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+
+    server.restart();
+    let again = poll_every(Duration::from_millis(50), Duration::from_secs(8), || {
+        subscribers(&server) == 1
+    });
+    assert!(again.await.is_some(), "the listener never subscribed again");
+}
+
 /// A 5 s stall under 64 clients: each caller that times out retires the shared connection,
 /// and the next connection is made by one caller while the others wait for it, not by each
 /// of them (the pool's bound, 8 here, does not count connections taken out of it).

@@ -21,7 +21,7 @@ use crate::store::{
     contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Modes, Reply, Ticket},
     error::StoreError,
     fanout::{bounded, clock_drift, Fanout},
-    message::reconnect_backoff,
+    message::Reconnecting,
     redis::{pubsub::RELEASED_CHANNEL, replicas::ReplicaAck, Freeing},
     wake::Wakeups,
 };
@@ -112,23 +112,28 @@ impl ClusterStore {
         self.subscribed.get_or_init(|| {
             let (client, wakeups) = (self.subscriber.clone(), Arc::downgrade(&self.inner.wakeups));
             tokio::spawn(async move {
-                let mut backoff = reconnect_backoff();
+                let mut reconnecting = Reconnecting::new("the cluster".to_owned());
                 while wakeups.strong_count() > 0 {
-                    match client.get_async_connection().await {
-                        Ok(mut connection) => match connection.ssubscribe(RELEASED_CHANNEL).await {
-                            // redis-rs subscribes again after a reconnection or a move of
-                            // the channel's slot; hold the connection while the store lives.
-                            Ok(()) => {
-                                while wakeups.strong_count() > 0 {
-                                    tokio::time::sleep(Duration::from_secs(1)).await;
-                                }
-                                return;
+                    let subscribed = match client.get_async_connection().await {
+                        Ok(mut connection) => connection
+                            .ssubscribe(RELEASED_CHANNEL)
+                            .await
+                            .map(|()| connection),
+                        Err(error) => Err(error),
+                    };
+                    match subscribed {
+                        // redis-rs subscribes again after a reconnection or a move of the
+                        // channel's slot; hold the connection while the store lives.
+                        Ok(_connection) => {
+                            reconnecting.listening();
+                            while wakeups.strong_count() > 0 {
+                                tokio::time::sleep(Duration::from_secs(1)).await;
                             }
-                            Err(error) => tracing::warn!(%error, "could not subscribe to lock releases on the cluster; waiters poll"),
-                        },
-                        Err(error) => tracing::warn!(%error, "could not subscribe to lock releases on the cluster; waiters poll"),
+                            return;
+                        }
+                        Err(error) => reconnecting.failed(&error),
                     }
-                    tokio::time::sleep(backoff.pause()).await;
+                    reconnecting.pause().await;
                 }
             });
         });

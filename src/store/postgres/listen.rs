@@ -14,7 +14,7 @@ use tokio_postgres::{
 
 use super::tls::Connector;
 use crate::store::{
-    message::{reconnect_backoff, wake_from_message},
+    message::{wake_from_message, Reconnecting},
     wake::Wakeups,
 };
 
@@ -49,7 +49,16 @@ pub(super) async fn listen_for_releases(
     wakeups: Weak<Wakeups>,
 ) {
     keep_alive(&mut config);
-    let mut backoff = reconnect_backoff();
+    let at = config
+        .get_hosts()
+        .iter()
+        .zip(config.get_ports())
+        .map(|(host, port)| match host {
+            tokio_postgres::config::Host::Tcp(host) => format!("{host}:{port}"),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+        });
+    let mut reconnecting = Reconnecting::new(at.collect::<Vec<_>>().join(","));
     while wakeups.strong_count() > 0 {
         match connector.connect(config.clone()).await {
             Ok((client, mut messages)) => {
@@ -67,7 +76,7 @@ pub(super) async fn listen_for_releases(
                 });
                 match client.batch_execute(&format!("LISTEN \"{channel}\"")).await {
                     Ok(()) => {
-                        backoff = reconnect_backoff();
+                        reconnecting.listening();
                         if let Some(wakeups) = wakeups.upgrade() {
                             wakeups.wake_all();
                         }
@@ -87,21 +96,15 @@ pub(super) async fn listen_for_releases(
                                 Err(_) => {}
                             }
                         }
-                        tracing::warn!(
-                            "lost the connection listening for lock releases; reconnecting"
-                        );
+                        reconnecting.failed(&"lost the connection");
                     }
-                    Err(error) => {
-                        tracing::warn!(%error, "could not listen for lock releases; waiters poll")
-                    }
+                    Err(error) => reconnecting.failed(&error),
                 }
                 driver.abort();
             }
-            Err(error) => {
-                tracing::warn!(%error, "could not connect to listen for lock releases; waiters poll")
-            }
+            Err(error) => reconnecting.failed(&error),
         }
-        tokio::time::sleep(backoff.pause()).await;
+        reconnecting.pause().await;
     }
 }
 

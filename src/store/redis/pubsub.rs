@@ -7,7 +7,7 @@ use std::{sync::Weak, time::Duration};
 use futures_util::StreamExt;
 
 use crate::store::{
-    message::{reconnect_backoff, wake_from_message},
+    message::{wake_from_message, Reconnecting},
     wake::Wakeups,
 };
 
@@ -18,11 +18,11 @@ pub(in crate::store) const RELEASED_CHANNEL: &str = "tower-batch-lock:released";
 /// the store is dropped. Reconnects after a lost connection, and then wakes every waiter:
 /// releases in the gap went unheard.
 pub(super) async fn listen_for_releases(client: redis::Client, wakeups: Weak<Wakeups>) {
-    let mut backoff = reconnect_backoff();
+    let mut reconnecting = Reconnecting::new(client.get_connection_info().addr().to_string());
     while wakeups.strong_count() > 0 {
         match subscribe(&client).await {
             Ok(pubsub) => {
-                backoff = reconnect_backoff();
+                reconnecting.listening();
                 if let Some(wakeups) = wakeups.upgrade() {
                     wakeups.wake_all();
                 }
@@ -41,13 +41,11 @@ pub(super) async fn listen_for_releases(client: redis::Client, wakeups: Weak<Wak
                         Err(_) => {}
                     }
                 }
-                tracing::warn!("lost the subscription to lock releases; reconnecting");
+                reconnecting.failed(&"lost the subscription");
             }
-            Err(error) => {
-                tracing::warn!(%error, "could not subscribe to lock releases; waiters poll")
-            }
+            Err(error) => reconnecting.failed(&error),
         }
-        tokio::time::sleep(backoff.pause()).await;
+        reconnecting.pause().await;
     }
 }
 
