@@ -184,7 +184,9 @@ impl Lease {
     /// # Errors
     ///
     /// The [`Rejection`] the layer would have answered: contention (after waiting, if the
-    /// policy waits), an unavailable store, or keys that break the limits.
+    /// policy waits), an unavailable store, or keys that break the limits; and a 500 once
+    /// the request has ended (a task of the handler's that outlived it), whose keys would
+    /// be held with nobody to release them.
     pub async fn lock<I>(&self, keys: I) -> Result<HeldKeys, Rejection>
     where
         I: IntoIterator,
@@ -384,12 +386,25 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
     }
 }
 
+/// The refusal of [`Lease::lock`] once the request has ended: its keys would be held with
+/// nobody to release them.
+fn request_ended() -> Rejection {
+    Rejection::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the request these locks were for has ended: a lease locks keys only while its \
+         request runs",
+    )
+}
+
 /// Locks more keys for a request's owner, for [`Lease::lock`].
 async fn lock_for(
     locks: &Locks,
     owner: &Arc<RequestOwner>,
     keys: Vec<Key>,
 ) -> Result<HeldKeys, Rejection> {
+    if owner.ended() {
+        return Err(request_ended());
+    }
     let policy = locks.policy();
     let Batch { keys, modes } = normalize(keys, &policy.keys, false)?;
     if keys.is_empty() {
@@ -419,7 +434,11 @@ async fn lock_for(
         locks.clone(),
         owner.clone(),
     );
-    owner.keep(hold, guard);
+    // The request ended while the acquisition was under way: dropped, the guard
+    // releases in the background.
+    owner
+        .keep(hold, guard)
+        .map_err(|_released| request_ended())?;
     Ok(HeldKeys {
         lease,
         hold,

@@ -32,8 +32,9 @@ pub(crate) struct RequestOwner {
     /// that arrived while the grant was on its way, and that the grant then kept out, would
     /// be ahead of the owner on its next keys, and each would wait for the other.
     arrived_at: OnceLock<Instant>,
-    /// The holds the handler took through [`Lease::lock`], released with the request.
-    extra: Mutex<Vec<(u64, LockGuard)>>,
+    /// The holds the handler took through [`Lease::lock`], released with the request;
+    /// `None` once the request ended, when a hold taken later has nobody to release it.
+    extra: Mutex<Option<Vec<(u64, LockGuard)>>>,
     /// The runs of the request's inner service that go on in tasks of their own
     /// ([`run_apart`](Self::run_apart)), once there is one: most requests never have one.
     apart: OnceLock<watch::Sender<Apart>>,
@@ -56,7 +57,7 @@ impl RequestOwner {
         Arc::new(Self {
             token,
             arrived_at: OnceLock::new(),
-            extra: Mutex::default(),
+            extra: Mutex::new(Some(Vec::new())),
             apart: OnceLock::new(),
         })
     }
@@ -126,23 +127,39 @@ impl RequestOwner {
             .map_or_else(Ticket::take, |at| Ticket::since(at.elapsed()))
     }
 
-    fn extra(&self) -> std::sync::MutexGuard<'_, Vec<(u64, LockGuard)>> {
+    fn extra(&self) -> std::sync::MutexGuard<'_, Option<Vec<(u64, LockGuard)>>> {
         // Every change is one push or one removal: a poisoned list is still whole.
         self.extra.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn keep(&self, hold: u64, guard: LockGuard) {
-        self.extra().push((hold, guard));
+    /// Keeps a hold the handler took, to release it with the request; gives it back if
+    /// the request has ended (a task of the handler's that outlived it locked it).
+    pub(crate) fn keep(&self, hold: u64, guard: LockGuard) -> Result<(), LockGuard> {
+        match self.extra().as_mut() {
+            Some(extra) => {
+                extra.push((hold, guard));
+                Ok(())
+            }
+            None => Err(guard),
+        }
+    }
+
+    /// Whether the request has ended: its holds were given back.
+    pub(crate) fn ended(&self) -> bool {
+        self.extra().is_none()
     }
 
     pub(crate) fn take(&self, hold: u64) -> Option<LockGuard> {
         let mut extra = self.extra();
+        let extra = extra.as_mut()?;
         let at = extra.iter().position(|(h, _)| *h == hold)?;
         Some(extra.swap_remove(at).1)
     }
 
+    /// The holds the handler took, and the end of the request for later ones.
     fn take_all(&self) -> Vec<LockGuard> {
-        self.extra().drain(..).map(|(_, guard)| guard).collect()
+        let taken = self.extra().take().unwrap_or_default();
+        taken.into_iter().map(|(_, guard)| guard).collect()
     }
 }
 
@@ -169,7 +186,10 @@ pub(crate) struct ExtraHolds(pub(crate) Arc<RequestOwner>);
 impl ExtraHolds {
     /// Whether the handler took any.
     fn any(&self) -> bool {
-        !self.0.extra().is_empty()
+        self.0
+            .extra()
+            .as_ref()
+            .is_some_and(|extra| !extra.is_empty())
     }
 
     /// Takes the holds out, to release them now.

@@ -134,6 +134,36 @@ async fn nested_layers_reenter_on_the_memory_store_too() {
     }
 }
 
+/// A task of the handler's that outlives its request cannot lock more keys for it: they
+/// would be held, and renewed, with nobody to release them. It gets a 500 that says why,
+/// and the keys stay free.
+#[tokio::test]
+async fn a_lock_after_the_request_ended_is_refused_and_holds_nothing() {
+    let locks = Locks::new(Store::isolated_memory());
+    let (ended, ended_seen) = oneshot::channel::<()>();
+    let (late_lock, late_lock_seen) = oneshot::channel();
+    let once = std::sync::Arc::new(std::sync::Mutex::new(Some((ended_seen, late_lock))));
+    let app = Router::new().route(
+        "/",
+        post(move |Extension(lease): Extension<Lease>| {
+            let (ended_seen, late_lock) = once.lock().unwrap().take().unwrap();
+            tokio::spawn(async move {
+                let _ = ended_seen.await;
+                let _ = late_lock.send(lease.lock(["account:7"]).await.map(|_| ()));
+            });
+            async { "ok" }
+        })
+        .layer(locks.layer(header_keys)),
+    );
+    let (status, _) = send(&app, post_keys("/", "order:1")).await;
+    assert_eq!(status, StatusCode::OK);
+    ended.send(()).unwrap();
+    let refused = late_lock_seen.await.unwrap().unwrap_err();
+    assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let view = locks.inspect(["account:7"]).await.unwrap();
+    assert_eq!(view[0].status(), tower_batch_lock::KeyStatus::Free);
+}
+
 /// A handler that also locks the keys in `x-more`, and says how that went.
 fn locking_more(locks: &Locks) -> Router {
     Router::new().route(
