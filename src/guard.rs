@@ -468,6 +468,14 @@ impl Renewer {
                     keys = self.keys.len(),
                     "maximum hold time reached; lease renewal ends"
                 );
+                // The keys expire with this TTL: the lease is lost then, as any other,
+                // unless the request ends before (a release at that moment, by a handler
+                // that saw the lease run out, comes after it).
+                let expires_at = self.status.get().expires_at;
+                let _ = tokio::time::timeout_at(expires_at.into(), &mut stopped).await;
+                if Instant::now() >= expires_at {
+                    self.lost("the maximum hold time passed, and the keys expired");
+                }
                 return;
             }
             let expires_at = self.status.get().expires_at;

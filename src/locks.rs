@@ -421,7 +421,8 @@ impl Locks {
 
     /// With [`renew_lease`](Self::renew_lease), stops renewing once the keys have been held
     /// this long (waiting for them does not count); they then expire with their TTL, and
-    /// the lease is lost. Default 5 minutes: a hung handler does not hold its keys for
+    /// the lease is lost (logged and counted as every lost lease, unless the request
+    /// ended first). Default 5 minutes: a hung handler does not hold its keys for
     /// good. `Duration::MAX` removes the limit (a century, as every duration setting at
     /// most).
     pub fn max_hold(self, max: Duration) -> Self {

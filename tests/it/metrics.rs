@@ -244,6 +244,47 @@ async fn waiting_requests_are_counted_while_they_wait_and_timed() {
     assert!(waited[0] >= 0.09, "{waited:?}");
 }
 
+/// A handler that outlives its layer's `max_hold` loses its lease when the keys expire,
+/// counted as every lost lease is; one that ends first loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_past_its_max_hold_is_counted_lost_when_its_keys_expire() {
+    recorded();
+    let locks = Locks::new(Store::isolated_memory())
+        .metrics_label("holding-long")
+        .ttl(Duration::from_millis(300))
+        .max_hold(Duration::from_millis(150));
+    let app = Router::new().route(
+        "/",
+        post(|lease: tower_batch_lock::Lease| async move {
+            lease.lost().await;
+            "lost"
+        })
+        .layer(locks.layer(header_keys)),
+    );
+    let reply = send(&app, post_keys("/", "long")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let lost = || {
+        recorded().counter(
+            "tower_batch_lock_lost_leases_total",
+            &[("layer", "holding-long")],
+        )
+    };
+    // Counted by the renewal's task, which the release stops at that moment.
+    let counted =
+        crate::support::http::poll_every(Duration::from_millis(10), Duration::from_secs(1), || {
+            lost() == 1
+        });
+    assert!(counted.await.is_some(), "the lost lease was not counted");
+    // Released within its max_hold: nothing lost.
+    let quick = locked(&locks, "/quick");
+    assert_eq!(
+        send(&quick, post_keys("/quick", "long")).await.status,
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(lost(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_whose_client_goes_away_is_counted_abandoned() {
     recorded();
