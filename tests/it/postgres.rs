@@ -828,6 +828,40 @@ async fn a_row_kept_by_a_long_transaction_makes_requests_wait_not_fail() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// On a database whose default isolation is stricter than READ COMMITTED, an attempt
+/// that waited for a row another transaction changed is refused by the server (40001):
+/// that is contention, answered 409, not a failed store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_changed_under_a_stricter_isolation_is_contention_not_a_failure() {
+    let db = Database::create();
+    db.query(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'",
+        db.name()
+    ));
+    let locks = locks(&db).wait(Wait::none());
+    locks.check().await.expect("the store makes its schema");
+    db.query("INSERT INTO tower_batch_lock.locks (key) VALUES ('lock:k')");
+    let (changer, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+    tokio::spawn(connection);
+    changer
+        .batch_execute("BEGIN; UPDATE tower_batch_lock.locks SET line = NULL WHERE key = 'lock:k'")
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = batch_router(&locks, counting_handler(&runs));
+    let attempt = tokio::spawn(async move { send(&app, batch(&["k"])).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    changer.batch_execute("COMMIT").await.unwrap();
+    let refused = attempt.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        refused.problem()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
 /// Every call that waits for a row another transaction keeps (a user's guarded
 /// transaction that runs long) gives up after 500 ms, as an acquisition does: a release,
 /// a renewal, a withdrawal and a forced release. Without a bound the statement waited on

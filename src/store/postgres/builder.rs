@@ -188,6 +188,13 @@ const POOL_SIZE: usize = 16;
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
 ///   replay: after promoting one that was behind, raise it (`locks_raise_fence`, above)
 ///   before the first grant, and check tokens at the resource.
+/// - **Isolation.** The functions expect READ COMMITTED, PostgreSQL's default. Under a
+///   stricter `default_transaction_isolation` (set on the database or the role), an
+///   attempt that waited for a row another transaction changed is refused by the server
+///   (`40001`), as one that meets a deadlock is (`40P01`, with a `deadlock_timeout` below
+///   the functions' 500 ms row wait): both count as contention (409, or the wait goes on),
+///   never a failed store. Releases and renewals are retried in such a case; keep the
+///   default for the store's connections.
 /// - **A server gone silent** (a host gone, an address moved to a new primary, without a
 ///   reset): a connection whose call got no answer within the
 ///   [`store_timeout`](crate::Locks::store_timeout) is closed, not given back to the pool,

@@ -323,11 +323,23 @@ impl PostgresStore {
         let rows = match answer {
             Ok(rows) => rows,
             // Another transaction kept one of the rows past the function's lock
-            // timeout (a big batch's statement, a user's guarded transaction): the
-            // keys are busy, which is contention, not a failed store. The statement
-            // rolled back: nothing taken, and no reservation made that was not there
-            // (a waiter's first attempt makes them when it tries again).
-            Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            // timeout (a big batch's statement, a user's guarded transaction), or the
+            // server broke a deadlock with it (a `deadlock_timeout` below that lock
+            // timeout), or a stricter isolation than the store's READ COMMITTED (set on
+            // the database or the role) refused a row changed meanwhile: the keys are
+            // busy, which is contention, not a failed store. The statement rolled back:
+            // nothing taken, and no reservation made that was not there (a waiter's
+            // first attempt makes them when it tries again).
+            Err(error)
+                if error.code().is_some_and(|code| {
+                    [
+                        SqlState::LOCK_NOT_AVAILABLE,
+                        SqlState::T_R_DEADLOCK_DETECTED,
+                        SqlState::T_R_SERIALIZATION_FAILURE,
+                    ]
+                    .contains(code)
+                }) =>
+            {
                 return Ok(Acquire::Held(Contention {
                     keys: Vec::new(),
                     total: 1,
