@@ -64,7 +64,8 @@ use crate::{
 ///
 /// It only describes the locks: the layer releases them when the response is ready (or
 /// its body has ended, with [`Locks::hold_until_body_end`](crate::Locks::hold_until_body_end)),
-/// or when the request is dropped, however long a copy of the lease lives.
+/// or when the request is dropped (or, with an idempotency layer inside, when the run it
+/// finishes for a client that left ends), however long a copy of the lease lives.
 ///
 /// Its `Debug` output is what a log line needs: the keys (the first 20 of a larger batch,
 /// and how many more), the fencing token, the time left until expiry and whether the lease

@@ -4,7 +4,8 @@
 //! [`LockLayer`] reads lock keys out of each request with a [`KeyExtractor`] (path
 //! parameters, a header, ids in a JSON body), acquires all of them in one step or none of
 //! them, runs the inner service, and releases them when the response is ready or the
-//! request is dropped. A request whose keys are held elsewhere gets `409 Conflict` (or
+//! request is dropped (with an idempotency layer inside, which finishes a request whose
+//! client left, when that run ends). A request whose keys are held elsewhere gets `409 Conflict` (or
 //! `423 Locked`) with a `Retry-After`, and never reaches the handler.
 //!
 //! ```

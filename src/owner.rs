@@ -7,9 +7,7 @@ use std::{
     time::Instant,
 };
 
-use futures_util::future::{join_all, BoxFuture};
-#[cfg(feature = "idempotency")]
-use futures_util::future::{select, Either};
+use futures_util::future::{join_all, select, BoxFuture, Either};
 use tokio::sync::watch;
 
 #[cfg(doc)]
@@ -248,27 +246,46 @@ impl RequestGuard {
         self.release()
     }
 
-    /// Lets the guard go, its request dropped while its inner service ran: at once, unless
-    /// a run of that service goes on apart ([`RequestOwner::run_apart`]), which still uses
-    /// the keys; they stay held, and renewed, until it ends, and are released then in the
-    /// background.
-    pub(crate) fn drop_after_runs_apart(mut self) {
+    /// Whether a run of the inner service goes on apart ([`RequestOwner::run_apart`]):
+    /// the request's future was dropped, or a layer inside answered for it.
+    pub(crate) fn runs_apart(&self) -> bool {
         let from = self.runs_from;
-        let Some(mut apart) = self.owner.apart.get().map(watch::Sender::subscribe) else {
+        let apart = self.owner.apart.get();
+        apart.is_some_and(|apart| apart.borrow().running.iter().any(|&n| n >= from))
+    }
+
+    /// Lets the guard go while its request no longer waits for its inner service: at once,
+    /// unless a run of that service goes on apart, which still uses the keys. They then
+    /// stay held, and renewed, until it ends, and are released in the background; if the
+    /// layer's lease is lost first where that cancels its inner service (`lost`), the run
+    /// is cancelled.
+    pub(crate) fn release_after_runs_apart<R: 'static>(
+        mut self,
+        lost: Option<BoxFuture<'static, R>>,
+    ) {
+        let from = self.runs_from;
+        let apart = self.owner.apart.get().map(watch::Sender::subscribe);
+        let (Some(mut apart), Ok(runtime)) = (apart, tokio::runtime::Handle::try_current()) else {
             return;
         };
-        if !apart.borrow().running.iter().any(|&n| n >= from) {
+        if !self.runs_apart() {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         self.start_deferred_renewal();
         runtime.spawn(async move {
-            // The sender lives in the owner, which this guard keeps.
-            let _ = apart
-                .wait_for(|a| !a.running.iter().any(|&n| n >= from))
-                .await;
+            // The sender lives in the owner, which this guard keeps. A statement of its
+            // own: the answer of `wait_for` borrows the channel, which a cancel changes.
+            let ended = apart.wait_for(|a| !a.running.iter().any(|&n| n >= from));
+            let lost_first = match lost {
+                Some(lost) => matches!(select(Box::pin(ended), lost).await, Either::Right(_)),
+                None => {
+                    let _ = ended.await;
+                    false
+                }
+            };
+            if lost_first {
+                self.owner.cancel_runs_from(from);
+            }
             drop(self);
         });
     }

@@ -107,7 +107,7 @@ const NAMESPACE: &str = "idempotency:";
 ///   says so is stored for its retries (if [`store_if`](Self::store_if) takes a 500), and
 ///   the panic goes on to what handles panics around the layer (tower-http's
 ///   `CatchPanicLayer`, or hyper, which closes the connection).
-/// - **A handler cancelled by a lock layer inside** (one with
+/// - **A handler cancelled by a lock layer inside or around** (one with
 ///   [`OnLostLease::Cancel`](crate::OnLostLease::Cancel), when its lease is lost) answers
 ///   503, which is not stored: its retry runs the handler again, which must then be safe
 ///   after a run stopped at any `.await`. The default,

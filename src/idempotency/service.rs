@@ -26,7 +26,7 @@ use super::{
     config::Config,
     key, refusals,
 };
-use futures_util::future::BoxFuture;
+use futures_util::future::{BoxFuture, Either};
 
 use crate::{
     backoff::Backoff,
@@ -178,12 +178,11 @@ where
             // did its work but stored nothing, which its retry would run again. Lock
             // layers around this one keep their keys until it ends (a run apart), and
             // one that loses its lease and cancels its inner service cancels it.
+            // Counted before the task starts: the request may be dropped before then.
             let call = inner.call(request);
-            let run = async move {
-                match outer_owner {
-                    Some(owner) => owner.run_apart(call).await,
-                    None => Some(call.await),
-                }
+            let run = match outer_owner {
+                Some(owner) => Either::Left(owner.run_apart(call)),
+                None => Either::Right(async move { Some(call.await) }),
             };
             let response = match tokio::spawn(run).await {
                 Ok(Some(response)) => response?,

@@ -24,7 +24,9 @@ pin_project! {
     /// The future of [`LockService`](super::LockService).
     ///
     /// Dropping it at any point releases whatever it holds: a client that goes away, a
-    /// timeout around it or a panic inside the inner service leaves no lock behind.
+    /// timeout around it or a panic inside the inner service leaves no lock behind. But
+    /// for a run of the inner service that goes on apart (an idempotency layer's, inside,
+    /// which finishes a request whose client left): the keys are released when it ends.
     pub struct ResponseFuture<S, B, ResBody>
     where
         S: Service<Request<B>, Response = Response<ResBody>>,
@@ -41,9 +43,9 @@ pin_project! {
         fn drop(this: Pin<&mut Self>) {
             // Dropped while the inner service runs (the client left): a run of it that goes
             // on apart (an idempotency layer's, inside) keeps the keys until it ends.
-            if let StateProj::Running { guard, .. } = this.project().state.project() {
+            if let StateProj::Running { guard, lost, .. } = this.project().state.project() {
                 if let Some(guard) = guard.take() {
-                    guard.drop_after_runs_apart();
+                    guard.release_after_runs_apart(lost.take());
                 }
             }
         }
@@ -202,6 +204,13 @@ where
                     let Some(guard) = guard.take() else {
                         return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
                     };
+                    // Answered while a run of the inner service goes on apart (a timeout
+                    // between this layer and an idempotency layer answered for it): the
+                    // keys stay until that run ends, and the answer goes out now.
+                    if guard.runs_apart() {
+                        guard.release_after_runs_apart(lost.take());
+                        return Poll::Ready(output.map(|r| r.map(ResponseBody::inner)));
+                    }
                     match output {
                         // The body takes the guard and releases it when it ends; the
                         // renewal runs meanwhile (a body may stream for long).

@@ -644,6 +644,96 @@ async fn a_lock_layer_around_keeps_its_keys_while_a_request_whose_client_went_aw
     }
 }
 
+/// The same when the request is dropped at its first poll, before the idempotency
+/// layer's task has run at all: the run counts from its spawn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_layer_around_keeps_its_keys_for_a_run_dropped_before_it_started() {
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory()).wait(Wait::none());
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    let app = product_locked_orders(&locks, &orders, &gate);
+    let first = tower::ServiceExt::oneshot(app.clone(), order(Some("at-once"), "{}"));
+    assert!(futures_util::FutureExt::now_or_never(first).is_none());
+    gate.wait_entered().await;
+    let other = within(
+        Duration::from_secs(3),
+        "another order while the first runs",
+        send(&app, order(Some("another"), "{}")),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    gate.open();
+}
+
+/// A lock layer around the idempotency layer whose client left, and which then loses
+/// its lease where that cancels, cancels the run that goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_layer_around_whose_client_left_cancels_the_run_when_it_loses_its_lease() {
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory())
+        .ttl(Duration::from_millis(300))
+        .wait(Wait::none())
+        .on_lost_lease(OnLostLease::Cancel);
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    let app = product_locked_orders(&locks, &orders, &gate);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(Some("left-then-lost"), "{}")).await }
+    });
+    gate.wait_entered().await;
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    assert_eq!(locks.force_release(["product:7"], "test").await.unwrap(), 1);
+    // The next renewal (every 100 ms) finds the product gone, and cancels the run.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    gate.open();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        0,
+        "the run went on without its lock"
+    );
+}
+
+/// A layer between a lock layer and the idempotency layer that answers for the run (a
+/// timeout) leaves the run going on: the lock layer keeps its keys until it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_layer_around_a_timeout_keeps_its_keys_until_the_run_ends() {
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory()).wait(Wait::none());
+    let orders = Arc::new(Orders::default());
+    let gate = Gate::new();
+    let timeout = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            match tokio::time::timeout(Duration::from_millis(100), next.run(request)).await {
+                Ok(response) => response,
+                Err(_) => StatusCode::REQUEST_TIMEOUT.into_response(),
+            }
+        },
+    );
+    let product = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["product:7"]);
+    let app = Router::new()
+        .route(
+            "/orders",
+            create_order(&orders, Some(&gate)).layer(locks.idempotency()),
+        )
+        .route_layer(timeout)
+        .route_layer(locks.layer(product));
+    let first = send(&app, order(Some("timed-out"), "{}")).await;
+    assert_eq!(first.status, StatusCode::REQUEST_TIMEOUT);
+    let other = within(
+        Duration::from_secs(3),
+        "another order while the first runs",
+        send(&app, order(Some("another"), "{}")),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    gate.open();
+    let freed = poll_every(Duration::from_millis(10), Duration::from_secs(3), || {
+        orders.created.load(Ordering::SeqCst) == 1
+    });
+    assert!(freed.await.is_some(), "the run never finished");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lock_layer_around_that_loses_its_lease_and_cancels_cancels_the_run() {
     let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory())
