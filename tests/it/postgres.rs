@@ -26,7 +26,7 @@ use crate::support::{
     http::{batch, batch_router, fence_router, poll_every, send},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
-    proxy::Proxy,
+    proxy::{Fault, Proxy},
 };
 
 fn locks(db: &Database) -> Locks {
@@ -243,7 +243,7 @@ async fn a_waiter_of_one_key_is_handed_it_by_the_release_in_either_process() {
 }
 
 /// A key handed over is held a whole TTL from the hand-over, as the waiter counts it (from
-/// its refused attempt, before): the release, which waited 400 ms for another row of its
+/// its refused attempt, before): the release, which waited 300 ms for another row of its
 /// batch first (a user's transaction kept it), counted it from its own start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_handed_over_after_the_release_waited_is_held_a_whole_ttl() {
@@ -256,17 +256,17 @@ async fn a_key_handed_over_after_the_release_waited_is_held_a_whole_ttl() {
     let waiter = batch_router(&locks, gated_handler(&waiters));
     let waiting = tokio::spawn(async move { send(&waiter, batch(&["k"])).await });
     waiting_turn(&db, "lock:k").await;
-    // The release frees `a` first, whose row a transaction keeps for 400 ms, then hands
-    // `k` over.
+    // The release frees `a` first, whose row a transaction keeps for 300 ms (the release
+    // waits up to 500 ms for it), then hands `k` over.
     let keeper = keep_row(&db, "lock:a").await;
     holders.open();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     keeper.batch_execute("COMMIT").await.unwrap();
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
     waiters.wait_entered().await;
     let ttl = locks.inspect(["k"]).await.unwrap()[0].ttl().unwrap();
     assert!(
-        ttl > Duration::from_millis(9_800),
+        ttl > Duration::from_millis(9_750),
         "the key handed over ends in {ttl:?} of its 10 s"
     );
     waiters.open();
@@ -432,6 +432,42 @@ async fn a_connection_gone_silent_is_given_up_with_its_call_and_the_next_call_co
         );
     }
     proxy.release_held();
+}
+
+/// A busy server is not a down one: a connection whose call outlived the store's timeout
+/// but whose server answers soon after goes back to the pool, rather than being given up
+/// for a new one at every timeout (connections the server must make, under the very load
+/// that made it slow).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_call_answers_late_is_kept_not_made_again() {
+    let db = Database::create();
+    let proxy = Proxy::start(5432).await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port(),
+        db.name()
+    );
+    let locks =
+        Locks::new(Postgres::url(url).build().unwrap()).store_timeout(Duration::from_millis(150));
+    locks.check().await.unwrap();
+    let sessions = || -> u64 {
+        let sql = format!(
+            "SELECT sessions FROM pg_stat_database WHERE datname = '{}'",
+            db.name()
+        );
+        db.query(&sql).parse().unwrap()
+    };
+    let before = sessions();
+    // Every round trip takes 200 ms: each call times out, and its connection answers
+    // 50 ms later.
+    proxy.set(Fault::Latency(Duration::from_millis(100)));
+    for _ in 0..10 {
+        assert!(locks.inspect(["k"]).await.is_err());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let made = sessions() - before;
+    assert!(made <= 3, "{made} connections made for 10 slow calls");
+    proxy.set(Fault::None);
 }
 
 /// Behind PgBouncer in transaction mode, where each transaction may run on another of its

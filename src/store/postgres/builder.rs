@@ -197,13 +197,15 @@ const POOL_SIZE: usize = 16;
 ///   default for the store's connections.
 /// - **A server gone silent** (a host gone, an address moved to a new primary, without a
 ///   reset): a connection whose call got no answer within the
-///   [`store_timeout`](crate::Locks::store_timeout) is closed, not given back to the pool,
-///   so the next call connects again (to the server that answers now) rather than queue
-///   behind it. The store's own connections (the pool built from a URL, the listener)
-///   set TCP keepalives, so that an idle one to a vanished server is given up in about
-///   25 s (probes after 10 s idle, every 5 s, 3 of them); set them on a pool you pass to
-///   [`Postgres::pool`] (`keepalives_idle` and the like in its URL).
-///   [`Locks::check`](crate::Locks::check) asks the server each time.
+///   [`store_timeout`](crate::Locks::store_timeout) stays out of the pool until a round
+///   trip queued behind that call answers, and is given up if none does within 5 s (a
+///   busy server's connection goes back), so the next calls connect again (to the server
+///   that answers now) rather than queue behind it. The store's own connections (the
+///   pool built from a URL, the listener) set TCP keepalives, over any the URL gives, so
+///   that an idle one to a vanished server is given up in about 25 s (probes after 10 s
+///   idle, every 5 s, 3 of them); set them on a pool you pass to [`Postgres::pool`]
+///   (`keepalives_idle` and the like in its URL). [`Locks::check`](crate::Locks::check)
+///   asks the server each time.
 /// - **TLS.** Without [`tls`](Self::tls), the store's own connections (the pool built
 ///   from a URL, and the connection that listens for releases) do not use TLS. With it,
 ///   they do as the URL's `sslmode` says (`prefer` by default; `require` to refuse a

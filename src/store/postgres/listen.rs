@@ -49,14 +49,17 @@ pub(super) async fn listen_for_releases(
     wakeups: Weak<Wakeups>,
 ) {
     keep_alive(&mut config);
+    // A port for each host, one for all, or none (5432).
+    let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
     let at = config
         .get_hosts()
         .iter()
-        .zip(config.get_ports())
-        .map(|(host, port)| match host {
-            tokio_postgres::config::Host::Tcp(host) => format!("{host}:{port}"),
+        .enumerate()
+        .map(|(i, host)| match host {
+            tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", port(i)),
             #[cfg(unix)]
-            tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+            tokio_postgres::config::Host::Unix(path) => format!("{}:{}", path.display(), port(i)),
         });
     let mut reconnecting = Reconnecting::new(at.collect::<Vec<_>>().join(","));
     while wakeups.strong_count() > 0 {

@@ -365,13 +365,19 @@ impl PostgresStore {
     }
 }
 
+/// How long a connection whose call was dropped unanswered may take to answer a round
+/// trip queued behind it, before it is given up.
+const UNANSWERED_GRACE: Duration = Duration::from_secs(5);
+
 /// A pooled connection with a call on it. Dropped before the call was answered (the
-/// store's timeout, a request that went away), it is closed rather than given back to the
-/// pool, where the next call would queue behind the statement still on it: on a server
-/// that went silent without closing its connections (a host gone, a failover that moved
-/// its address), every connection of the pool would hang so, and every call get 503, until
-/// the kernel gave up on them, minutes later; a new connection finds the server that
-/// answers now.
+/// store's timeout, a request that went away), it does not go back to the pool at once,
+/// where the next call would queue behind the statement still on it: a round trip queued
+/// behind that statement tells, in the background, whether the server answers within
+/// [`UNANSWERED_GRACE`] (a busy server: the connection goes back) or not (a server gone
+/// silent without closing its connections, a host gone or an address moved in a failover:
+/// the connection is given up, where every connection of the pool would have hung, and
+/// every call got 503, until the kernel gave up on them, minutes later). Meanwhile the
+/// pool makes new connections, which find the server that answers now.
 struct Calling(Option<Object>);
 
 impl Calling {
@@ -389,9 +395,19 @@ impl Calling {
 
 impl Drop for Calling {
     fn drop(&mut self) {
-        if let Some(unanswered) = self.0.take() {
+        let Some(unanswered) = self.0.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             drop(Object::take(unanswered));
-        }
+            return;
+        };
+        runtime.spawn(async move {
+            let answered = tokio::time::timeout(UNANSWERED_GRACE, unanswered.simple_query(""));
+            if !matches!(answered.await, Ok(Ok(_))) {
+                drop(Object::take(unanswered));
+            }
+        });
     }
 }
 

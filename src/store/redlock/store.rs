@@ -191,7 +191,7 @@ impl RedlockStore {
 
     /// Releases whatever a failed acquisition may have left: on every master, unless every
     /// one of them refused (and so wrote nothing). It waits for the masters that answered
-    /// the acquisition; those that did not answer in time get their release in the
+    /// the acquisition; those that gave no answer and may still run it get their release in the
     /// background rather than hold the request up again. A waiter in line first puts its
     /// reservations on the masters that granted (the others reserved when they refused),
     /// as on one Redis: a release keeps a key's reservations, so the keys are never free of
