@@ -191,11 +191,11 @@ impl RedlockStore {
 
     /// Releases whatever a failed acquisition may have left: on every master, unless every
     /// one of them refused (and so wrote nothing). It waits for the masters that answered
-    /// the acquisition; those that gave no answer and may still run it get their release in the
-    /// background rather than hold the request up again. A waiter in line first puts its
-    /// reservations on the masters that granted (the others reserved when they refused),
-    /// as on one Redis: a release keeps a key's reservations, so the keys are never free of
-    /// both in between, and the waiter keeps its place everywhere.
+    /// the acquisition; those that gave no answer and may still run it get their release
+    /// in the background rather than hold the request up again. A waiter in line first
+    /// puts its reservations on the masters that granted (the others reserved when they
+    /// refused), as on one Redis: a release keeps a key's reservations, so the keys are
+    /// never free of both in between, and the waiter keeps its place everywhere.
     async fn roll_back(&self, request: &AcquireRequest, tally: &Tally) {
         let (keys, holder) = (&request.keys, request.holder);
         if tally.granted.is_empty() && tally.failed == 0 {
