@@ -19,6 +19,25 @@ fn locks_over(store: Arc<dyn LockStore>) -> Locks {
     })
 }
 
+/// Takes `keys` in `store` for another owner, for 30 s: whose hold it gives.
+async fn held_by_another(store: &MemoryStore, keys: &Arc<[String]>) -> Holder {
+    let holder = Holder::new(OwnerToken::random());
+    let request = AcquireRequest {
+        namespace: "lock:".into(),
+        keys: keys.clone(),
+        modes: Modes::All(Mode::Exclusive),
+        holder,
+        ttl: Duration::from_secs(30),
+        report: 0,
+        line: Line::Outside,
+        reserve: Duration::ZERO,
+        retry: false,
+    };
+    let held = store.acquire(&request).await.unwrap();
+    assert!(matches!(held, Acquire::Granted(_)));
+    holder
+}
+
 /// Releases `holder`'s keys during the waiter's second attempt, after the store found
 /// them held and before the attempt's answer comes back; notes on tokio's clock when
 /// each attempt started and ended.
@@ -58,20 +77,7 @@ async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
     };
     let store = Arc::new(Intercepted::new(hooks));
     let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-    let holder = Holder::new(OwnerToken::random());
-    let request = AcquireRequest {
-        namespace: "lock:".into(),
-        keys: keys.clone(),
-        modes: Modes::All(Mode::Exclusive),
-        holder,
-        ttl: Duration::from_secs(30),
-        report: 0,
-        line: Line::Outside,
-        reserve: Duration::ZERO,
-        retry: false,
-    };
-    let held = store.store.acquire(&request).await.unwrap();
-    assert!(matches!(held, Acquire::Granted(_)));
+    let holder = held_by_another(&store.store, &keys).await;
     *store.hooks.holder.lock().unwrap() = Some((keys.clone(), holder));
 
     let locks = locks_over(store.clone()).wait(Wait::up_to(Duration::from_secs(1)));
@@ -182,20 +188,7 @@ async fn a_waiter_dropped_during_its_withdrawal_withdraws_in_the_background() {
         asked: false.into(),
     }));
     let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-    let holder = Holder::new(OwnerToken::random());
-    let request = AcquireRequest {
-        namespace: "lock:".into(),
-        keys: keys.clone(),
-        modes: Modes::All(Mode::Exclusive),
-        holder,
-        ttl: Duration::from_secs(30),
-        report: 0,
-        line: Line::Outside,
-        reserve: Duration::ZERO,
-        retry: false,
-    };
-    let held = store.store.acquire(&request).await.unwrap();
-    assert!(matches!(held, Acquire::Granted(_)));
+    held_by_another(&store.store, &keys).await;
 
     // It waits 1 s, reserving the key until 1.5 s, gives up, and is dropped at 1.1 s,
     // while its withdrawal waits on the store.

@@ -22,6 +22,8 @@ use axum::{
 use bytes::Bytes;
 use tower_batch_lock::{idempotency::Idempotency, keys, Locks, OnLostLease, Wait};
 
+use tokio::task::JoinHandle;
+
 use crate::support::{
     handlers::{gated_handler, Gate},
     http::{header_keys, poll_every, post_keys, send, within, Reply},
@@ -111,6 +113,50 @@ fn order(key: Option<&str>, body: &str) -> Request<Body> {
         request = request.header("idempotency-key", key);
     }
     request.body(Body::from(body.to_owned())).unwrap()
+}
+
+/// Sends an order with `key` to `app` in a task of its own, once its handler passed into
+/// `gate`.
+async fn order_entered(app: &Router, key: &'static str, gate: &Gate) -> JoinHandle<Reply> {
+    let app = app.clone();
+    let sent = tokio::spawn(async move { send(&app, order(Some(key), "{}")).await });
+    gate.wait_entered().await;
+    sent
+}
+
+/// The answer to a retry of the order with `key`, once its first run stored one (the
+/// retries before get 409); within 5 s.
+async fn stored_answer(app: &Router, key: &'static str) -> Reply {
+    within(Duration::from_secs(5), "the answer is stored", async {
+        loop {
+            let reply = send(app, order(Some(key), "{}")).await;
+            if reply.status != StatusCode::CONFLICT {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
+/// Lets a run wait at `gate` go on: it was cancelled, so it creates no order.
+async fn assert_cancelled(gate: &Gate, orders: &Orders) {
+    gate.open();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        orders.created.load(Ordering::SeqCst),
+        0,
+        "the cancelled run went on without its lock"
+    );
+}
+
+/// Locks on a memory store of their own that wait for nothing, and cancel a handler whose
+/// lease (300 ms, renewed every 100 ms) is lost.
+fn cancelling_locks() -> Locks {
+    Locks::new(tower_batch_lock::store::Store::isolated_memory())
+        .ttl(Duration::from_millis(300))
+        .wait(Wait::none())
+        .on_lost_lease(OnLostLease::Cancel)
 }
 
 fn assert_replay_of(first: &Reply, retry: &Reply) {
@@ -556,26 +602,13 @@ async fn a_request_whose_client_went_away_still_stores_its_answer() {
         let orders = Arc::new(Orders::default());
         let gate = Gate::new();
         let app = orders_router(store.locks[0].idempotency(), &orders, Some(&gate));
-        let first = tokio::spawn({
-            let app = app.clone();
-            async move { send(&app, order(Some("gone"), "{}")).await }
-        });
-        gate.wait_entered().await;
+        let first = order_entered(&app, "gone", &gate).await;
         // The client goes away while the handler runs: hyper drops the request's future.
         first.abort();
         assert!(first.await.unwrap_err().is_cancelled());
         gate.open();
         // The handler finished, and its answer is the retry's.
-        let retry = within(Duration::from_secs(5), "the answer is stored", async {
-            loop {
-                let reply = send(&app, order(Some("gone"), "{}")).await;
-                if reply.status != StatusCode::CONFLICT {
-                    return reply;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
+        let retry = stored_answer(&app, "gone").await;
         assert_eq!(retry.status, StatusCode::CREATED, "{}", store.name);
         assert_eq!(retry.headers["idempotent-replayed"], "true");
         assert_eq!(orders.created.load(Ordering::SeqCst), 1, "{}", store.name);
@@ -601,11 +634,7 @@ async fn a_lock_layer_around_keeps_its_keys_while_a_request_whose_client_went_aw
         let orders = Arc::new(Orders::default());
         let gate = Gate::new();
         let app = product_locked_orders(&locks, &orders, &gate);
-        let first = tokio::spawn({
-            let app = app.clone();
-            async move { send(&app, order(Some("went-away"), "{}")).await }
-        });
-        gate.wait_entered().await;
+        let first = order_entered(&app, "went-away", &gate).await;
         // The client goes away; its handler goes on in the idempotency layer's task, and
         // still holds the product past several TTLs: another order for it is refused.
         first.abort();
@@ -620,20 +649,7 @@ async fn a_lock_layer_around_keeps_its_keys_while_a_request_whose_client_went_aw
         assert_eq!(other.status, StatusCode::CONFLICT, "{}", store.name);
         gate.open();
         // The run ends and stores its answer; then the product is free again.
-        let retry = within(
-            Duration::from_secs(5),
-            "the first answer is stored",
-            async {
-                loop {
-                    let reply = send(&app, order(Some("went-away"), "{}")).await;
-                    if reply.status != StatusCode::CONFLICT {
-                        return reply;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            },
-        )
-        .await;
+        let retry = stored_answer(&app, "went-away").await;
         assert_eq!(retry.status, StatusCode::CREATED, "{}", store.name);
         assert_eq!(retry.headers["idempotent-replayed"], "true");
         gate.open();
@@ -669,30 +685,17 @@ async fn a_lock_layer_around_keeps_its_keys_for_a_run_dropped_before_it_started(
 /// its lease where that cancels, cancels the run that goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lock_layer_around_whose_client_left_cancels_the_run_when_it_loses_its_lease() {
-    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory())
-        .ttl(Duration::from_millis(300))
-        .wait(Wait::none())
-        .on_lost_lease(OnLostLease::Cancel);
+    let locks = cancelling_locks();
     let orders = Arc::new(Orders::default());
     let gate = Gate::new();
     let app = product_locked_orders(&locks, &orders, &gate);
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, order(Some("left-then-lost"), "{}")).await }
-    });
-    gate.wait_entered().await;
+    let first = order_entered(&app, "left-then-lost", &gate).await;
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
     assert_eq!(locks.force_release(["product:7"], "test").await.unwrap(), 1);
     // The next renewal (every 100 ms) finds the product gone, and cancels the run.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    gate.open();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        orders.created.load(Ordering::SeqCst),
-        0,
-        "the run went on without its lock"
-    );
+    assert_cancelled(&gate, &orders).await;
 }
 
 /// A layer between a lock layer and the idempotency layer that answers for the run (a
@@ -736,31 +739,18 @@ async fn a_lock_layer_around_a_timeout_keeps_its_keys_until_the_run_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lock_layer_around_that_loses_its_lease_and_cancels_cancels_the_run() {
-    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory())
-        .ttl(Duration::from_millis(300))
-        .wait(Wait::none())
-        .on_lost_lease(OnLostLease::Cancel);
+    let locks = cancelling_locks();
     let orders = Arc::new(Orders::default());
     let gate = Gate::new();
     let app = product_locked_orders(&locks, &orders, &gate);
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, order(Some("lost"), "{}")).await }
-    });
-    gate.wait_entered().await;
+    let first = order_entered(&app, "lost", &gate).await;
     let ended = locks.force_release(["product:7"], "test").await.unwrap();
     assert_eq!(ended, 1);
     // The next renewal finds the product gone: the layer answers 503 and cancels its
     // inner service, the idempotency layer's run in a task of its own included.
     let first = within(Duration::from_secs(3), "the cancelled answer", first).await;
     assert_eq!(first.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
-    gate.open();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        orders.created.load(Ordering::SeqCst),
-        0,
-        "the cancelled run went on without its lock"
-    );
+    assert_cancelled(&gate, &orders).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -776,11 +766,7 @@ async fn a_request_slower_than_max_hold_keeps_its_retries_out_and_is_not_cancell
         let orders = Arc::new(Orders::default());
         let gate = Gate::new();
         let app = orders_router(locks.idempotency(), &orders, Some(&gate));
-        let first = tokio::spawn({
-            let app = app.clone();
-            async move { send(&app, order(Some("slow"), "{}")).await }
-        });
-        gate.wait_entered().await;
+        let first = order_entered(&app, "slow", &gate).await;
         // Past max_hold and a TTL more: the retry still finds the first running.
         tokio::time::sleep(Duration::from_millis(1_200)).await;
         let retry = send(&app, order(Some("slow"), "{}")).await;
@@ -843,11 +829,7 @@ async fn an_answer_the_store_could_not_take_at_once_is_stored_when_it_can() {
     let orders = Arc::new(Orders::default());
     let gate = Gate::new();
     let app = orders_router(locks.idempotency(), &orders, Some(&gate));
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, order(Some("later"), "{}")).await }
-    });
-    gate.wait_entered().await;
+    let first = order_entered(&app, "later", &gate).await;
     let logged_before = warnings_logged().len();
     // The store goes down as the handler finishes (a failover, say), and is back a second
     // later, empty: the answer must still get there.

@@ -401,7 +401,21 @@ async fn an_operator_sees_a_held_batch_and_frees_it() {
     assert_eq!(held.await.unwrap().status, StatusCode::OK);
 }
 
-/// A connection whose call got no answer in time is closed, not given back to the pool,
+/// A proxy to the local server, and locks on `db` through it with `store_timeout`, their
+/// schema made.
+async fn behind_a_proxy(db: &Database, store_timeout: Duration) -> (Proxy, Locks) {
+    let proxy = Proxy::start(5432).await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port(),
+        db.name()
+    );
+    let locks = Locks::new(Postgres::url(url).build().unwrap()).store_timeout(store_timeout);
+    locks.check().await.unwrap();
+    (proxy, locks)
+}
+
+/// A connection whose call got no answer in time is given up, not given back to the pool,
 /// where the next call queued behind the statement still on it: with a server gone silent
 /// without closing its connections (a host gone, an address moved in a failover), every
 /// call got 503 until the kernel gave the connection up, minutes later. And
@@ -409,15 +423,7 @@ async fn an_operator_sees_a_held_batch_and_frees_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_gone_silent_is_given_up_with_its_call_and_the_next_call_connects_again() {
     let db = Database::create();
-    let proxy = Proxy::start(5432).await;
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port(),
-        db.name()
-    );
-    let locks =
-        Locks::new(Postgres::url(url).build().unwrap()).store_timeout(Duration::from_millis(300));
-    locks.check().await.unwrap();
+    let (proxy, locks) = behind_a_proxy(&db, Duration::from_millis(300)).await;
     // The connections open now go silent; new ones pass.
     proxy.hold_open();
     assert!(
@@ -441,15 +447,7 @@ async fn a_connection_gone_silent_is_given_up_with_its_call_and_the_next_call_co
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_whose_call_answers_late_is_kept_not_made_again() {
     let db = Database::create();
-    let proxy = Proxy::start(5432).await;
-    let url = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port(),
-        db.name()
-    );
-    let locks =
-        Locks::new(Postgres::url(url).build().unwrap()).store_timeout(Duration::from_millis(150));
-    locks.check().await.unwrap();
+    let (proxy, locks) = behind_a_proxy(&db, Duration::from_millis(150)).await;
     let sessions = || -> u64 {
         let sql = format!(
             "SELECT sessions FROM pg_stat_database WHERE datname = '{}'",
