@@ -288,16 +288,21 @@ impl Lease {
         if self.enclosing.is_none() {
             return self.own_lost().await;
         }
-        let each = self.chain().map(|lease| Box::pin(lease.own_lost()));
-        futures_util::future::select_all(each).await;
+        self.any_lost(|_| true).await;
     }
 
     /// [`lost`](Self::lost), of the holds whose loss cancels a lock layer's inner service
     /// (every hold but the idempotency layer's in-flight one).
     pub(crate) async fn lost_cancelling(&self) {
+        self.any_lost(|lease| lease.cancels).await;
+    }
+
+    /// Resolves when one of the holds of the chain that `counts` is lost; never, if it
+    /// counts none.
+    async fn any_lost(&self, counts: impl Fn(&Lease) -> bool) {
         let each: Vec<_> = self
             .chain()
-            .filter(|lease| lease.cancels)
+            .filter(|lease| counts(lease))
             .map(|lease| Box::pin(lease.own_lost()))
             .collect();
         if each.is_empty() {

@@ -50,6 +50,13 @@ struct Apart {
     cancelled_from: Option<u64>,
 }
 
+impl Apart {
+    /// Whether a run numbered `from` or later is still running.
+    fn running_from(&self, from: u64) -> bool {
+        self.running.iter().any(|&n| n >= from)
+    }
+}
+
 impl RequestOwner {
     pub(crate) fn new(token: OwnerToken) -> Arc<Self> {
         Arc::new(Self {
@@ -249,9 +256,8 @@ impl RequestGuard {
     /// Whether a run of the inner service goes on apart ([`RequestOwner::run_apart`]):
     /// the request's future was dropped, or a layer inside answered for it.
     pub(crate) fn runs_apart(&self) -> bool {
-        let from = self.runs_from;
         let apart = self.owner.apart.get();
-        apart.is_some_and(|apart| apart.borrow().running.iter().any(|&n| n >= from))
+        apart.is_some_and(|apart| apart.borrow().running_from(self.runs_from))
     }
 
     /// Lets the guard go while its request no longer waits for its inner service: at once,
@@ -268,14 +274,14 @@ impl RequestGuard {
         let (Some(mut apart), Ok(runtime)) = (apart, tokio::runtime::Handle::try_current()) else {
             return;
         };
-        if !self.runs_apart() {
+        if !apart.borrow().running_from(from) {
             return;
         }
         self.start_deferred_renewal();
         runtime.spawn(async move {
             // The sender lives in the owner, which this guard keeps. A statement of its
             // own: the answer of `wait_for` borrows the channel, which a cancel changes.
-            let ended = apart.wait_for(|a| !a.running.iter().any(|&n| n >= from));
+            let ended = apart.wait_for(|a| !a.running_from(from));
             let lost_first = match lost {
                 Some(lost) => matches!(select(Box::pin(ended), lost).await, Either::Right(_)),
                 None => {

@@ -1,14 +1,14 @@
 //! A waiter's place in line on the masters: its withdrawal everywhere, and, once the
 //! majority granted its batch, on the masters that did not, after they answered.
 
-use std::sync::Arc;
+use std::{future::Future, sync::Arc};
 
 use futures_util::{future::join_all, StreamExt};
 
 use super::{RedlockStore, Replies};
 use crate::store::{
     contract::{Acquire, Keys, LockStore, Ticket},
-    fanout::bounded,
+    fanout::{bounded, Fanout, NodeReply},
     late,
     redis::RedisStore,
 };
@@ -22,9 +22,7 @@ impl RedlockStore {
         ticket: Ticket,
     ) -> Replies<usize> {
         self.start_on(nodes, |_, node| {
-            let keys = keys.clone();
-            let timeout = self.fanout.timeout_for(keys.len(), node.step());
-            async move { bounded(timeout, node.withdraw(&keys, ticket)).await }
+            withdrawal(&self.fanout, &node, keys, ticket)
         })
     }
 
@@ -63,11 +61,7 @@ impl RedlockStore {
                     _ => {}
                 }
             }
-            let withdraw = |master: &Arc<RedisStore>| {
-                let (master, keys) = (master.clone(), keys.clone());
-                let timeout = fanout.timeout_for(keys.len(), master.step());
-                async move { bounded(timeout, master.withdraw(&keys, ticket)).await }
-            };
+            let withdraw = |master: &Arc<RedisStore>| withdrawal(&fanout, master, &keys, ticket);
             join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
             refused.retain(|(node, _)| unanswered.contains(node));
             if !refused.is_empty() {
@@ -79,4 +73,16 @@ impl RedlockStore {
             }
         });
     }
+}
+
+/// A withdrawal of `ticket`'s places on `master`, bounded by a node timeout a step.
+fn withdrawal(
+    fanout: &Fanout,
+    master: &Arc<RedisStore>,
+    keys: &Keys,
+    ticket: Ticket,
+) -> impl Future<Output = NodeReply<usize>> + Send + 'static {
+    let (master, keys) = (master.clone(), keys.clone());
+    let timeout = fanout.timeout_for(keys.len(), master.step());
+    async move { bounded(timeout, master.withdraw(&keys, ticket)).await }
 }
