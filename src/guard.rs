@@ -123,7 +123,8 @@ struct Held {
 /// The task that keeps extending the lease, and the way to stop it.
 #[derive(Debug)]
 struct Renewal {
-    stop: oneshot::Sender<()>,
+    /// Dropped to stop it (`None` once dropped).
+    stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
     phase: Arc<AtomicU8>,
 }
@@ -235,7 +236,11 @@ impl LockGuard {
             layer: held.layer.clone(),
         };
         let task = tokio::spawn(renewer.run(stopped));
-        held.renewal = Some(Renewal { stop, task, phase });
+        held.renewal = Some(Renewal {
+            stop: Some(stop),
+            task,
+            phase,
+        });
     }
 
     /// Counts how long the hold lasts, from `since` until its release, in `holds` and in
@@ -268,13 +273,18 @@ impl LockGuard {
     /// The future owns the guard, still armed, until the store has answered: if the future
     /// is dropped midway (the client left just as the handler finished), the guard's drop
     /// sends the release again. Releasing twice is harmless; releasing never is not.
-    /// Likewise when the store does not answer: the response goes out after one attempt,
-    /// and the guard's drop keeps retrying in the background.
+    /// Likewise when the store does not answer: the future ends within one store timeout,
+    /// an extension in flight included, and the guard's drop keeps retrying in the
+    /// background (after that extension).
     pub(crate) async fn release(mut self) {
         if let Some(held) = &mut self.held {
             held.hold_ended(Instant::now());
-            held.stop_renewal().await;
-            if !held.release().await {
+            let timeout = held.timeout;
+            let released = async {
+                held.stop_renewal().await;
+                held.release().await
+            };
+            if !matches!(within(timeout, released).await, Ok(true)) {
                 return; // dropped armed: retried from `Drop`
             }
         }
@@ -326,22 +336,24 @@ impl Held {
     }
 
     /// Stops the renewal and waits for an extension in flight to finish, so that the
-    /// release that follows is the last word.
+    /// release that follows is the last word. Dropped midway, it leaves the renewal for
+    /// the next call to wait for: the release the guard's drop sends still comes after it.
     async fn stop_renewal(&mut self) {
-        if let Some(Renewal { stop, task, phase }) = self.renewal.take() {
-            drop(stop);
-            // Sleeping (or ended): no extension is in flight, and none can start after
-            // this; the task ends on its own when it sees the stop.
-            if phase
-                .compare_exchange(SLEEPING, STOPPED, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return;
-            }
-            // An extension is in flight: wait for it. The task bounds its own attempts by
-            // the store timeout.
-            let _ = task.await;
+        let Some(renewal) = &mut self.renewal else {
+            return;
+        };
+        renewal.stop = None;
+        // Sleeping (or ended): no extension is in flight, and none can start after this;
+        // the task ends on its own when it sees the stop. Otherwise an extension is in
+        // flight: wait for it (the task bounds its own attempts by the store timeout).
+        if renewal
+            .phase
+            .compare_exchange(SLEEPING, STOPPED, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            let _ = (&mut renewal.task).await;
         }
+        self.renewal = None;
     }
 
     /// One attempt; whether the store answered.
@@ -561,14 +573,11 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_release_dropped_midway_is_sent_again() {
-        let store = Arc::new(Intercepted::new(StallNextRelease(AtomicBool::new(true))));
-        let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-        let ttl = Duration::from_secs(30);
-        let request = |holder| AcquireRequest {
+    /// One exclusive key, `lock:a`, for `holder`.
+    fn request(holder: Holder, ttl: Duration) -> AcquireRequest {
+        AcquireRequest {
             namespace: "lock:".into(),
-            keys: keys.clone(),
+            keys: vec!["lock:a".to_owned()].into(),
             modes: Modes::All(Mode::Exclusive),
             holder,
             ttl,
@@ -576,33 +585,106 @@ mod tests {
             line: Line::Outside,
             reserve: Duration::ZERO,
             retry: false,
-        };
-        let (owner, other) = (
-            Holder::new(OwnerToken::random()),
-            Holder::new(OwnerToken::random()),
-        );
-        let granted = store.acquire(&request(owner)).await.unwrap();
-        assert!(matches!(granted, Acquire::Granted(_)));
+        }
+    }
 
-        let guard = LockGuard::new(
-            store.clone(),
-            keys.clone(),
+    /// `lock:a` granted to a new owner, and its guard, with `ttl` as its store timeout too.
+    async fn granted(store: Arc<dyn LockStore>, ttl: Duration) -> LockGuard {
+        let owner = Holder::new(OwnerToken::random());
+        let request = request(owner, ttl);
+        let granted = store.acquire(&request).await.unwrap();
+        assert!(matches!(granted, Acquire::Granted(_)));
+        LockGuard::new(
+            store,
+            request.keys,
             owner,
             ttl,
             Instant::now() + ttl,
             Arc::default(),
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn a_release_dropped_midway_is_sent_again() {
+        let store = Arc::new(Intercepted::new(StallNextRelease(AtomicBool::new(true))));
+        let ttl = Duration::from_secs(30);
+        let guard = granted(store.clone(), ttl).await;
         let stalled = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
         assert!(stalled.is_err(), "the first release should have stalled");
 
         // Dropping the stalled release spawned another one; let it run.
+        let other = request(Holder::new(OwnerToken::random()), ttl);
         for _ in 0..100 {
-            let retried = store.acquire(&request(other)).await.unwrap();
+            let retried = store.acquire(&other).await.unwrap();
             if matches!(retried, Acquire::Granted(_)) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         panic!("the keys were not released after the release future was dropped");
+    }
+
+    /// Extensions wait for the test's word; the calls that reached the store, in order.
+    #[derive(Debug, Default)]
+    struct ExtensionsOnHold {
+        extending: tokio::sync::Notify,
+        go: tokio::sync::Notify,
+        calls: std::sync::Mutex<Vec<&'static str>>,
+    }
+
+    impl Hooks for ExtensionsOnHold {
+        fn extend<'a>(
+            &'a self,
+            store: &'a MemoryStore,
+            keys: &'a Keys,
+            holder: Holder,
+            ttl: Duration,
+        ) -> Reply<'a, bool> {
+            Box::pin(async move {
+                self.extending.notify_one();
+                self.go.notified().await;
+                let extended = store.extend(keys, holder, ttl).await;
+                self.calls.lock().unwrap().push("extend");
+                extended
+            })
+        }
+
+        fn release<'a>(
+            &'a self,
+            store: &'a MemoryStore,
+            keys: &'a Keys,
+            holder: Holder,
+        ) -> Reply<'a, usize> {
+            self.calls.lock().unwrap().push("release");
+            store.release(keys, holder)
+        }
+    }
+
+    /// A response's release dropped (its client left) while it waits for an extension in
+    /// flight: the release that the guard's drop sends still waits for it, so that the
+    /// extension never finds the keys gone (a lease reported lost after its release).
+    #[tokio::test]
+    async fn a_release_dropped_during_an_extension_comes_after_it() {
+        let store = Arc::new(Intercepted::new(ExtensionsOnHold::default()));
+        let ttl = Duration::from_secs(30);
+        let mut guard = granted(store.clone(), ttl).await;
+        guard.start_renewal(ttl, None, Instant::now());
+        store.hooks.extending.notified().await;
+        let dropped = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
+        assert!(
+            dropped.is_err(),
+            "the release should have waited for the extension"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(*store.hooks.calls.lock().unwrap(), Vec::<&str>::new());
+
+        store.hooks.go.notify_one();
+        for _ in 0..100 {
+            if store.hooks.calls.lock().unwrap().len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(*store.hooks.calls.lock().unwrap(), ["extend", "release"]);
     }
 }

@@ -150,8 +150,9 @@
 //! [`Locks::hold_until_body_end`]): the release's round trip is on the response's path,
 //! so that a client's next request never finds the keys of its previous one still held.
 //! The cost: a store that stalls delays responses whose work is done, by up to
-//! [`Locks::store_timeout`]; the release then goes on in the background, and the keys
-//! expire with their TTL if it never lands.
+//! [`Locks::store_timeout`] in all (the handler's holds are released with the layer's, at
+//! once); the release then goes on in the background, and the keys expire with their TTL
+//! if it never lands.
 //!
 //! # Leases and fencing
 //!

@@ -234,15 +234,14 @@ impl RequestGuard {
         !self.extra.as_ref().is_some_and(ExtraHolds::any) && self.guard.release_now()
     }
 
-    /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does; what
-    /// a drop midway leaves is released in the background.
+    /// Releases the handler's holds and the layer's, as [`LockGuard::release`] does: all at
+    /// once, so that a store that does not answer delays the response by one store
+    /// timeout, not one a hold. What a drop midway leaves is released in the background.
     pub(crate) fn release(self) -> BoxFuture<'static, ()> {
         let Self { guard, extra, .. } = self;
         Box::pin(async move {
-            if let Some(extra) = &extra {
-                join_all(extra.take().into_iter().map(LockGuard::release)).await;
-            }
-            guard.release().await;
+            let extra = extra.as_ref().map(ExtraHolds::take).unwrap_or_default();
+            join_all(extra.into_iter().chain([guard]).map(LockGuard::release)).await;
         })
     }
 

@@ -14,7 +14,7 @@ use axum::Router;
 use http::StatusCode;
 use tower_batch_lock::{
     store::{Redis, Redlock},
-    Locks, Wait,
+    Lease, Locks, Wait,
 };
 
 use crate::support::{
@@ -179,6 +179,41 @@ async fn connections_reset_under_load_break_nothing() {
         }))
     })
     .await;
+}
+
+/// A store that stalls as a response is ready, with the handler's own hold beside the
+/// layer's and an extension of each in flight: the response waits one store timeout in
+/// all, not one for each extension and each hold (the release goes on in the background).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_release_delays_the_response_by_one_store_timeout_whatever_it_holds() {
+    const STORE_TIMEOUT: Duration = Duration::from_millis(400);
+    let server = RedisServer::start();
+    let proxy = Arc::new(Proxy::start(server.port()).await);
+    // Extended every 300 ms, each extension given 300 ms.
+    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .ttl(Duration::from_millis(900))
+        .store_timeout(STORE_TIMEOUT);
+    let done = Arc::new(Mutex::new(None));
+    let handler = {
+        let (proxy, done) = (proxy.clone(), done.clone());
+        move |lease: Lease| async move {
+            let _more = lease.lock(["stall:extra"]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            proxy.set(Fault::Stall);
+            // Both holds' first extensions went out at about 300 ms, and hang.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            *done.lock().unwrap() = Some(Instant::now());
+        }
+    };
+    let app = batch_router(&locks, handler);
+    let reply = send(&app, batch(&["stall:a"])).await;
+    let waited = done.lock().unwrap().expect("the handler ran").elapsed();
+    proxy.set(Fault::None);
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(
+        waited < STORE_TIMEOUT + Duration::from_millis(250),
+        "the response waited {waited:?} for its release"
+    );
 }
 
 /// An acquisition held up on the wire past its timeout (its connection's bytes held, as a

@@ -1,5 +1,6 @@
-//! The memory store with a hook around its acquisitions, releases and withdrawals, for unit tests of
-//! what the layer does when a store answers late, never, or after the world changed.
+//! The memory store with a hook around its acquisitions, releases, withdrawals and
+//! extensions, for unit tests of what the layer does when a store answers late, never, or
+//! after the world changed.
 
 use std::time::Duration;
 
@@ -36,9 +37,20 @@ pub(crate) trait Hooks: std::fmt::Debug + Send + Sync + 'static {
     ) -> Reply<'a, usize> {
         store.withdraw(keys, ticket)
     }
+
+    fn extend<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        keys: &'a Keys,
+        holder: Holder,
+        ttl: Duration,
+    ) -> Reply<'a, bool> {
+        store.extend(keys, holder, ttl)
+    }
 }
 
-/// The memory store, its acquisitions, releases and withdrawals going through `hooks`.
+/// The memory store, its acquisitions, releases, withdrawals and extensions going through
+/// `hooks`.
 #[derive(Debug)]
 pub(crate) struct Intercepted<H> {
     pub(crate) store: MemoryStore,
@@ -68,7 +80,7 @@ impl<H: Hooks> LockStore for Intercepted<H> {
     }
 
     fn extend<'a>(&'a self, keys: &'a Keys, holder: Holder, ttl: Duration) -> Reply<'a, bool> {
-        self.store.extend(keys, holder, ttl)
+        self.hooks.extend(&self.store, keys, holder, ttl)
     }
 
     fn wakeups(&self) -> &Wakeups {
