@@ -58,11 +58,11 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 /// *whole* batch and `validity = ttl - elapsed - drift` is still positive, with
 /// `drift = ttl / 100 + 2 ms` for the masters' clocks running at different rates. The
 /// [`Lease`](crate::Lease) expires at `start + ttl - drift`, earlier than any master lets the
-/// keys go. Otherwise the batch is released on every master that might hold any of it,
-/// and the request is refused: 409 when a majority answered, some of them with a
-/// conflicting key (with [`Locks::wait`](crate::Locks::wait) it tries again after a random pause of 5 to 100 ms,
-/// the algorithm's retry delay), 503 when a majority could not answer or the majority came
-/// too late. A failed attempt never leaves a key behind on a master that answers.
+/// keys go. Otherwise the batch is released on every master that granted it or may still
+/// run it, and the request is refused: 409 when a majority answered, some of them with a
+/// conflicting key (with [`Locks::wait`](crate::Locks::wait) it waits in line, as on one
+/// Redis), 503 when a majority could not answer or the majority came too late. A failed
+/// attempt never leaves a key behind on a master that answers.
 ///
 /// Renewal ([`Locks::renew_lease`](crate::Locks::renew_lease)) extends the keys on every master and keeps the lease only
 /// if a majority still held all of them; release goes to every master at once.
@@ -71,15 +71,17 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 ///
 /// - A master that is down (connection refused) costs nothing; one that is frozen, slow or
 ///   cut off costs at most the node timeout, and only when its answer is needed: neither an
-///   acquisition nor a release waits for the masters beyond a majority (a release gives
-///   them as long again as the majority took), and their calls finish in the background.
+///   acquisition that a majority granted or refused nor a release waits for the masters
+///   beyond that majority (a release gives them as long again as the majority took), and
+///   their calls finish in the background; what such a master grants after a refusal is
+///   released when it answers.
 /// - With a majority down, requests get 503 at once (refused connections) or after the
 ///   node timeout (frozen masters), never after the TTL.
 /// - Keys left on a master that did not answer in time are released in the background as
 ///   soon as it answers, and expire with their TTL if it never does.
-/// - Waiting requests wake at once for releases in this process; releases in other
-///   processes are not relayed (they would arrive once per master), so those waiters poll
-///   (every 5 to 100 ms).
+/// - Waiting requests wake at once for a release in any process: each master's release
+///   names the waiters first in line there, and reaches the other processes through their
+///   subscription to that master (a waiter woken by several masters wakes once).
 ///
 /// # What it guarantees, and what it does not
 ///
