@@ -4,28 +4,33 @@
 
 use std::{fmt::Write as _, time::Duration};
 
-use super::wake::{Handover, Wakeups, SLOTS};
+use super::{
+    failing::{Failing, Lines},
+    wake::{Handover, Wakeups, SLOTS},
+};
 use crate::backoff::Backoff;
 
 /// A listener's attempts to hear release messages (Redis pub/sub, PostgreSQL's `LISTEN`),
-/// again and again while its server is away: the pauses between them, and their log. Its
-/// first failure is a warning; the next are debug lines until it listens again, which it
-/// says then: a server away for ten minutes is two lines, not one every 5 s. Waiters poll
-/// meanwhile.
+/// again and again while its server is away: the pauses between them, and their log
+/// ([`Failing`]). Waiters poll meanwhile.
 pub(crate) struct Reconnecting {
     backoff: Backoff,
-    /// Where it listens (a server's address, never a URL: it may carry a password).
-    at: String,
-    /// Attempts that failed since it last listened.
-    failures: u32,
+    log: Failing,
 }
 
+static LISTENING: Lines = Lines {
+    failed: "not listening for lock releases; waiters poll until it does again (its further \
+             attempts are logged at debug level)",
+    still: "still not listening for lock releases",
+    back: "listening for lock releases again",
+};
+
 impl Reconnecting {
+    /// A listener to the server at `at`.
     pub(crate) fn new(at: String) -> Self {
         Self {
             backoff: Self::backoff(),
-            at,
-            failures: 0,
+            log: Failing::new(&LISTENING, at),
         }
     }
 
@@ -35,30 +40,13 @@ impl Reconnecting {
 
     /// It listens (again).
     pub(crate) fn listening(&mut self) {
-        if self.failures > 0 {
-            tracing::info!(
-                at = %self.at,
-                failed_attempts = self.failures,
-                "listening for lock releases again"
-            );
-        }
-        self.failures = 0;
+        self.log.succeeded();
         self.backoff = Self::backoff();
     }
 
     /// It could not listen, or lost its connection, for `why`.
     pub(crate) fn failed(&mut self, why: &dyn std::fmt::Display) {
-        if self.failures == 0 {
-            tracing::warn!(
-                at = %self.at,
-                error = %why,
-                "not listening for lock releases; waiters poll until it does again (its \
-                 further attempts are logged at debug level)"
-            );
-        } else {
-            tracing::debug!(at = %self.at, error = %why, "still not listening for lock releases");
-        }
-        self.failures = self.failures.saturating_add(1);
+        self.log.failed(why);
     }
 
     /// The pause before the next attempt.

@@ -47,6 +47,7 @@ pub(crate) mod call;
 mod cluster;
 pub(crate) mod contract;
 pub(crate) mod error;
+mod failing;
 #[cfg(feature = "redis")]
 mod fanout;
 pub(crate) mod handle;

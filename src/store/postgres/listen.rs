@@ -14,6 +14,7 @@ use tokio_postgres::{
 
 use super::tls::Connector;
 use crate::store::{
+    failing::{Failing, Lines},
     message::{wake_from_message, Reconnecting},
     wake::Wakeups,
 };
@@ -114,9 +115,11 @@ pub(super) async fn listen_for_releases(
 /// Deletes, every [`SWEEP_EVERY`], the rows that hold and reserve nothing any more (a
 /// holder or a waiter that crashed, a release that was lost) and the expired answers, with
 /// `sweep` (the schema's sweep function on a batch size), until the store is dropped.
-/// Rows that a call is using are skipped, never waited for; an error is logged, and the
-/// next sweep tries again.
-pub(super) async fn sweep(pool: Pool, sweep: String, alive: Weak<Wakeups>) {
+/// Rows that a call is using are skipped, never waited for. A failure is logged (once
+/// while its sweeps keep failing, [`Failing`], naming the table `at`), and the next sweep
+/// tries again.
+pub(super) async fn sweep(pool: Pool, sweep: String, at: String, alive: Weak<Wakeups>) {
+    let mut failing = Failing::new(&SWEEPING, at);
     loop {
         // A second at a time: the task holds the pool (and its connections) until it
         // notices that the store is gone.
@@ -141,8 +144,16 @@ pub(super) async fn sweep(pool: Pool, sweep: String, alive: Weak<Wakeups>) {
             {}
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
         };
-        if let Err(error) = swept.await {
-            tracing::warn!(%error, "could not sweep the expired lock rows; trying again later");
+        match swept.await {
+            Ok(()) => failing.succeeded(),
+            Err(error) => failing.failed(&error),
         }
     }
 }
+
+static SWEEPING: Lines = Lines {
+    failed: "could not sweep the dead lock rows; trying again at the next sweep (further failures \
+             are logged at debug level)",
+    still: "still could not sweep the dead lock rows",
+    back: "sweeping the dead lock rows again",
+};

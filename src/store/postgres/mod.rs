@@ -212,7 +212,8 @@ impl PostgresStore {
                 ));
             }
             let sweep = self.names.call("*", "sweep", "$1::int");
-            tokio::spawn(listen::sweep(self.pool.clone(), sweep, alive));
+            let at = self.names.qualified();
+            tokio::spawn(listen::sweep(self.pool.clone(), sweep, at, alive));
         });
     }
 
