@@ -2,7 +2,7 @@
 
 use std::{convert::Infallible, fmt, sync::Arc, time::Instant};
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::extract::{FromRequestParts, MatchedPath, OptionalFromRequestParts};
 use http::{request::Parts, HeaderValue, StatusCode};
 use tracing::Span;
 
@@ -14,6 +14,7 @@ use crate::{
         normalize::{normalize, Batch},
     },
     locks::Locks,
+    log_once::error_once_for,
     owner::RequestOwner,
     rejection::Rejection,
     store::contract::{FencingToken, Mode, Modes},
@@ -41,8 +42,8 @@ use crate::{
 /// [`Locks::require_keys`] refuses it), and neither has a request on a route without a
 /// [`LockLayer`](crate::LockLayer). Where that is expected, take `Option<Lease>`: `None`
 /// then. Where it is not, `Lease` answers with a `500 Internal Server Error` in
-/// problem+json ([`Rejection`]) and logs an error that says why, instead of running the
-/// handler without its locks. `axum::Extension<Lease>` works too, with axum's plain-text
+/// problem+json ([`Rejection`]) and logs an error that says why (once a route; its repeats
+/// at debug level), instead of running the handler without its locks. `axum::Extension<Lease>` works too, with axum's plain-text
 /// rejection.
 ///
 /// ```
@@ -369,11 +370,17 @@ impl<S: Send + Sync> FromRequestParts<S> for Lease {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
         parts.extensions.get::<Self>().cloned().ok_or_else(|| {
-            // A mistake in the server, not the client's: say what to change, once per
-            // request, where the developer looks.
-            tracing::error!(
+            // A mistake in the server, not the client's: say what to change, where the
+            // developer looks, once a route.
+            let path = parts.uri.path();
+            let route = parts
+                .extensions
+                .get::<MatchedPath>()
+                .map_or(path, MatchedPath::as_str);
+            error_once_for!(
+                route,
                 method = %parts.method,
-                path = %parts.uri.path(),
+                path = %path,
                 "the handler takes a Lease, but the request holds no locks: the route has no \
                  LockLayer, or the request named no keys (take Option<Lease> where that is \
                  expected, or refuse such requests with Locks::require_keys)"

@@ -338,6 +338,7 @@ pub mod idempotency;
 mod inspect;
 pub mod keys;
 mod lease;
+mod log_once;
 mod middleware;
 mod observe;
 mod outage;

@@ -33,6 +33,7 @@ use crate::{
     keys::body::read_capped,
     lease::{Enclosing, Lease},
     locks::Locks,
+    log_once::error_once_for,
     middleware::LockService,
     rejection::{Refused, Rejection},
     store::contract::StoredAnswer,
@@ -256,7 +257,10 @@ impl Shared {
         };
         let Some(answer) = Answer::decode(bytes) else {
             // Not written by this version: a later one's format, or not ours at all.
-            tracing::error!("a stored idempotent answer is in a format this version cannot read");
+            error_once_for!(
+                "format",
+                "a stored idempotent answer is in a format this version cannot read"
+            );
             return Some(Rejection::unavailable().into_response());
         };
         if answer.fingerprint != run.fingerprint {

@@ -9,7 +9,7 @@ use axum::{
 use http::{request::Parts, Request, StatusCode};
 
 use super::extractor::{first_poll, Extracted, Key, KeyExtractor};
-use crate::rejection::Rejection;
+use crate::{log_once::error_once_for, rejection::Rejection};
 
 /// One key from a path parameter of the matched route: `{kind}:{value}`.
 ///
@@ -31,7 +31,8 @@ use crate::rejection::Rejection;
 /// [`Router::route_layer`](axum::Router::route_layer), [`Router::layer`](axum::Router::layer));
 /// the parameters of a router that [nests](axum::Router::nest) this one count too. Where it
 /// cannot tell what to lock, the route is set up wrong, not the request: it answers 500
-/// (a problem document) and logs one error that names the route and its parameters:
+/// (a problem document) and logs an error that names the route and its parameters (once a
+/// route; its repeats at debug level):
 ///
 /// | route | answer |
 /// | --- | --- |
@@ -125,7 +126,7 @@ impl PathKeys {
         Ok(key)
     }
 
-    /// Logs why the route cannot be locked, and answers 500.
+    /// Logs why the route cannot be locked (once a route at error level), and answers 500.
     fn misconfigured(
         &self,
         parts: &Parts,
@@ -138,7 +139,8 @@ impl PathKeys {
             .get::<MatchedPath>()
             .map(MatchedPath::as_str)
         else {
-            tracing::error!(
+            error_once_for!(
+                kind,
                 kind,
                 "keys::path(\"{kind}\") found no route, so no path parameter to lock: \
                  it runs outside an axum Router, or inside a nested service"
@@ -151,20 +153,23 @@ impl PathKeys {
             .collect::<Vec<_>>()
             .join(", ");
         match why {
-            Misconfigured::NoParameter => tracing::error!(
+            Misconfigured::NoParameter => error_once_for!(
+                route,
                 kind,
                 route,
                 "keys::path(\"{kind}\") found no path parameter to lock on the route {route}; \
                  use it on a route with parameters"
             ),
-            Misconfigured::Ambiguous => tracing::error!(
+            Misconfigured::Ambiguous => error_once_for!(
+                route,
                 kind,
                 route,
                 "keys::path(\"{kind}\") does not know which parameter of the route {route} \
                  to lock: it has {names}; name the one that identifies the resource with \
                  .param(name), so that every route locks it under the same key"
             ),
-            Misconfigured::Missing(param) => tracing::error!(
+            Misconfigured::Missing(param) => error_once_for!(
+                route,
                 kind,
                 route,
                 "keys::path(\"{kind}\").param(\"{param}\"): the route {route} has no parameter \

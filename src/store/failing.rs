@@ -52,22 +52,10 @@ impl Failing {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use tracing::{Event, Level, Subscriber};
-    use tracing_subscriber::{layer::Context, prelude::*, Layer};
+    use tracing::Level;
 
     use super::*;
-
-    /// The level of every event logged.
-    #[derive(Clone, Default)]
-    struct Levels(Arc<Mutex<Vec<Level>>>);
-
-    impl<S: Subscriber> Layer<S> for Levels {
-        fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
-            self.0.lock().unwrap().push(*event.metadata().level());
-        }
-    }
+    use crate::log_once::tests::levels_logged;
 
     static LINES: Lines = Lines {
         failed: "failed",
@@ -77,9 +65,7 @@ mod tests {
 
     #[test]
     fn a_task_that_keeps_failing_warns_once_and_says_when_it_is_back() {
-        let levels = Levels::default();
-        let subscriber = tracing_subscriber::registry().with(levels.clone());
-        tracing::subscriber::with_default(subscriber, || {
+        let logged = levels_logged(|| {
             let mut task = Failing::new(&LINES, "127.0.0.1:5432".to_owned());
             task.succeeded();
             for _ in 0..3 {
@@ -89,7 +75,6 @@ mod tests {
             task.succeeded();
             task.failed(&"connection refused");
         });
-        let logged = levels.0.lock().unwrap().clone();
         let expected = [
             Level::WARN,
             Level::DEBUG,

@@ -47,6 +47,7 @@ pub(crate) mod call;
 mod cluster;
 pub(crate) mod contract;
 pub(crate) mod error;
+#[cfg(any(feature = "redis", feature = "postgres"))]
 mod failing;
 #[cfg(feature = "redis")]
 mod fanout;
