@@ -135,11 +135,12 @@ impl Holder {
 /// the memory store, this machine's, when the store is made). A counter that starts over
 /// so starts above every token handed out before, provided that:
 ///
-/// - **on PostgreSQL, an operator raises it after a restore**: its counter is a sequence,
-///   which survives restarts, crashes and failovers to a synchronous replica, and starts at
-///   the database clock's floor when the store makes it, but is not raised at each grant
-///   (see the store's docs: after restoring from a backup or promoting a replica that was
-///   behind, `SELECT <schema>.<table>_raise_fence()` before the first grant);
+/// - **on PostgreSQL, an operator raises it after restoring a copy of the files**: its
+///   counter is a sequence, which survives restarts and crashes, starts at the database
+///   clock's floor when the store makes it, and is raised to it at the first grant on
+///   another server (a promoted replica, a point-in-time recovery), but not at each grant
+///   (see the store's docs: after restoring a copy of the database's files,
+///   `SELECT <schema>.<table>_raise_fence()` before the first grant);
 ///
 /// - **the clock moves forward**: a store that lost its counter *and* whose clock now reads
 ///   earlier than when the last token was counted (a clock stepped back, a failover to a

@@ -48,6 +48,7 @@
 //!    `redlock::a_master_kept_out_for_a_ttl_before_rejoining_keeps_exclusion`,
 //!    `cluster::a_lease_on_every_master_renews_and_an_operator_sees_and_frees_it`.
 //! 7. **Fencing**: `postgres::a_server_killed_under_load_*` (the sequence across a crash),
+//!    `postgres::fencing_tokens_keep_growing_across_a_failover_*` (a promoted replica),
 //!    `waiting::fencing_tokens_strictly_increase_per_key_*` (across processes,
 //!    in memory), `redlock::fencing_tokens_increase_across_grants_even_when_*` (masters'
 //!    counters apart, then all lost), `fencing::*` (one Redis restarted without its data,

@@ -23,7 +23,7 @@ use tower_batch_lock::{
 use crate::support::{
     clock_floor,
     handlers::{counting_handler, gated_handler, hold, Gate},
-    http::{batch, batch_router, fence_router, poll_every, send},
+    http::{batch, batch_router, fence_router, poll_every, send, Fence},
     pg_server::{PgBouncer, PgServer},
     postgres::Database,
     proxy::{Fault, Proxy},
@@ -622,6 +622,47 @@ async fn rows_of_a_dead_holder_keep_nobody_out_and_are_swept() {
     );
     assert_eq!(db.query("SELECT tower_batch_lock.locks_sweep(1000)"), "498");
     assert!(rows(&db).is_empty());
+}
+
+/// A failover to a replica that was behind (asynchronous replication): its fencing
+/// sequence is where the replica last replayed it, behind tokens the primary handed out
+/// since, and the first grant on it (a new timeline) raises it first, without an operator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_growing_across_a_failover_to_a_replica_that_was_behind() {
+    let primary = PgServer::start();
+    let replica = PgServer::standby_of(&primary);
+    let on_primary = Locks::new(Postgres::url(primary.url()).build().unwrap());
+    let app = fence_router(&on_primary);
+    let first = send(&app, batch(&["f"])).await.fence();
+    // The replica has replayed the schema and the first grant, then stops following.
+    // The insert position: the release, committed lazily, may not be written out yet.
+    let written = primary.query("SELECT pg_current_wal_insert_lsn()");
+    let caught_up = poll_every(Duration::from_millis(50), Duration::from_secs(10), || {
+        replica.query(&format!("SELECT pg_last_wal_replay_lsn() >= '{written}'")) == "t"
+    })
+    .await;
+    assert!(caught_up.is_some(), "the replica never replayed {written}");
+    replica.stop();
+    // More grants than the sequence logs ahead (32): the replica has none of them.
+    let mut last = first;
+    for _ in 0..100 {
+        let token = send(&app, batch(&["f"])).await.fence();
+        assert!(token > last);
+        last = token;
+    }
+    primary.kill();
+    replica.run();
+    replica.promote();
+
+    let on_replica = Locks::new(Postgres::url(replica.url()).build().unwrap());
+    let after = send(&fence_router(&on_replica), batch(&["f"]))
+        .await
+        .fence();
+    eprintln!("postgres failover: tokens {first}..{last} on the primary, {after} on the replica");
+    assert!(
+        after > last,
+        "token {after} after {last}: the fence went backwards"
+    );
 }
 
 /// PostgreSQL killed under load (a crash: no checkpoint) and started again: requests get

@@ -113,11 +113,16 @@ const POOL_SIZE: usize = 16;
 ///   moment take tokens in the order they reached the sequence. The sequence starts at the
 ///   database clock's floor ([`FencingToken`](crate::FencingToken)), so a schema made
 ///   again starts above the tokens of the one dropped; it is not raised to the clock at
-///   each grant, as the Redis stores' counters are. **After restoring the database from a
-///   backup, or promoting a replica that was behind** (an asynchronous one), run
+///   each grant, as the Redis stores' counters are, but at the first grant on another
+///   server than the last grant's (another system identifier or timeline: **a promoted
+///   replica that was behind**, a point-in-time recovery, a dump restored into a new
+///   cluster), without an operator: to the clock's floor, above every token handed out
+///   before, while the store counted fewer than 1,024 grants a millisecond. **After
+///   restoring a copy of the database's files** (which starts no new timeline), run
 ///   `SELECT tower_batch_lock.locks_raise_fence()` (your schema and table) before the
-///   first grant: it raises the sequence to the clock's floor, above every token handed
-///   out before, while the store counted fewer than 1,024 grants a millisecond.
+///   first grant. Each grant reads the server's identity for it
+///   (`pg_control_system()`, `pg_current_wal_lsn()`), which PostgreSQL lets every role do
+///   unless revoked.
 /// - A grant's transaction, and a renewal's, commit as the connection's
 ///   `synchronous_commit` says (`on` by default: after the WAL is on disk), so that no
 ///   crash hands a fencing token out twice. A call that grants nothing (a release, a
@@ -186,8 +191,8 @@ const POOL_SIZE: usize = 16;
 ///   can too, for a grant whose wait for it was cancelled (`pg_cancel_backend`): that
 ///   grant committed on the primary alone, with a warning, and the store handed out its
 ///   token. Fencing tokens come from the sequence, which the replica has as of its last
-///   replay: after promoting one that was behind, raise it (`locks_raise_fence`, above)
-///   before the first grant, and check tokens at the resource.
+///   replay: its first grant raises it (a new timeline, above), so that tokens keep
+///   growing; check them at the resource.
 /// - **Isolation.** The functions expect READ COMMITTED, PostgreSQL's default. Under a
 ///   stricter `default_transaction_isolation` (set on the database or the role), an
 ///   attempt that waited for a row another transaction changed is refused by the server

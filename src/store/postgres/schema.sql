@@ -106,8 +106,10 @@ $$;
 -- that counted fewer than 1,024 grants a millisecond. It is not raised to the clock at
 -- each grant, as the Redis stores' counters are: a sequence has no "at least", and a
 -- raise at each grant would need a lock that the grant keeps to its commit, so that every
--- grant would wait for every other's. After restoring the database from a backup, or
--- promoting a replica that was behind, run {T}_raise_fence() before the first grant.
+-- grant would wait for every other's. It is raised on a server other than the last
+-- grant's (a promoted replica, a point-in-time recovery, a database restored from a dump
+-- into a new cluster: {T}_fenced_on); after restoring a copy of the files, which starts no
+-- new timeline, run {T}_raise_fence() before the first grant.
 DO $$ BEGIN
   IF to_regclass('{T}_fence') IS NULL THEN
     EXECUTE format('CREATE SEQUENCE {T}_fence START WITH %s', {T}_clock_floor());
@@ -115,12 +117,35 @@ DO $$ BEGIN
 END $$;
 
 -- Raises the fencing sequence to the clock's floor (never lowers it), and returns its
--- value: for an operator, after a restore from a backup or a failover to a replica that
--- was behind, before the first grant, so that no token handed out before comes again.
+-- value, so that no token handed out before comes again: a grant on another server than
+-- the last one's does it ({T}_granted), and an operator after restoring a copy of the
+-- database's files (which starts no new timeline), before the first grant.
 CREATE OR REPLACE FUNCTION {T}_raise_fence() RETURNS bigint
 LANGUAGE sql AS $$
   SELECT setval('{T}_fence', greatest(last_value, {T}_clock_floor())) FROM {T}_fence
 $$;
+
+-- The server the last grant took its token on: the cluster's system identifier (one made
+-- anew, or restored from a dump, has another) and its timeline (a promoted replica, or a
+-- point-in-time recovery, starts a new one). A replica that was behind, or a restored
+-- database, may have a sequence behind tokens handed out before: the first grant on
+-- another server raises it, without an operator. One row.
+CREATE TABLE IF NOT EXISTS {T}_fenced_on (
+  id boolean PRIMARY KEY DEFAULT true CHECK (id),
+  server text NOT NULL
+);
+
+-- This server, as {T}_fenced_on names it (the timeline: the first 8 hex digits of the
+-- current WAL file's name); NULL for a role that may not read those (EXECUTE revoked),
+-- which then gets no raise on a new server, as before this check.
+CREATE OR REPLACE FUNCTION {T}_server() RETURNS text
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  RETURN (SELECT system_identifier FROM pg_control_system())::text || '/'
+         || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8);
+EXCEPTION WHEN insufficient_privilege THEN
+  RETURN NULL;
+END $$;
 
 CREATE TABLE IF NOT EXISTS {T}_answers (
   key text COLLATE "C" PRIMARY KEY,
@@ -581,12 +606,21 @@ BEGIN
   RETURN heads;
 END $$;
 
--- A grant's fencing token; a waiter granted with a claim (`p_claim`: its ticket) ends it.
+-- A grant's fencing token, from the sequence, raised first on a server other than the
+-- last grant's ({T}_fenced_on); a waiter granted with a claim (`p_claim`: its ticket)
+-- ends it.
 CREATE OR REPLACE FUNCTION {T}_granted(p_claim numeric) RETURNS bigint
 LANGUAGE plpgsql AS $$
+DECLARE
+  v_server text := {T}_server();
 BEGIN
   IF p_claim IS NOT NULL THEN
     DELETE FROM {T}_claims WHERE ticket = p_claim;
+  END IF;
+  IF v_server IS DISTINCT FROM (SELECT f.server FROM {T}_fenced_on f) AND v_server IS NOT NULL THEN
+    PERFORM {T}_raise_fence();
+    INSERT INTO {T}_fenced_on (server) VALUES (v_server)
+      ON CONFLICT (id) DO UPDATE SET server = excluded.server;
   END IF;
   RETURN nextval('{T}_fence');
 END $$;

@@ -59,6 +59,55 @@ impl PgServer {
         unreachable!("the last attempt panics")
     }
 
+    /// A streaming replica of `primary` (`pg_basebackup -R`: it follows the primary), in a
+    /// directory of its own, started on a free port.
+    pub(crate) fn standby_of(primary: &PgServer) -> Self {
+        let mut server = Self {
+            dir: owned_dir("pg"),
+            port: 0,
+        };
+        let (data, from) = (server.data(), primary.port.to_string());
+        check(
+            as_owner("pg_basebackup")
+                .args(["-D", &data, "-R", "-X", "stream", "--no-sync"])
+                .args(["-h", "127.0.0.1", "-p", &from, "-U", "postgres"])
+                .output(),
+            "pg_basebackup (apt-get install postgresql-client)",
+        );
+        for attempt in 1..=5 {
+            server.port = free_port();
+            match server.start_on_port() {
+                Ok(()) => return server,
+                Err(error) if attempt == 5 => panic!("{error}"),
+                Err(_) => {}
+            }
+        }
+        unreachable!("the last attempt panics")
+    }
+
+    /// Stops it (`pg_ctl stop -m fast`), to [`run`](Self::run) it again later.
+    pub(crate) fn stop(&self) {
+        let data = self.data();
+        check(
+            as_owner("pg_ctl")
+                .args(["stop", "-D", &data, "-m", "fast", "-w"])
+                .output(),
+            "pg_ctl stop",
+        );
+    }
+
+    /// Promotes a standby (`pg_ctl promote`): it ends its recovery and takes writes, on a
+    /// new timeline.
+    pub(crate) fn promote(&self) {
+        let data = self.data();
+        check(
+            as_owner("pg_ctl")
+                .args(["promote", "-D", &data, "-w"])
+                .output(),
+            "pg_ctl promote",
+        );
+    }
+
     /// The URL of its `postgres` database.
     pub(crate) fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
