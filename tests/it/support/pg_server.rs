@@ -33,7 +33,7 @@ impl PgServer {
     }
 
     fn start_with(tls: bool) -> Self {
-        let mut server = Self {
+        let server = Self {
             dir: owned_dir("pg"),
             port: 0,
         };
@@ -47,11 +47,16 @@ impl PgServer {
         if tls {
             server.require_tls();
         }
-        // Another server may take the port first: then try another.
+        server.start_on_a_free_port()
+    }
+
+    /// Starts the cluster made in its directory on a free port. Another server may take the
+    /// port first: then it tries another.
+    fn start_on_a_free_port(mut self) -> Self {
         for attempt in 1..=5 {
-            server.port = free_port();
-            match server.start_on_port() {
-                Ok(()) => return server,
+            self.port = free_port();
+            match self.start_on_port() {
+                Ok(()) => return self,
                 Err(error) if attempt == 5 => panic!("{error}"),
                 Err(_) => {}
             }
@@ -62,7 +67,7 @@ impl PgServer {
     /// A streaming replica of `primary` (`pg_basebackup -R`: it follows the primary), in a
     /// directory of its own, started on a free port.
     pub(crate) fn standby_of(primary: &PgServer) -> Self {
-        let mut server = Self {
+        let server = Self {
             dir: owned_dir("pg"),
             port: 0,
         };
@@ -74,15 +79,7 @@ impl PgServer {
                 .output(),
             "pg_basebackup (apt-get install postgresql-client)",
         );
-        for attempt in 1..=5 {
-            server.port = free_port();
-            match server.start_on_port() {
-                Ok(()) => return server,
-                Err(error) if attempt == 5 => panic!("{error}"),
-                Err(_) => {}
-            }
-        }
-        unreachable!("the last attempt panics")
+        server.start_on_a_free_port()
     }
 
     /// Stops it (`pg_ctl stop -m fast`), to [`run`](Self::run) it again later.
