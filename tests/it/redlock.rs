@@ -412,46 +412,6 @@ async fn a_frozen_master_holds_no_request_up_beyond_the_node_timeout() {
     assert!(cleaned.is_some(), "left behind: {:?}", masters.all_locks());
 }
 
-/// A batch that a majority of the masters refuse is answered then: a frozen master does not
-/// put its node timeout on every 409 (nor on every refused attempt of a waiter), and what
-/// it grants when it thaws is undone within moments.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_frozen_master_holds_no_refusal_up() {
-    let masters = Masters::start(3);
-    let locks = masters.locks(NODE_TIMEOUT).ttl(Duration::from_secs(5));
-    let runs = Arc::new(AtomicUsize::new(0));
-    let app = counting_router(&locks, &runs);
-    assert_eq!(send(&app, batch(&["r:0"])).await.status, StatusCode::OK);
-    // Held by someone else on two masters; free on the third, which grants it.
-    masters.set(0, "lock:r:held", "someone-else");
-    masters.set(1, "lock:r:held", "someone-else");
-
-    masters.servers[2].pause();
-    let mut slowest = Duration::ZERO;
-    for i in 1..=5 {
-        let (reply, took) = timed(&app, batch(&[format!("r:{i}"), "r:held".to_owned()])).await;
-        eprintln!(
-            "redlock, 1 of 3 masters frozen: {} in {took:?}",
-            reply.status
-        );
-        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
-        slowest = slowest.max(took);
-    }
-    masters.servers[2].resume();
-    assert!(
-        slowest < NODE_TIMEOUT / 2,
-        "a refusal waited {slowest:?} for a frozen master (node timeout {NODE_TIMEOUT:?})"
-    );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-    // The thawed master runs the acquisitions it had queued, and grants them: undone.
-    let held = BTreeSet::from(["lock:r:held".to_owned()]);
-    let cleaned = eventually(Duration::from_secs(3), || {
-        masters.all_locks() == [held.clone(), held.clone(), BTreeSet::new()]
-    })
-    .await;
-    assert!(cleaned.is_some(), "left behind: {:?}", masters.all_locks());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_frozen_majority_answers_503_within_the_node_timeout_and_leaves_no_key() {
     let masters = Masters::start(5);
@@ -504,28 +464,15 @@ async fn after_a_failed_quorum_no_master_keeps_any_key_of_the_batch() {
     masters.set(0, "lock:sku:999", "someone-else");
     masters.set(1, "lock:sku:999", "someone-else");
     let (refused, took) = timed(&app, batch(&skus)).await;
+    let left = masters.all_locks();
     eprintln!("redlock, 3,000 keys refused by 2 of 3 masters: 409 in {took:?}");
     assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
     assert_eq!(
         refused.problem()["conflicting_keys"],
         serde_json::json!(["sku:999"])
     );
-    // The refusal may be answered before the third master's grant: it is undone then.
     let foreign = BTreeSet::from(["lock:sku:999".to_owned()]);
-    let only_foreign = [foreign.clone(), foreign.clone(), BTreeSet::new()];
-    let undone = eventually(Duration::from_secs(1), || {
-        masters.all_locks() == only_foreign
-    })
-    .await;
-    assert!(
-        undone.is_some(),
-        "left: {:?}",
-        masters
-            .all_locks()
-            .iter()
-            .map(BTreeSet::len)
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(left, [foreign.clone(), foreign.clone(), BTreeSet::new()]);
 
     // One master refuses, one is down, one grants: still contention (a majority
     // answered), still nothing left.
@@ -678,12 +625,9 @@ async fn masters_restarted_empty_lose_a_lock_only_once_they_are_a_majority() {
     );
     let refused = send(&contender, batch(&["r:2", "r:3"])).await;
     assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
-    // What it granted there is undone, after the answer if it answered last.
-    let undone = eventually(Duration::from_secs(1), || masters.locks_on(0).is_empty()).await;
     assert!(
-        undone.is_some(),
-        "the restarted master keeps {:?}",
-        masters.locks_on(0)
+        masters.locks_on(0).is_empty(),
+        "the restarted master is empty"
     );
 
     // A second master restarted empty: the holder has lost its majority. Another request
@@ -792,10 +736,6 @@ async fn fencing_tokens_increase_across_grants_even_when_master_counters_drift_a
     masters.set(2, "lock:x", "someone-else");
     for _ in 0..5 {
         assert_eq!(send(&app, batch(&["x"])).await.status, StatusCode::CONFLICT);
-        // The refusal of the two is the answer: master 0's grant may land just after it,
-        // and is undone then (a next attempt meanwhile would find `x` held there).
-        let undone = eventually(Duration::from_secs(1), || masters.locks_on(0).is_empty()).await;
-        assert!(undone.is_some(), "master 0 keeps {:?}", masters.locks_on(0));
     }
     assert_eq!(
         (masters.counter(0), masters.counter(1), masters.counter(2)),

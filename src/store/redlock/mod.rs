@@ -58,8 +58,8 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 /// *whole* batch and `validity = ttl - elapsed - drift` is still positive, with
 /// `drift = ttl / 100 + 2 ms` for the masters' clocks running at different rates. The
 /// [`Lease`](crate::Lease) expires at `start + ttl - drift`, earlier than any master lets the
-/// keys go. Otherwise the batch is released on every master that granted it or may still
-/// run it, and the request is refused: 409 when a majority answered, some of them with a
+/// keys go. Otherwise the batch is released on every master that might hold any of it,
+/// and the request is refused: 409 when a majority answered, some of them with a
 /// conflicting key (with [`Locks::wait`](crate::Locks::wait) it waits in line, as on one
 /// Redis), 503 when a majority could not answer or the majority came too late. A failed
 /// attempt never leaves a key behind on a master that answers.
@@ -71,10 +71,11 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(100);
 ///
 /// - A master that is down (connection refused) costs nothing; one that is frozen, slow or
 ///   cut off costs at most the node timeout, and only when its answer is needed: neither an
-///   acquisition that a majority granted or refused nor a release waits for the masters
-///   beyond that majority (a release gives them as long again as the majority took), and
-///   their calls finish in the background; what such a master grants after a refusal is
-///   released when it answers.
+///   acquisition that a majority granted nor a release waits for the masters beyond that
+///   majority (a release gives them as long again as the majority took), and their calls
+///   finish in the background. A refused acquisition waits for every master (each at most
+///   the node timeout) before its roll-back, which then never overtakes it, and before its
+///   answer, so that a waiter's place in line is where its answer says.
 /// - With a majority down, requests get 503 at once (refused connections) or after the
 ///   node timeout (frozen masters), never after the TTL.
 /// - Keys left on a master that did not answer in time are released in the background as

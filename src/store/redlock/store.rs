@@ -17,7 +17,6 @@ use futures_util::{
 };
 
 mod place;
-mod roll_back;
 
 use super::majority::{majority_view, Tally};
 #[cfg(feature = "idempotency")]
@@ -35,7 +34,7 @@ use crate::store::{
 
 /// One master: its store, and its `host:port` for the logs (never the URL: it may carry a
 /// password).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Master {
     pub(super) node: Arc<RedisStore>,
     pub(super) address: Arc<str>,
@@ -189,6 +188,41 @@ impl RedlockStore {
         }
         Ok(FencingToken::new(top))
     }
+
+    /// Releases whatever a failed acquisition may have left: on every master, unless every
+    /// one of them refused (and so wrote nothing). It waits for the masters that answered
+    /// the acquisition; those that gave no answer and may still run it get their release
+    /// in the background rather than hold the request up again. A waiter in line first
+    /// puts its reservations on the masters that granted (the others reserved when they
+    /// refused), as on one Redis: a release keeps a key's reservations, so the keys are
+    /// never free of both in between, and the waiter keeps its place everywhere.
+    async fn roll_back(&self, request: &AcquireRequest, tally: &Tally) {
+        let (keys, holder) = (&request.keys, request.holder);
+        if tally.granted.is_empty() && tally.failed == 0 {
+            return;
+        }
+        let mut how = Freeing::Release(holder);
+        if let (Line::At(ticket), false) = (request.line, tally.granted.is_empty()) {
+            how = Freeing::RollBack(holder, ticket);
+            let reserve = request.reserve;
+            let mut reserved =
+                self.start_on(tally.granted.iter().map(|&(node, _)| node), |_, node| {
+                    let (keys, timeout, claim) = (
+                        keys.clone(),
+                        self.fanout.timeout_for(keys.len(), node.step()),
+                        node.claims(keys.len()),
+                    );
+                    async move {
+                        bounded(timeout, node.reserve(&keys, ticket, reserve, claim)).await
+                    }
+                });
+            while reserved.next().await.is_some() {}
+        }
+        finish_in_background(self.start_releases(tally.unanswered.iter().copied(), keys, how));
+        let answered = (0..self.masters.len()).filter(|node| !tally.unanswered.contains(node));
+        let mut releases = self.start_releases(answered, keys, how);
+        while releases.next().await.is_some() {}
+    }
 }
 
 impl LockStore for RedlockStore {
@@ -205,10 +239,8 @@ impl LockStore for RedlockStore {
                 self.fanout
                     .acquire_on(node, request.clone(), released.clone())
             });
-            let masters = self.masters.len();
             let mut tally = Tally::default();
-            // Until a majority granted, or refused: the others cannot change the outcome.
-            while tally.granted.len() < self.quorum && tally.held.len() <= masters - self.quorum {
+            while tally.granted.len() < self.quorum {
                 let Some((node, reply)) = replies.next().await else {
                     break;
                 };
@@ -246,21 +278,19 @@ impl LockStore for RedlockStore {
                 }
             }
 
-            // Failed. Unless a majority refused, every master answers (or times out)
-            // first: whether this is contention or an outage depends on them all.
-            if tally.held.len() <= masters - self.quorum {
-                while let Some((node, reply)) = replies.next().await {
-                    if let Err(failure) = &reply {
-                        self.report(node, "acquire", failure);
-                    }
-                    tally.record(node, reply);
+            // Failed. Every master answers (or times out) before the rollback, so that a
+            // release never overtakes the acquisition it undoes.
+            while let Some((node, reply)) = replies.next().await {
+                if let Err(failure) = &reply {
+                    self.report(node, "acquire", failure);
                 }
+                tally.record(node, reply);
             }
             // Released before the rollback goes out: a grant that lands later still, on a
-            // master that timed out or has not answered yet, is released again by the
-            // fan-out (`late`).
+            // master that timed out, is released again by the fan-out (`late`).
             self.fanout.mark_released(holder);
-            self.roll_back(request, &tally, replies).await;
+            self.roll_back(request, &tally).await;
+            let masters = self.masters.len();
             if tally.failed >= self.quorum {
                 return Err(StoreError::left_nothing(format!(
                     "{} of {masters} Redlock masters did not answer in time",
