@@ -43,8 +43,8 @@ use crate::{
 /// [`LockLayer`](crate::LockLayer). Where that is expected, take `Option<Lease>`: `None`
 /// then. Where it is not, `Lease` answers with a `500 Internal Server Error` in
 /// problem+json ([`Rejection`]) and logs an error that says why (once a route; its repeats
-/// at debug level), instead of running the handler without its locks. `axum::Extension<Lease>` works too, with axum's plain-text
-/// rejection.
+/// at debug level), instead of running the handler without its locks.
+/// `axum::Extension<Lease>` works too, with axum's plain-text rejection.
 ///
 /// ```
 /// use tower_batch_lock::Lease;

@@ -15,7 +15,8 @@ pub(crate) struct Lines {
 /// One task's failures since it last succeeded, and their log.
 pub(crate) struct Failing {
     lines: &'static Lines,
-    /// Where it works (a server's address, never a URL: it may carry a password).
+    /// Where it works: a server's address (never a URL: it may carry a password), or the
+    /// table it sweeps.
     at: String,
     failures: u32,
 }

@@ -624,6 +624,87 @@ async fn rows_of_a_dead_holder_keep_nobody_out_and_are_swept() {
     assert!(rows(&db).is_empty());
 }
 
+/// No statement of the store is compiled by JIT, which costs 10-20 ms a statement: the
+/// functions turn sequential scans off, which prices a query that still scans at ten
+/// billion, above any `jit_above_cost` (it happened twice, and only the bench saw it).
+/// With the server's default JIT settings, `pg_stat_statements` counts what was compiled,
+/// nested statements included, over grants, a renewal, waiters in line (with reservations
+/// and with a claim), a hand-over, one that gives up, releases, `inspect` and
+/// `force_release`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_statement_of_the_store_is_compiled_by_jit() {
+    let server = PgServer::start_with_settings(
+        "shared_preload_libraries = 'pg_stat_statements'\npg_stat_statements.track = all",
+    );
+    server.query("CREATE EXTENSION pg_stat_statements");
+    let jitted = |like: &str| {
+        server.query(&format!(
+            "SELECT coalesce(sum(jit_functions), 0) FROM pg_stat_statements \
+             WHERE query LIKE '{like}'"
+        ))
+    };
+    // JIT works on this server, or the test proves nothing.
+    server.query("CREATE TABLE jit_probe (x int)");
+    server.query("SET enable_seqscan = off; SELECT count(*) FROM jit_probe");
+    if jitted("%FROM jit_probe%") == "0" {
+        eprintln!("this server compiles nothing by JIT (no llvmjit): nothing to test");
+        return;
+    }
+    let locks = Locks::new(Postgres::url(server.url()).build().unwrap())
+        .ttl(Duration::from_millis(900))
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    locks.check().await.unwrap();
+    server.query("SELECT pg_stat_statements_reset()");
+
+    let gate = Gate::new();
+    let app = batch_router(&locks, gated_handler(&gate));
+    let held = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, batch(&["a", "b"])).await }
+    });
+    gate.wait_entered().await;
+    let counted = batch_router(&locks, counting_handler(&Arc::default()));
+    let many: Vec<String> = (0..100)
+        .map(|i| format!("m{i}"))
+        .chain(["a".into()])
+        .collect();
+    let waiters: Vec<_> = [vec!["b".to_owned()], vec!["b".into(), "c".into()], many]
+        .into_iter()
+        .map(|keys| {
+            let app = counted.clone();
+            tokio::spawn(async move { send(&app, batch(&keys)).await })
+        })
+        .collect();
+    let impatient = batch_router(
+        &locks.clone().wait(Wait::up_to(Duration::from_millis(100))),
+        counting_handler(&Arc::default()),
+    );
+    assert_eq!(
+        send(&impatient, batch(&["a"])).await.status,
+        StatusCode::CONFLICT
+    );
+    // Past a third of the TTL: renewed.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    locks.inspect(["a", "b", "z"]).await.unwrap();
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    for waiter in waiters {
+        assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+    }
+    let (gate, held) = hold(&locks, "z").await;
+    locks.force_release(["z"], "a test").await.unwrap();
+    gate.open();
+    held.await.unwrap();
+
+    let compiled = server.query(
+        "SELECT coalesce(string_agg(jit_functions || ' in ' || query, ' | '), '') \
+         FROM pg_stat_statements WHERE jit_functions > 0",
+    );
+    assert_eq!(compiled, "", "compiled by JIT");
+    let ran = server.query("SELECT count(*) FROM pg_stat_statements");
+    eprintln!("postgres: {ran} statements, none compiled by JIT");
+}
+
 /// A failover to a replica that was behind (asynchronous replication): its fencing
 /// sequence is where the replica last replayed it, behind tokens the primary handed out
 /// since, and the first grant on it (a new timeline) raises it first, without an operator.

@@ -121,8 +121,8 @@ const POOL_SIZE: usize = 16;
 ///   restoring a copy of the database's files** (which starts no new timeline), run
 ///   `SELECT tower_batch_lock.locks_raise_fence()` (your schema and table) before the
 ///   first grant. Each grant reads the server's identity for it
-///   (`pg_control_system()`, `pg_current_wal_lsn()`), which PostgreSQL lets every role do
-///   unless revoked.
+///   (`pg_control_system()`, `pg_current_wal_lsn()`), which PostgreSQL lets every role do;
+///   where `EXECUTE` on them is revoked, grants go on without the automatic raise.
 /// - A grant's transaction, and a renewal's, commit as the connection's
 ///   `synchronous_commit` says (`on` by default: after the WAL is on disk), so that no
 ///   crash hands a fencing token out twice. A call that grants nothing (a release, a

@@ -199,7 +199,10 @@ END $$;
 -- helpers that read it whole ({T}_claimed). Big batches lose nothing: their queries find
 -- rows by the index whatever the count, and those that join two arrays of keys are
 -- planned at each call with EXECUTE (see {T}_claim), or keep a hash under a generic plan
--- ({T}_claimed).
+-- ({T}_claimed). Those functions also turn JIT off (`jit = off`): under `enable_seqscan
+-- = off`, a query that still scans (a small table read whole) is priced at ten billion,
+-- above any `jit_above_cost`, and was compiled at each call, 10-20 ms (the claims table's
+-- reads, the fenced-on row's), where the whole call takes a fraction of one.
 
 -- The helpers below run once a row of a batch. Those that walk an array do it with
 -- FOREACH and plain comparisons, which PL/pgSQL evaluates without a query (written as
@@ -672,6 +675,7 @@ SET lock_timeout = '500ms'
 -- Rows are found by an index scan of `key = ANY(…)`, which takes them in key order, as
 -- every call takes them (see {T}_release).
 SET enable_seqscan = off SET enable_bitmapscan = off
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -984,6 +988,7 @@ CREATE OR REPLACE FUNCTION {T}_probe(
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1012,6 +1017,7 @@ SET plan_cache_mode = force_generic_plan -- see "Plans" above
 -- connection queued behind it.
 SET lock_timeout = '500ms'
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1045,6 +1051,7 @@ CREATE OR REPLACE FUNCTION {T}_hand_over(
 ) RETURNS text[]
 LANGUAGE plpgsql
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   t record;
@@ -1101,6 +1108,7 @@ SET lock_timeout = '500ms' -- see {T}_extend
 -- a stall, never a deadlock that lasts, on keys that two batches share while one of them
 -- is released and waited for.
 SET enable_seqscan = off SET enable_bitmapscan = off
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1218,6 +1226,7 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 SET lock_timeout = '500ms' -- see {T}_extend
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1295,6 +1304,7 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 SET lock_timeout = '500ms' -- see {T}_extend
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();
@@ -1402,6 +1412,7 @@ CREATE OR REPLACE FUNCTION {T}_guard(p_keys text[], p_owner uuid) RETURNS void
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan -- see "Plans" above
 SET enable_seqscan = off -- see "Plans" above
+SET jit = off -- see "Plans" above
 AS $$
 DECLARE
   now timestamptz := clock_timestamp();

@@ -23,16 +23,21 @@ impl PgServer {
     ///
     /// When `initdb` or `pg_ctl` is missing or fails, with their output.
     pub(crate) fn start() -> Self {
-        Self::start_with(false)
+        Self::start_with(false, "")
     }
 
     /// Makes a cluster that takes TCP connections over TLS only (a self-signed certificate
     /// made with `openssl`; `hostssl` alone in `pg_hba.conf`), and starts it.
     pub(crate) fn start_tls() -> Self {
-        Self::start_with(true)
+        Self::start_with(true, "")
     }
 
-    fn start_with(tls: bool) -> Self {
+    /// Makes a cluster with `settings` (lines of `postgresql.conf`), and starts it.
+    pub(crate) fn start_with_settings(settings: &str) -> Self {
+        Self::start_with(false, settings)
+    }
+
+    fn start_with(tls: bool, settings: &str) -> Self {
         let server = Self {
             dir: owned_dir("pg"),
             port: 0,
@@ -47,6 +52,7 @@ impl PgServer {
         if tls {
             server.require_tls();
         }
+        server.append("postgresql.conf", &format!("\n{settings}\n"));
         server.start_on_a_free_port()
     }
 
@@ -163,21 +169,23 @@ impl PgServer {
             "openssl req (apt-get install openssl)",
         );
         check(as_owner("chmod").args(["600", &key]).output(), "chmod");
-        let config = |name: &str, text: &str| {
-            let path = format!("{data}/{name}");
-            let mut file = std::fs::OpenOptions::new()
-                .append(true)
-                .open(&path)
-                .unwrap();
-            std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
-        };
-        config("postgresql.conf", "\nssl = on\n");
+        self.append("postgresql.conf", "\nssl = on\n");
         // Read top down, first match wins: TCP without TLS matches no line, and is refused.
         std::fs::write(format!("{data}/pg_hba.conf"), "").unwrap();
-        config(
+        self.append(
             "pg_hba.conf",
             "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
         );
+    }
+
+    /// Appends `text` to the file `name` of its data directory.
+    fn append(&self, name: &str, text: &str) {
+        let path = format!("{}/{name}", self.data());
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
     }
 
     fn data(&self) -> String {
