@@ -22,6 +22,16 @@ const MAX_RETENTION: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 /// The longest key a client may send, unless [`Idempotency::max_key_len`] says otherwise.
 const DEFAULT_MAX_KEY_LEN: usize = 255;
 
+/// Room in the in-flight lock's key for what goes around the client's key: the scope, and
+/// its length.
+const SCOPE_ROOM: usize = 4096;
+
+/// The in-flight lock's key limit, for client keys of up to `max_key_len` bytes: a key the
+/// layer takes must never be refused by its own lock (a 400 that names a lock key).
+fn in_flight_key_len(max_key_len: usize) -> usize {
+    max_key_len.saturating_add(SCOPE_ROOM)
+}
+
 /// The largest response body kept for replay, unless [`Idempotency::max_answer`] says
 /// otherwise: 1 MiB.
 const DEFAULT_MAX_ANSWER: usize = 1024 * 1024;
@@ -160,8 +170,7 @@ impl Locks {
             .contention_status(StatusCode::CONFLICT)
             .require_keys(false)
             .max_keys(1)
-            // The lock key is the client's key (`max_key_len`) with the scope around it.
-            .max_key_len(4096)
+            .max_key_len(in_flight_key_len(DEFAULT_MAX_KEY_LEN))
             .hold_until_body_end(false)
             // Two requests with one key are duplicates, whoever sent them: a trusted
             // caller's owner must not enter another's in-flight lock again.
@@ -200,8 +209,11 @@ impl Idempotency {
     }
 
     /// The longest key a client may send, in bytes: 255 unless set. A longer one is 400.
+    /// On PostgreSQL keep it, with the [`scope`](Self::scope), below about 2,600 bytes: the
+    /// store takes no longer key (see its page).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.config.max_key_len = max;
+        self.locks = self.locks.max_key_len(in_flight_key_len(max));
         self
     }
 

@@ -319,6 +319,25 @@ async fn a_waiting_duplicate_gets_the_first_answer_when_it_is_done() {
 // What clients can get wrong
 // ---------------------------------------------------------------------------------------
 
+/// A key as long as the layer's `max_key_len` allows is taken, whatever that limit: its
+/// in-flight lock, whose key is the client's with the scope around it, follows the limit.
+/// (It had a fixed 4,096 bytes: a longer key that the layer took got a 400 naming a lock
+/// key.)
+#[tokio::test]
+async fn a_key_up_to_a_raised_max_key_len_is_taken() {
+    let orders = Arc::new(Orders::default());
+    let locks = Locks::new(tower_batch_lock::store::Store::isolated_memory());
+    let app = orders_router(locks.idempotency().max_key_len(6_000), &orders, None);
+    let key = "k".repeat(5_000);
+    let first = send(&app, order(Some(&key), "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.problem());
+    let again = send(&app, order(Some(&key), "{}")).await;
+    assert_eq!((again.status, again.body), (first.status, first.body));
+    assert_eq!(orders.created.load(Ordering::SeqCst), 1);
+    let longer = send(&app, order(Some(&"k".repeat(6_001)), "{}")).await;
+    assert_eq!(longer.status, StatusCode::BAD_REQUEST);
+}
+
 #[tokio::test]
 async fn a_key_reused_for_another_request_is_422_and_a_missing_or_bad_key_400() {
     for store in [Store::memory(), Store::redis()] {
