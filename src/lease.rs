@@ -372,15 +372,16 @@ impl<S: Send + Sync> FromRequestParts<S> for Lease {
         parts.extensions.get::<Self>().cloned().ok_or_else(|| {
             // A mistake in the server, not the client's: say what to change, where the
             // developer looks, once a route.
-            let path = parts.uri.path();
+            // Once a route: a request no route matched (a fallback) counts as one, whatever
+            // its path, which the client chose.
             let route = parts
                 .extensions
                 .get::<MatchedPath>()
-                .map_or(path, MatchedPath::as_str);
+                .map_or("", MatchedPath::as_str);
             error_once_for!(
                 route,
                 method = %parts.method,
-                path = %path,
+                path = %parts.uri.path(),
                 "the handler takes a Lease, but the request holds no locks: the route has no \
                  LockLayer, or the request named no keys (take Option<Lease> where that is \
                  expected, or refuse such requests with Locks::require_keys)"

@@ -200,9 +200,10 @@ END $$;
 -- rows by the index whatever the count, and those that join two arrays of keys are
 -- planned at each call with EXECUTE (see {T}_claim), or keep a hash under a generic plan
 -- ({T}_claimed). Those functions also turn JIT off (`jit = off`): under `enable_seqscan
--- = off`, a query that still scans (a small table read whole) is priced at ten billion,
--- above any `jit_above_cost`, and was compiled at each call, 10-20 ms (the claims table's
--- reads, the fenced-on row's), where the whole call takes a fraction of one.
+-- = off`, a query that still scans (a small table read whole) is priced at ten billion
+-- (up to PostgreSQL 17), above any `jit_above_cost`, and was compiled at each call, 10-20
+-- ms (the claims table's reads, the fenced-on row's), where the whole call takes a
+-- fraction of one.
 
 -- The helpers below run once a row of a batch. Those that walk an array do it with
 -- FOREACH and plain comparisons, which PL/pgSQL evaluates without a query (written as
@@ -616,16 +617,25 @@ CREATE OR REPLACE FUNCTION {T}_granted(p_claim numeric) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
   v_server text := {T}_server();
+  v_raise boolean;
 BEGIN
   IF p_claim IS NOT NULL THEN
     DELETE FROM {T}_claims WHERE ticket = p_claim;
   END IF;
-  -- By its key: the callers turn sequential scans off, and one would cost a JIT compile.
+  -- By its key: the callers turn sequential scans off, which would price a scan high.
   IF v_server IS DISTINCT FROM (SELECT f.server FROM {T}_fenced_on f WHERE f.id = true)
      AND v_server IS NOT NULL THEN
-    PERFORM {T}_raise_fence();
-    INSERT INTO {T}_fenced_on (server) VALUES (v_server)
-      ON CONFLICT (id) DO UPDATE SET server = excluded.server;
+    -- One grant raises the sequence: the row's lock lines up the others that saw the old
+    -- server, which then find the row changed, and skip. (Two raises at once could each
+    -- read the sequence before the other's `setval`, and set it back.) Every grant takes
+    -- its token after the raise: the others waited for its commit.
+    INSERT INTO {T}_fenced_on AS f (server) VALUES (v_server)
+      ON CONFLICT (id) DO UPDATE SET server = excluded.server
+      WHERE f.server IS DISTINCT FROM excluded.server
+      RETURNING true INTO v_raise;
+    IF v_raise THEN
+      PERFORM {T}_raise_fence();
+    END IF;
   END IF;
   RETURN nextval('{T}_fence');
 END $$;
