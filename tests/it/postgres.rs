@@ -705,6 +705,41 @@ async fn no_statement_of_the_store_is_compiled_by_jit() {
     eprintln!("postgres: {ran} statements, none compiled by JIT");
 }
 
+/// Of two grants that meet a new server at once (the fenced-on row names another), one
+/// raises the fencing sequence, and the other waits for its commit and takes the next
+/// token. Two raises could each read the sequence before the other's `setval`, and set it
+/// back below a token just handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_grants_that_meet_a_new_server_one_raises_the_fence() {
+    let db = Database::create();
+    locks(&db).check().await.unwrap();
+    db.query(
+        "INSERT INTO tower_batch_lock.locks_fenced_on (server) VALUES ('another') \
+         ON CONFLICT (id) DO UPDATE SET server = excluded.server",
+    );
+    let connect = || async {
+        let (client, connection) = tokio_postgres::connect(&db.url(), NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    let (first_grant, second_grant) = (connect().await, connect().await);
+    let granted = "SELECT tower_batch_lock.locks_granted(NULL)";
+    first_grant.batch_execute("BEGIN").await.unwrap();
+    let first: i64 = first_grant.query_one(granted, &[]).await.unwrap().get(0);
+    let second = tokio::spawn(async move {
+        let row = second_grant.query_one(granted, &[]).await.unwrap();
+        row.get::<_, i64>(0)
+    });
+    // A raise of its own would take the clock's floor of a later moment: far above.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second grant did not wait for the first"
+    );
+    first_grant.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(second.await.unwrap(), first + 1);
+}
+
 /// A failover to a replica that was behind (asynchronous replication): its fencing
 /// sequence is where the replica last replayed it, behind tokens the primary handed out
 /// since, and the first grant on it (a new timeline) raises it first, without an operator.
