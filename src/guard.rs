@@ -278,13 +278,13 @@ impl LockGuard {
     /// background (after that extension).
     pub(crate) async fn release(mut self) {
         if let Some(held) = &mut self.held {
-            held.hold_ended(Instant::now());
-            let timeout = held.timeout;
-            let released = async {
-                held.stop_renewal().await;
-                held.release().await
-            };
-            if !matches!(within(timeout, released).await, Ok(true)) {
+            let started = Instant::now();
+            held.hold_ended(started);
+            // An extension in flight ends within its attempt limit, at most the store
+            // timeout from before this began; the release gets what is left of it.
+            held.stop_renewal().await;
+            let left = held.timeout.saturating_sub(started.elapsed());
+            if !held.release_within(left).await {
                 return; // dropped armed: retried from `Drop`
             }
         }
@@ -356,9 +356,14 @@ impl Held {
         self.renewal = None;
     }
 
-    /// One attempt; whether the store answered.
+    /// One attempt, within the store timeout; whether the store answered.
     async fn release(&self) -> bool {
-        let released = within(self.timeout, self.store.release(&self.keys, self.holder)).await;
+        self.release_within(self.timeout).await
+    }
+
+    /// One attempt, within `limit`; whether the store answered.
+    async fn release_within(&self, limit: Duration) -> bool {
+        let released = within(limit, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
                 self.outage.answered();
@@ -371,7 +376,7 @@ impl Held {
                 false
             }
             Err(_) => {
-                let ms = self.timeout.as_millis();
+                let ms = limit.as_millis();
                 let why = format!("releasing locks timed out after {ms} ms");
                 self.outage.failed(&why, self.keys.len());
                 false
@@ -542,149 +547,4 @@ impl Renewer {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    use super::*;
-    use crate::store::{
-        contract::{Acquire, AcquireRequest, Keys, Line, Mode, Modes, OwnerToken, Reply},
-        memory::{
-            intercept::{Hooks, Intercepted},
-            MemoryStore,
-        },
-    };
-
-    /// The store's next release never answers: a store that went silent just as a response
-    /// was finishing.
-    #[derive(Debug)]
-    struct StallNextRelease(AtomicBool);
-
-    impl Hooks for StallNextRelease {
-        fn release<'a>(
-            &'a self,
-            store: &'a MemoryStore,
-            keys: &'a Keys,
-            holder: Holder,
-        ) -> Reply<'a, usize> {
-            if self.0.swap(false, Ordering::SeqCst) {
-                return Box::pin(std::future::pending());
-            }
-            store.release(keys, holder)
-        }
-    }
-
-    /// One exclusive key, `lock:a`, for `holder`.
-    fn request(holder: Holder, ttl: Duration) -> AcquireRequest {
-        AcquireRequest {
-            namespace: "lock:".into(),
-            keys: vec!["lock:a".to_owned()].into(),
-            modes: Modes::All(Mode::Exclusive),
-            holder,
-            ttl,
-            report: 0,
-            line: Line::Outside,
-            reserve: Duration::ZERO,
-            retry: false,
-        }
-    }
-
-    /// `lock:a` granted to a new owner, and its guard, with `ttl` as its store timeout too.
-    async fn granted(store: Arc<dyn LockStore>, ttl: Duration) -> LockGuard {
-        let owner = Holder::new(OwnerToken::random());
-        let request = request(owner, ttl);
-        let granted = store.acquire(&request).await.unwrap();
-        assert!(matches!(granted, Acquire::Granted(_)));
-        LockGuard::new(
-            store,
-            request.keys,
-            owner,
-            ttl,
-            Instant::now() + ttl,
-            Arc::default(),
-        )
-    }
-
-    #[tokio::test]
-    async fn a_release_dropped_midway_is_sent_again() {
-        let store = Arc::new(Intercepted::new(StallNextRelease(AtomicBool::new(true))));
-        let ttl = Duration::from_secs(30);
-        let guard = granted(store.clone(), ttl).await;
-        let stalled = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
-        assert!(stalled.is_err(), "the first release should have stalled");
-
-        // Dropping the stalled release spawned another one; let it run.
-        let other = request(Holder::new(OwnerToken::random()), ttl);
-        for _ in 0..100 {
-            let retried = store.acquire(&other).await.unwrap();
-            if matches!(retried, Acquire::Granted(_)) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        panic!("the keys were not released after the release future was dropped");
-    }
-
-    /// Extensions wait for the test's word; the calls that reached the store, in order.
-    #[derive(Debug, Default)]
-    struct ExtensionsOnHold {
-        extending: tokio::sync::Notify,
-        go: tokio::sync::Notify,
-        calls: std::sync::Mutex<Vec<&'static str>>,
-    }
-
-    impl Hooks for ExtensionsOnHold {
-        fn extend<'a>(
-            &'a self,
-            store: &'a MemoryStore,
-            keys: &'a Keys,
-            holder: Holder,
-            ttl: Duration,
-        ) -> Reply<'a, bool> {
-            Box::pin(async move {
-                self.extending.notify_one();
-                self.go.notified().await;
-                let extended = store.extend(keys, holder, ttl).await;
-                self.calls.lock().unwrap().push("extend");
-                extended
-            })
-        }
-
-        fn release<'a>(
-            &'a self,
-            store: &'a MemoryStore,
-            keys: &'a Keys,
-            holder: Holder,
-        ) -> Reply<'a, usize> {
-            self.calls.lock().unwrap().push("release");
-            store.release(keys, holder)
-        }
-    }
-
-    /// A response's release dropped (its client left) while it waits for an extension in
-    /// flight: the release that the guard's drop sends still waits for it, so that the
-    /// extension never finds the keys gone (a lease reported lost after its release).
-    #[tokio::test]
-    async fn a_release_dropped_during_an_extension_comes_after_it() {
-        let store = Arc::new(Intercepted::new(ExtensionsOnHold::default()));
-        let ttl = Duration::from_secs(30);
-        let mut guard = granted(store.clone(), ttl).await;
-        guard.start_renewal(ttl, None, Instant::now());
-        store.hooks.extending.notified().await;
-        let dropped = tokio::time::timeout(Duration::from_millis(20), guard.release()).await;
-        assert!(
-            dropped.is_err(),
-            "the release should have waited for the extension"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(*store.hooks.calls.lock().unwrap(), Vec::<&str>::new());
-
-        store.hooks.go.notify_one();
-        for _ in 0..100 {
-            if store.hooks.calls.lock().unwrap().len() == 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert_eq!(*store.hooks.calls.lock().unwrap(), ["extend", "release"]);
-    }
-}
+mod tests;
