@@ -638,8 +638,23 @@ async fn a_request_whose_client_went_away_still_stores_its_answer() {
 /// [`orders_router`] inside a lock layer of `locks` on `product:7`: a lock layer around the
 /// idempotency layer.
 fn product_locked_orders(locks: &Locks, orders: &Arc<Orders>, gate: &Arc<Gate>) -> Router {
-    let product = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["product:7"]);
     orders_router(locks.idempotency(), orders, Some(gate)).route_layer(locks.layer(product))
+}
+
+/// The one product every order of these tests locks.
+fn product(_: &http::request::Parts) -> Result<[&'static str; 1], tower_batch_lock::Rejection> {
+    Ok(["product:7"])
+}
+
+/// Another order (another key), sent while a first one runs; within 3 s.
+async fn another_order(app: &Router) -> Reply {
+    let another = send(app, order(Some("another"), "{}"));
+    within(
+        Duration::from_secs(3),
+        "another order while the first runs",
+        another,
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -659,12 +674,7 @@ async fn a_lock_layer_around_keeps_its_keys_while_a_request_whose_client_went_aw
         first.abort();
         assert!(first.await.unwrap_err().is_cancelled());
         tokio::time::sleep(Duration::from_millis(1_000)).await;
-        let other = within(
-            Duration::from_secs(3),
-            "another order while the first runs",
-            send(&app, order(Some("another"), "{}")),
-        )
-        .await;
+        let other = another_order(&app).await;
         assert_eq!(other.status, StatusCode::CONFLICT, "{}", store.name);
         gate.open();
         // The run ends and stores its answer; then the product is free again.
@@ -690,12 +700,7 @@ async fn a_lock_layer_around_keeps_its_keys_for_a_run_dropped_before_it_started(
     let first = tower::ServiceExt::oneshot(app.clone(), order(Some("at-once"), "{}"));
     assert!(futures_util::FutureExt::now_or_never(first).is_none());
     gate.wait_entered().await;
-    let other = within(
-        Duration::from_secs(3),
-        "another order while the first runs",
-        send(&app, order(Some("another"), "{}")),
-    )
-    .await;
+    let other = another_order(&app).await;
     assert_eq!(other.status, StatusCode::CONFLICT);
     gate.open();
 }
@@ -732,7 +737,6 @@ async fn a_lock_layer_around_a_timeout_keeps_its_keys_until_the_run_ends() {
             }
         },
     );
-    let product = |_: &http::request::Parts| Ok::<_, tower_batch_lock::Rejection>(["product:7"]);
     let app = Router::new()
         .route(
             "/orders",
@@ -742,12 +746,7 @@ async fn a_lock_layer_around_a_timeout_keeps_its_keys_until_the_run_ends() {
         .route_layer(locks.layer(product));
     let first = send(&app, order(Some("timed-out"), "{}")).await;
     assert_eq!(first.status, StatusCode::REQUEST_TIMEOUT);
-    let other = within(
-        Duration::from_secs(3),
-        "another order while the first runs",
-        send(&app, order(Some("another"), "{}")),
-    )
-    .await;
+    let other = another_order(&app).await;
     assert_eq!(other.status, StatusCode::CONFLICT);
     gate.open();
     let freed = poll_every(Duration::from_millis(10), Duration::from_secs(3), || {

@@ -90,24 +90,24 @@ impl PgServer {
 
     /// Stops it (`pg_ctl stop -m fast`), to [`run`](Self::run) it again later.
     pub(crate) fn stop(&self) {
-        let data = self.data();
-        check(
-            as_owner("pg_ctl")
-                .args(["stop", "-D", &data, "-m", "fast", "-w"])
-                .output(),
-            "pg_ctl stop",
-        );
+        self.pg_ctl("stop", &["-m", "fast"]);
     }
 
     /// Promotes a standby (`pg_ctl promote`): it ends its recovery and takes writes, on a
     /// new timeline.
     pub(crate) fn promote(&self) {
+        self.pg_ctl("promote", &[]);
+    }
+
+    /// `pg_ctl action` on its data directory with `options`, waiting for it to finish.
+    fn pg_ctl(&self, action: &str, options: &[&str]) {
         let data = self.data();
         check(
             as_owner("pg_ctl")
-                .args(["promote", "-D", &data, "-w"])
+                .args([action, "-D", &data, "-w"])
+                .args(options)
                 .output(),
-            "pg_ctl promote",
+            &format!("pg_ctl {action}"),
         );
     }
 
@@ -125,13 +125,7 @@ impl PgServer {
     /// Kills the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, the
     /// next start replays the WAL).
     pub(crate) fn kill(&self) {
-        let data = self.data();
-        check(
-            as_owner("pg_ctl")
-                .args(["stop", "-D", &data, "-m", "immediate", "-w"])
-                .output(),
-            "pg_ctl stop",
-        );
+        self.pg_ctl("stop", &["-m", "immediate"]);
     }
 
     /// Starts it again, on the same port, with its data.
