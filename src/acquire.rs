@@ -41,9 +41,14 @@
 //!    one to be released, however long it waits. On every shared store the refused pass
 //!    of a big batch only reads its keys (and claims them); on Redis its grant takes its
 //!    free keys with plain commands, as an uncontended batch does.
-//! 4. **Polls for what nobody announces.** A waiter in line polls after 100-200 ms, then
-//!    less and less often, down to every 1-2 s: for a hold or a place before it that
-//!    expired with its process. On a shared store a poll is a probe of what blocked it.
+//! 4. **Polls for what nobody announces.** A release wakes; an expiry does not. A waiter
+//!    in line polls after 100-200 ms, then less and less often, down to every 1-2 s: for a
+//!    hold or a place before it that expired with its process, or a wake-up that was lost.
+//!    Kept out by a hold, it polls no earlier than that hold ends (its refusal says when),
+//!    as far as the 1-2 s allow, on a store whose releases wake every process's waiters
+//!    ([`LockStore::announces_releases`]): the first poll after the end finds it free,
+//!    and none before it costs the store a probe for nothing. On a shared store a poll is
+//!    a probe of what blocked it.
 //! 5. **Owners.** An owner that holds keys (a nested layer, `Lease::lock`) stands in line
 //!    at its own arrival ([`Line::Holder`]): its keys keep it out of nothing, and only the
 //!    waiters that came before it keep it out of others.

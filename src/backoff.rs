@@ -20,7 +20,15 @@ impl Backoff {
     pub(crate) fn pause(&mut self) -> Duration {
         let ceiling = self.next;
         self.next = (self.next * 2).min(self.last);
-        ceiling.mul_f64(fastrand::f64().mul_add(0.5, 0.5))
+        jittered(ceiling)
+    }
+
+    /// The next pause, made as long as `floor` where that is longer, up to a longest pause
+    /// (drawn as the pauses are): for a caller that knows that nothing it waits for can
+    /// happen unannounced before then, and still looks now and then for what was
+    /// announced and lost.
+    pub(crate) fn pause_at_least(&mut self, floor: Duration) -> Duration {
+        self.pause().max(floor.min(jittered(self.last)))
     }
 
     /// Sleeps the next pause before another try, unless that would take it to `until` or
@@ -36,6 +44,11 @@ impl Backoff {
     }
 }
 
+/// A pause drawn at random between half and all of `ceiling`.
+fn jittered(ceiling: Duration) -> Duration {
+    ceiling.mul_f64(fastrand::f64().mul_add(0.5, 0.5))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +61,18 @@ mod tests {
         assert!(pauses[0] >= first / 2 && pauses[0] <= first);
         assert!(pauses.iter().all(|&p| p <= last));
         assert!(pauses[9] >= last / 2);
+    }
+
+    #[test]
+    fn a_floor_lengthens_a_pause_up_to_the_ceiling() {
+        let (first, last) = (Duration::from_millis(5), Duration::from_millis(100));
+        let mut backoff = Backoff::new(first, last);
+        assert_eq!(
+            backoff.pause_at_least(Duration::from_millis(40)),
+            Duration::from_millis(40)
+        );
+        let capped = backoff.pause_at_least(Duration::from_secs(30));
+        assert!(capped >= last / 2 && capped <= last, "{capped:?}");
+        assert!(backoff.pause_at_least(Duration::ZERO) <= Duration::from_millis(20));
     }
 }

@@ -51,8 +51,10 @@ use crate::duration::capped;
 /// reservations on the others); on PostgreSQL, for an exclusive batch (each store's page
 /// gives its data model). A waiter in line also polls, seldom (after 100-200 ms, then
 /// less often, down to every 1-2 s), for what no release announces: a hold or a place
-/// before it that expired with its process. Waiters in no line (unfair waiting) watch the
-/// keys that kept them out and poll every 5-100 ms.
+/// before it that expired with its process. Kept out by a hold, its polls wait for that
+/// hold's end, up to 2 s (not on PostgreSQL without a listener, whose waiters poll for
+/// other processes' releases). Waiters in no line (unfair waiting) watch
+/// the keys that kept them out and poll every 5-100 ms.
 ///
 /// ```
 /// use std::time::Duration;

@@ -19,15 +19,15 @@ fn locks_over(store: Arc<dyn LockStore>) -> Locks {
     })
 }
 
-/// Takes `keys` in `store` for another owner, for 30 s: whose hold it gives.
-async fn held_by_another(store: &MemoryStore, keys: &Arc<[String]>) -> Holder {
+/// Takes `keys` in `store` for another owner, for `ttl`: whose hold it gives.
+async fn held_by_another(store: &MemoryStore, keys: &Arc<[String]>, ttl: Duration) -> Holder {
     let holder = Holder::new(OwnerToken::random());
     let request = AcquireRequest {
         namespace: "lock:".into(),
         keys: keys.clone(),
         modes: Modes::All(Mode::Exclusive),
         holder,
-        ttl: Duration::from_secs(30),
+        ttl,
         report: 0,
         line: Line::Outside,
         reserve: Duration::ZERO,
@@ -77,7 +77,7 @@ async fn a_release_during_an_attempt_wakes_the_waiter_at_once() {
     };
     let store = Arc::new(Intercepted::new(hooks));
     let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-    let holder = held_by_another(&store.store, &keys).await;
+    let holder = held_by_another(&store.store, &keys, Duration::from_secs(30)).await;
     *store.hooks.holder.lock().unwrap() = Some((keys.clone(), holder));
 
     let locks = locks_over(store.clone()).wait(Wait::up_to(Duration::from_secs(1)));
@@ -188,7 +188,7 @@ async fn a_waiter_dropped_during_its_withdrawal_withdraws_in_the_background() {
         asked: false.into(),
     }));
     let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-    held_by_another(&store.store, &keys).await;
+    held_by_another(&store.store, &keys, Duration::from_secs(30)).await;
 
     // It waits 1 s, reserving the key until 1.5 s, gives up, and is dropped at 1.1 s,
     // while its withdrawal waits on the store.
@@ -202,4 +202,77 @@ async fn a_waiter_dropped_during_its_withdrawal_withdraws_in_the_background() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let view = &store.store.inspect(&keys).await.unwrap()[0];
     assert_eq!(view.waiters, 0, "its place is still there: {view:?}");
+}
+
+/// Counts the acquisitions it passes on.
+#[derive(Debug, Default)]
+struct CountAttempts(std::sync::atomic::AtomicUsize);
+
+impl CountAttempts {
+    fn seen(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Hooks for CountAttempts {
+    fn acquire<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        request: &'a AcquireRequest,
+    ) -> Reply<'a, Acquire> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        store.acquire(request)
+    }
+}
+
+/// Runs a fair waiter of `keys` that waits up to 3 s on `store`, from now: when it was
+/// granted.
+async fn wait_in_line(store: Arc<Intercepted<CountAttempts>>, keys: &Arc<[String]>) -> Instant {
+    let locks = locks_over(store).wait(Wait::up_to(Duration::from_secs(3)));
+    let modes = Modes::All(Mode::Exclusive);
+    let acquisition = Acquisition::new(&locks, keys, &modes, None, None);
+    let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
+    assert!(granted.is_ok(), "the waiter was not granted");
+    Instant::now()
+}
+
+/// A waiter in line is told when its turn comes: while the hold before it lasts, polls
+/// would only cost the store a call each (at 100-200 ms and 300-600 ms they did, two
+/// refused attempts here, and a hot key's waiters made one a grant).
+#[tokio::test]
+async fn a_waiter_in_line_does_not_poll_a_hold_that_is_released() {
+    let store = Arc::new(Intercepted::new(CountAttempts::default()));
+    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+    let holder = held_by_another(&store.store, &keys, Duration::from_secs(30)).await;
+    let releasing = store.clone();
+    let releases = keys.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert_eq!(releasing.store.release(&releases, holder).await.unwrap(), 1);
+    });
+    wait_in_line(store.clone(), &keys).await;
+    // Refused, then woken by the release and granted.
+    assert_eq!(store.hooks.seen(), 2);
+}
+
+/// A hold that nobody releases (its process died) ends unannounced: the waiter in line
+/// looks again when it ends, as its refusal said, and is granted then, not at the next
+/// poll of a backoff (700-1,400 ms here, then 1,500-3,000 ms).
+#[tokio::test]
+async fn a_waiter_in_line_tries_again_when_the_hold_before_it_ends() {
+    let store = Arc::new(Intercepted::new(CountAttempts::default()));
+    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+    let ttl = Duration::from_millis(800);
+    let held = Instant::now();
+    held_by_another(&store.store, &keys, ttl).await;
+    let granted = wait_in_line(store.clone(), &keys).await - held;
+    assert_eq!(
+        store.hooks.seen(),
+        2,
+        "refused, then granted as the hold ended"
+    );
+    assert!(
+        granted >= ttl && granted < ttl + Duration::from_millis(300),
+        "granted {granted:?} after the hold began, which ended after {ttl:?}"
+    );
 }

@@ -22,6 +22,11 @@ use crate::{
 /// before, still finds them.
 pub(super) const RESERVATION_MARGIN: Duration = Duration::from_millis(500);
 
+/// How long after the end that a refusal gives for a hold a waiter looks again: a store
+/// counts ends in whole milliseconds, and a look a little late finds the key free rather
+/// than about to be.
+const AFTER_HOLD_ENDS: Duration = Duration::from_millis(5);
+
 /// What a request carries from one attempt to the next.
 pub(super) struct Waiter<'a> {
     /// When its wait is over.
@@ -161,6 +166,16 @@ impl<'a> Acquisition<'a> {
         } else {
             Vec::new()
         };
+        // A waiter in line is woken when its turn comes: before the earliest hold that
+        // kept it out ends, only a wake-up that was lost could let it in (a release wakes,
+        // an expiry does not), and a poll then costs the store a probe a waiter for
+        // nothing (a hot key's waiters made one a grant). So its polls wait for that end,
+        // up to the longest pause, and the first one after it finds the key free.
+        let hold_ends = match waiter.line {
+            Line::At(_) if self.store.announces_releases() => contention.earliest_expiry,
+            Line::At(_) | Line::Outside | Line::Holder(_) => None,
+        }
+        .map(|left| Instant::now() + left + AFTER_HOLD_ENDS);
         loop {
             let now = Instant::now();
             if Self::gives_up(&contention, waiter.deadline, now) {
@@ -181,7 +196,8 @@ impl<'a> Acquisition<'a> {
                 Some(watches) if watches.covers(&contention.keys) => watches,
                 _ => self.watch(waiter.line, &contention.keys),
             };
-            let wake_at = (now + waiter.backoff.pause()).min(waiter.deadline);
+            let quiet = hold_ends.map_or(Duration::ZERO, |end| end.saturating_duration_since(now));
+            let wake_at = (now + waiter.backoff.pause_at_least(quiet)).min(waiter.deadline);
             let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
                 .await
                 .is_ok();

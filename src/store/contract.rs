@@ -471,6 +471,14 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
         false
     }
 
+    /// Whether a release wakes the waiters it lets in, in every process that shares the
+    /// store (a message that may still be lost, at a reconnection): then a waiter in line
+    /// does not poll a hold that kept it out before that hold ends. Not so on PostgreSQL
+    /// without a listener, where other processes' releases wake nobody.
+    fn announces_releases(&self) -> bool {
+        false
+    }
+
     /// Whether [`probe`](Self::probe) costs a waiter less than an attempt of its whole
     /// batch: then a refusal names every key that kept the batch out (up to
     /// [`AcquireRequest::report`]), for the waiter to probe those alone.

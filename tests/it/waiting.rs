@@ -337,8 +337,9 @@ async fn a_line_of_waiters_costs_at_most_a_poll_a_waiter_a_second() {
             tokio::spawn(async move { send(&app, work(&["hot"])).await })
         })
         .collect();
-    // Every waiter is in line and has made its first polls (after 100-200 ms, then
-    // 200-400 ms): what follows is the line's steady cost.
+    // Every waiter is in line: behind a hold of 30 s, each polls every 1-2 s (without
+    // the hold's end to wait for, after 100-200 ms, then 200-400 ms): what follows is the
+    // line's steady cost.
     let joined = Instant::now();
     let in_line = poll_every(Duration::from_millis(50), Duration::from_secs(60), || {
         store
@@ -536,14 +537,15 @@ async fn a_waiter_is_refused_with_409_and_retry_after_when_its_bound_passes() {
 async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
     let server = RedisServer::start();
     let store = Observer::of(&server);
+    // A hold of 30 s, which renews (a script call) after 10 s, when this test is over.
     let holder_locks =
-        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(10));
+        Locks::new(Redis::pool(server.pool()).build().unwrap()).ttl(Duration::from_secs(30));
     let gate = Gate::new();
     let holder = gated_router(&holder_locks, &gate);
     let held = tokio::spawn(async move { send(&holder, work(&["k"])).await });
     gate.wait_entered().await;
 
-    // The waiter is another process, so only its own polling could wake it.
+    // The waiter is another process's (another store over the same Redis).
     let runs = Arc::new(AtomicUsize::new(0));
     let waiter_locks = Locks::new(Redis::pool(server.pool()).build().unwrap())
         .ttl(Duration::from_secs(10))
@@ -552,13 +554,14 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
     let waiting = tokio::spawn(async move { send(&waiter, work(&["k"])).await });
     tokio::time::sleep(Duration::from_millis(250)).await;
     let before = store.script_calls();
-    // A waiter in line polls seldom (it is woken when its turn comes): at least once a
-    // second.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // A waiter in line polls seldom (it is woken when its turn comes): behind a hold of
+    // 30 s, every 1-2 s.
+    let window = Duration::from_millis(2_200);
+    tokio::time::sleep(window).await;
     let while_waiting = store.script_calls() - before;
     assert!(
         while_waiting >= 1,
-        "the waiter should still be trying: {while_waiting} attempts in 1.2 s"
+        "the waiter should still be trying: {while_waiting} attempts in {window:?}"
     );
 
     // The client goes away: the server drops the request's future.
@@ -567,11 +570,11 @@ async fn a_waiter_whose_client_left_stops_trying_and_never_takes_the_key() {
     // An attempt that was in flight may still land (and its guard then releases it).
     tokio::time::sleep(Duration::from_millis(50)).await;
     let after_abort = store.script_calls();
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(window).await;
     let attempts_after = store.script_calls() - after_abort;
     eprintln!(
-        "aborted waiter: {while_waiting} script calls in the 1.2 s before the abort, \
-         {attempts_after} in the 1.2 s after it"
+        "aborted waiter: {while_waiting} script calls in the {window:?} before the abort, \
+         {attempts_after} in the {window:?} after it"
     );
     assert_eq!(attempts_after, 0, "the aborted waiter kept trying");
 

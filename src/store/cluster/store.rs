@@ -145,6 +145,10 @@ impl ClusterStore {
 }
 
 impl LockStore for ClusterStore {
+    fn announces_releases(&self) -> bool {
+        true
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
             let inner = &self.inner;

@@ -67,6 +67,10 @@ impl<H> Intercepted<H> {
 }
 
 impl<H: Hooks> LockStore for Intercepted<H> {
+    fn announces_releases(&self) -> bool {
+        self.store.announces_releases()
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         self.hooks.acquire(&self.store, request)
     }

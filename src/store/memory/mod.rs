@@ -466,6 +466,11 @@ impl Shard {
 }
 
 impl LockStore for MemoryStore {
+    /// Its releases wake this process's waiters, and there is no other.
+    fn announces_releases(&self) -> bool {
+        true
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(std::future::ready(Ok(
             self.try_acquire(request, Instant::now())

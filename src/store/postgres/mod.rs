@@ -446,6 +446,11 @@ fn ticket_arg(line: Line) -> Option<String> {
 }
 
 impl LockStore for PostgresStore {
+    /// Through `NOTIFY`, when it listens.
+    fn announces_releases(&self) -> bool {
+        self.listener.is_some()
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
             let answer = self.acquire_call(request).await;

@@ -462,6 +462,10 @@ pub(super) fn line_arg(line: Line) -> String {
 }
 
 impl LockStore for RedisStore {
+    fn announces_releases(&self) -> bool {
+        true
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(self.acquire_batch(request))
     }

@@ -226,6 +226,10 @@ impl RedlockStore {
 }
 
 impl LockStore for RedlockStore {
+    fn announces_releases(&self) -> bool {
+        true
+    }
+
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {
         Box::pin(async move {
             let (keys, holder, ttl) = (&request.keys, request.holder, request.ttl);
