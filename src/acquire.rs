@@ -28,7 +28,9 @@
 //!    out. On PostgreSQL, a release grants a waiter of one key, first in line on it, its
 //!    key in the release's own statement, and its wake-up carries the grant
 //!    ([`Handover`](crate::store::wake::Handover)): that waiter is granted without an
-//!    attempt of its own.
+//!    attempt of its own. A release whose answer was lost took this process's wake-ups
+//!    with it (other processes hear the store's message; this one skips its own): once a
+//!    retry of it is answered, it wakes this process's waiters on its keys.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is, or

@@ -2,7 +2,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicU8, Ordering},
+        atomic::{AtomicBool, AtomicU8, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant},
@@ -118,6 +118,10 @@ struct Held {
     /// late, or its request dropped while it was in flight), a grant may still land
     /// after the release, which is sent again for it ([`late`]).
     answered: bool,
+    /// Whether a release was sent and not answered (lost, late, failed, or dropped on the
+    /// way): it may have freed the keys, and the wake-ups it named for this process's
+    /// waiters went with its answer. The next release that is answered wakes them.
+    release_lost: AtomicBool,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -164,6 +168,7 @@ impl LockGuard {
                 listed: None,
                 layer: None,
                 answered: false,
+                release_lost: AtomicBool::new(false),
             }),
         }
     }
@@ -363,11 +368,17 @@ impl Held {
 
     /// One attempt, within `limit`; whether the store answered.
     async fn release_within(&self, limit: Duration) -> bool {
+        // Lost until answered: this attempt too, if it is dropped on the way.
+        let earlier_lost = self.release_lost.swap(true, Ordering::AcqRel);
         let released = within(limit, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
+                self.release_lost.store(false, Ordering::Release);
                 self.outage.answered();
                 self.released(count);
+                if earlier_lost {
+                    self.store.wakeups().wake_waiters_on(&self.keys);
+                }
                 true
             }
             Ok(Err(error)) => {

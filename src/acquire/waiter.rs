@@ -236,7 +236,7 @@ impl<'a> Acquisition<'a> {
     fn watch(&self, line: Line, keys: &[String]) -> Watches<'a> {
         let wakeups = self.store.wakeups();
         match line {
-            Line::At(ticket) => wakeups.watch_ticket(ticket.key()),
+            Line::At(ticket) => wakeups.watch_ticket(ticket.key(), self.keys.clone()),
             Line::Outside | Line::Holder(_) => wakeups.watch(keys),
         }
     }

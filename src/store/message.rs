@@ -172,8 +172,10 @@ mod tests {
     async fn a_message_wakes_the_waiters_first_in_line_it_names_and_no_other() {
         let wakeups = Wakeups::new();
         let (named, behind) = (61_420_580_338_024, 61_420_580_338_025);
-        let (mut named_watch, mut behind_watch) =
-            (wakeups.watch_ticket(named), wakeups.watch_ticket(behind));
+        let (mut named_watch, mut behind_watch) = (
+            wakeups.watch_ticket(named, Default::default()),
+            wakeups.watch_ticket(behind, Default::default()),
+        );
         // As the release script sends it: the slots as given (every one, for a big
         // batch), then the first in line; from another store, so not skipped.
         let message = format!("*,#{named}");
@@ -198,7 +200,8 @@ mod tests {
     async fn a_handed_head_is_woken_with_its_grant_and_a_plain_one_without() {
         let wakeups = Wakeups::new();
         let (handed, plain, garbled) = (61_420_580_338_024, 61_420_580_338_025, 61_420_580_338_026);
-        let mut watches = [handed, plain, garbled].map(|ticket| wakeups.watch_ticket(ticket));
+        let mut watches =
+            [handed, plain, garbled].map(|ticket| wakeups.watch_ticket(ticket, Default::default()));
         let message = format!("3,@1,#{handed}:42:-2,#{plain},#{garbled}:x:1");
         wake_from_message(&wakeups, message.as_bytes());
         for watch in &mut watches {
@@ -221,8 +224,8 @@ mod tests {
     #[tokio::test]
     async fn a_release_too_long_to_name_its_waiters_wakes_every_waiter() {
         let wakeups = Wakeups::new();
-        let mut watches =
-            [61_420_580_338_024, 61_420_580_338_025].map(|ticket| wakeups.watch_ticket(ticket));
+        let mut watches = [61_420_580_338_024, 61_420_580_338_025]
+            .map(|ticket| wakeups.watch_ticket(ticket, Default::default()));
         wake_from_message(&wakeups, b"*,#*");
         for watch in &mut watches {
             tokio::time::timeout(Duration::from_millis(50), any_released(watch))

@@ -46,10 +46,13 @@ pub(crate) struct Wakeups {
 /// handed the key by the call that freed it, where the store grants it there (PostgreSQL,
 /// for a waiter of one key: see [`Handover`]). A wake-up before the waiter awaits it is
 /// kept (one, however many came).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Turn {
     notify: Notify,
     handed: Mutex<Option<Handover>>,
+    /// The waiter's batch (sorted), which its reservations cover: read only to wake it
+    /// after a release whose answer was lost ([`Wakeups::wake_waiters_on`]).
+    keys: Arc<[String]>,
 }
 
 impl Turn {
@@ -122,8 +125,12 @@ impl Wakeups {
     /// watch covers every key of its batch, which its reservations cover, for as long as
     /// it waits.
     /// (Tickets as numbers, as they travel in release messages.)
-    pub(crate) fn watch_ticket(&self, ticket: u128) -> Watches<'_> {
-        let turn = Arc::new(Turn::default());
+    pub(crate) fn watch_ticket(&self, ticket: u128, keys: Arc<[String]>) -> Watches<'_> {
+        let turn = Arc::new(Turn {
+            notify: Notify::new(),
+            handed: Mutex::new(None),
+            keys,
+        });
         self.lines().insert(ticket, turn.clone());
         Watches {
             watched: Watched::Ticket(ticket, turn),
@@ -200,6 +207,19 @@ impl Wakeups {
         }
     }
 
+    /// Wakes this process's waiters on any of `keys` (sorted), in line or not: after a
+    /// release whose answer was lost, once another attempt of it is answered. The lost
+    /// one may have freed the keys, and the waiters it named for this process went with
+    /// its answer (the store's message wakes other processes; this one skips its own).
+    pub(crate) fn wake_waiters_on(&self, keys: &[String]) {
+        self.wake_keys(keys);
+        for turn in self.lines().values() {
+            if share_a_key(&turn.keys, keys) {
+                turn.notify.notify_one();
+            }
+        }
+    }
+
     /// Wakes every waiter: after a gap in which releases may have gone unnoticed, or for a
     /// release that could not name them.
     #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
@@ -241,6 +261,23 @@ pub(crate) fn slot(key: &str) -> usize {
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
     (hash % SLOTS as u64) as usize
+}
+
+/// Whether two sorted lists of keys have one in common.
+fn share_a_key(a: &[String], b: &[String]) -> bool {
+    let (mut a, mut b) = (a.iter().peekable(), b.iter().peekable());
+    while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
+        match x.cmp(y) {
+            std::cmp::Ordering::Less => {
+                a.next();
+            }
+            std::cmp::Ordering::Greater => {
+                b.next();
+            }
+            std::cmp::Ordering::Equal => return true,
+        }
+    }
+    false
 }
 
 /// The distinct slots of `keys`, ascending.
@@ -349,6 +386,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_lost_release_wakes_the_waiters_in_line_on_its_keys_alone() {
+        let wakeups = Wakeups::new();
+        let batch =
+            |keys: &[&str]| -> Arc<[String]> { keys.iter().map(|k| (*k).to_owned()).collect() };
+        let mut on_b = wakeups.watch_ticket(1, batch(&["lock:a", "lock:b"]));
+        let mut elsewhere = wakeups.watch_ticket(2, batch(&["lock:c", "lock:d"]));
+        wakeups.wake_waiters_on(&batch(&["lock:b", "lock:bb"]));
+        let timeout = std::time::Duration::from_millis(50);
+        let woke = tokio::time::timeout(timeout, any_released(&mut on_b)).await;
+        assert!(woke.is_ok(), "the waiter on a released key was not woken");
+        let woke = tokio::time::timeout(timeout, any_released(&mut elsewhere)).await;
+        assert!(woke.is_err(), "a waiter on other keys was woken");
+    }
+
+    #[tokio::test]
     async fn a_release_of_other_slots_does_not_wake() {
         let wakeups = Wakeups::new();
         let mine = vec!["lock:a".to_owned()];
@@ -370,8 +422,8 @@ mod tests {
     async fn a_waiter_in_line_wakes_for_its_ticket_alone_and_keeps_an_early_wake() {
         let wakeups = Wakeups::new();
         let (first, second) = (61_420_580_338_024, 61_420_580_338_025);
-        let mut first_watch = wakeups.watch_ticket(first);
-        let mut second_watch = wakeups.watch_ticket(second);
+        let mut first_watch = wakeups.watch_ticket(first, Default::default());
+        let mut second_watch = wakeups.watch_ticket(second, Default::default());
         // Before either awaits: the wake-up is kept for the first, and only for it.
         wakeups.wake_tickets([first]);
         let soon = std::time::Duration::from_millis(50);

@@ -513,3 +513,51 @@ async fn waiter_put_back(
 fn locks_on(server: &RedisServer) -> Locks {
     Locks::new(Redis::url(server.url()).build().unwrap())
 }
+
+/// A release whose answer is lost has freed its keys in Redis, and the wake-ups it named
+/// for this process's waiters went with its answer (the store's message wakes other
+/// processes; this process skips its own): once a retry of the release is answered, this
+/// process's waiters on its keys are woken, where they waited for their next poll, 1-2 s
+/// after the last one behind a hold of 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_whose_answer_was_lost_wakes_this_process_waiters_once_answered() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Proxy::start(server.port()).await;
+    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .ttl(Duration::from_secs(30))
+        .store_timeout(Duration::from_millis(200))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    let (gate, held) = hold(&locks, "lost").await;
+    let app = batch_router(&locks, ledger_handler(&Arc::new(Ledger::default())));
+    let waiter = tokio::spawn(async move { send(&app, batch(&["lost"])).await });
+    let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
+        observer
+            .lock("lock:lost")
+            .is_some_and(|v| v.reservations.len() == 1)
+    });
+    assert!(in_line.await.is_some(), "the waiter never stood in line");
+    // The waiter's next poll (its refusal's reply through the proxy, 50 ms later): its
+    // next one comes 1 s or more after it.
+    let calls = observer.script_calls();
+    let polled = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
+        observer.script_calls() > calls
+    });
+    assert!(polled.await.is_some(), "the waiter never polled");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    proxy.set(Fault::DropReplies);
+    let released = Instant::now();
+    gate.open();
+    // Answered after the layer's release timed out.
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    proxy.set(Fault::None);
+    let reply = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    let granted = released.elapsed();
+    eprintln!("granted {granted:?} after the release whose answer was lost");
+    assert!(
+        granted < Duration::from_millis(800),
+        "the waiter waited {granted:?} for its own poll"
+    );
+}
