@@ -122,6 +122,11 @@ impl PgServer {
         psql(&self.url(), sql)
     }
 
+    /// What the server has logged so far.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
     /// Kills the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, the
     /// next start replays the WAL).
     pub(crate) fn kill(&self) {
