@@ -34,9 +34,11 @@
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is, or
-//!    at once when one key alone kept it out and its release woke the waiter (where a
-//!    refused retry costs about what a probe does: fewer than 64 keys on one Redis,
-//!    PostgreSQL, one key on Redlock or a cluster; see [`LockStore::whole_attempts`]). On
+//!    at once when a release woke it and one key alone kept it out, or its batch is
+//!    small (fewer than 64 keys: its blockers were most often freed together, by one
+//!    holder), where a refused retry costs about what a probe does (fewer than 64 keys on
+//!    one Redis, PostgreSQL, one key on Redlock or a cluster; see
+//!    [`LockStore::whole_attempts`]). On
 //!    one Redis, Redlock and a cluster, a refused attempt granted in part (a step, a
 //!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
 //!    about two passes to be granted (the refused one that reserves, and the grant) and

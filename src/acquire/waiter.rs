@@ -27,6 +27,11 @@ pub(super) const RESERVATION_MARGIN: Duration = Duration::from_millis(500);
 /// than about to be.
 const AFTER_HOLD_ENDS: Duration = Duration::from_millis(5);
 
+/// A batch of fewer keys than this is small: woken, its waiter tries it whole rather than
+/// probe what blocked it first (see [`Acquisition::wait`]). It reads no more keys than
+/// a probe's first call may, and keeps its place with reservations, not a claim.
+const SMALL_BATCH: usize = 64;
+
 /// What a request carries from one attempt to the next.
 pub(super) struct Waiter<'a> {
     /// When its wait is over.
@@ -215,12 +220,15 @@ impl<'a> Acquisition<'a> {
             }
             waiter.watched = Some(released);
             waiter.attempted = Instant::now();
-            // Woken for the one key that still kept it out (first in line on it, or its
-            // watcher), on a store where nothing else wakes it: a probe would find that
-            // key free, and only add a round trip to the grant (a hot key's waiters made
-            // one a grant).
+            // Woken on a store where nothing else wakes it, it tries its batch at once,
+            // without a probe first: when one key still kept it out (first in line on it,
+            // or its watcher), a probe would find that key free, and only add a round
+            // trip to the grant (a hot key's waiters made one a grant); and when its batch
+            // is small, its blockers were most often freed together (one holder's
+            // release), and an attempt costs about what a probe does.
             let turn = woken && self.store.whole_attempts(self.keys.len());
-            if blockers.is_empty() || (blockers.len() == 1 && turn) {
+            let whole = blockers.len() == 1 || self.keys.len() < SMALL_BATCH;
+            if blockers.is_empty() || (turn && whole) {
                 return Ok(None);
             }
             let free = self.probe(owner, waiter.line, &blockers).await?;

@@ -1551,3 +1551,40 @@ async fn a_held_response_of_known_length_is_released_before_the_client_has_it() 
     );
     assert!(store.all_keys().is_empty(), "{:?}", store.all_keys());
 }
+
+/// A waiter of a small batch, woken when the one holder of its keys frees them all, tries
+/// its batch at once: its refused attempt, the holder's release, its grant and its
+/// release, and no probe between (a probe would find every key free, and only add a
+/// call to the grant).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_batch_woken_by_its_holders_release_is_tried_whole_without_a_probe() {
+    let server = RedisServer::start();
+    let store = Observer::of(&server);
+    // Held 30 s: no poll in the test's second.
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap())
+        .ttl(Duration::from_secs(30))
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let keys = ["x", "y", "z"];
+    let held = tokio::spawn(async move { send(&holder, work(&keys)).await });
+    gate.wait_entered().await;
+    let calls = store.script_calls();
+    let app = probe_router(&locks);
+    let waiter = tokio::spawn(async move { send(&app, work(&keys)).await });
+    let in_line = eventually(Duration::from_secs(3), || {
+        store
+            .lock("lock:z")
+            .is_some_and(|v| v.reservations.len() == 1)
+    });
+    assert!(in_line.await.is_some(), "the waiter never stood in line");
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    assert_eq!(
+        store.script_calls() - calls,
+        4,
+        "a refused attempt, a release, a grant, a release"
+    );
+}
