@@ -28,17 +28,17 @@
 //!    out. On PostgreSQL, a release grants a waiter of one key, first in line on it, its
 //!    key in the release's own statement, and its wake-up carries the grant
 //!    ([`Handover`](crate::store::wake::Handover)): that waiter is granted without an
-//!    attempt of its own. A release whose answer was lost took this process's wake-ups
-//!    with it (other processes hear the store's message; this one skips its own): once a
-//!    retry of it is answered, it wakes this process's waiters on its keys.
+//!    attempt of its own. A release or a withdrawal whose answer was lost took this
+//!    process's wake-ups with it (other processes hear the store's message; this one skips
+//!    its own): once a retry of it is answered, it wakes this process's waiters first in
+//!    line on its keys.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
-//!    the first still in the way, and sends its whole batch again only once none is, or
-//!    at once when a release woke it and one key alone kept it out, or its batch is
-//!    small (fewer than 64 keys: its blockers were most often freed together, by one
-//!    holder), where a refused retry costs about what a probe does (fewer than 64 keys on
-//!    one Redis, PostgreSQL, one key on Redlock or a cluster; see
-//!    [`LockStore::whole_attempts`]). On
+//!    the first still in the way, and sends its whole batch again only once none is; or
+//!    at once, when a release woke it and one key alone kept it out, or its batch has
+//!    fewer than 64 keys (its blockers were most often freed together, by one holder),
+//!    on a store where no refusal of its own wakes it (one Redis, PostgreSQL; on
+//!    Redlock and a cluster, a batch of one key; see [`LockStore::whole_attempts`]). On
 //!    one Redis, Redlock and a cluster, a refused attempt granted in part (a step, a
 //!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
 //!    about two passes to be granted (the refused one that reserves, and the grant) and
@@ -48,11 +48,10 @@
 //! 4. **Polls for what nobody announces.** A release wakes; an expiry does not. A waiter
 //!    in line polls after 100-200 ms, then less and less often, down to every 1-2 s: for a
 //!    hold or a place before it that expired with its process, or a wake-up that was lost.
-//!    Kept out by a hold, it polls no earlier than that hold ends (its refusal says when),
-//!    as far as the 1-2 s allow, on a store whose releases wake every process's waiters
-//!    ([`LockStore::announces_releases`]): the first poll after the end finds it free,
-//!    and none before it costs the store a probe for nothing. On a shared store a poll is
-//!    a probe of what blocked it.
+//!    Kept out by a hold, where this process hears every process's releases
+//!    ([`LockStore::announces_releases`]), it looks when that hold ends (its refusal says
+//!    when), which finds the key free if its holder died, and before then only every
+//!    1-2 s. On a shared store a poll is a probe of what blocked it.
 //! 5. **Owners.** An owner that holds keys (a nested layer, `Lease::lock`) stands in line
 //!    at its own arrival ([`Line::Holder`]): its keys keep it out of nothing, and only the
 //!    waiters that came before it keep it out of others.
@@ -363,8 +362,9 @@ impl<'a> Acquisition<'a> {
     ///
     /// On a store that probes ([`LockStore::probe`]), a waiter that wakes first probes the
     /// keys that kept its last attempt out, and tries the whole batch again only once none
-    /// of them does (or at once, when one key alone kept it out and its release woke it):
-    /// its retries cost in proportion to what blocked it, not to its batch.
+    /// of them does (or at once, when a release woke it and one key alone kept it out, or
+    /// its batch is small): its retries cost in proportion to what blocked it, not to its
+    /// batch.
     async fn run(
         &self,
         owner: OwnerToken,

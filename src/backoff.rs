@@ -23,12 +23,16 @@ impl Backoff {
         jittered(ceiling)
     }
 
-    /// The next pause, made as long as `floor` where that is longer, up to a longest pause
-    /// (drawn as the pauses are): for a caller that knows that nothing it waits for can
-    /// happen unannounced before then, and still looks now and then for what was
-    /// announced and lost.
-    pub(crate) fn pause_at_least(&mut self, floor: Duration) -> Duration {
-        self.pause().max(floor.min(jittered(self.last)))
+    /// The pause before a look at what nothing announces and is `due` (zero: due now):
+    /// until then, where that comes within a longest pause (drawn as the pauses are), or a
+    /// longest pause, to look now and then for what was announced and lost; once it is
+    /// due, the next pause.
+    pub(crate) fn pause_until(&mut self, due: Duration) -> Duration {
+        if due.is_zero() {
+            self.pause()
+        } else {
+            due.min(jittered(self.last))
+        }
     }
 
     /// Sleeps the next pause before another try, unless that would take it to `until` or
@@ -64,15 +68,14 @@ mod tests {
     }
 
     #[test]
-    fn a_floor_lengthens_a_pause_up_to_the_ceiling() {
+    fn a_pause_until_what_is_due_ends_when_it_is_due_or_at_the_longest() {
         let (first, last) = (Duration::from_millis(5), Duration::from_millis(100));
         let mut backoff = Backoff::new(first, last);
-        assert_eq!(
-            backoff.pause_at_least(Duration::from_millis(40)),
-            Duration::from_millis(40)
-        );
-        let capped = backoff.pause_at_least(Duration::from_secs(30));
+        let due = Duration::from_millis(40);
+        assert_eq!(backoff.pause_until(due), due);
+        let capped = backoff.pause_until(Duration::from_secs(30));
         assert!(capped >= last / 2 && capped <= last, "{capped:?}");
-        assert!(backoff.pause_at_least(Duration::ZERO) <= Duration::from_millis(20));
+        // Once due, the pauses start from the first.
+        assert!(backoff.pause_until(Duration::ZERO) <= first);
     }
 }

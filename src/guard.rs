@@ -2,7 +2,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicBool, AtomicU8, Ordering},
+        atomic::{AtomicU8, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant},
@@ -23,6 +23,7 @@ use crate::{
         call::within,
         contract::{Holder, LockStore},
         late,
+        wake::LostAnswers,
     },
 };
 
@@ -118,10 +119,8 @@ struct Held {
     /// late, or its request dropped while it was in flight), a grant may still land
     /// after the release, which is sent again for it ([`late`]).
     answered: bool,
-    /// Whether a release was sent and not answered (lost, late, failed, or dropped on the
-    /// way): it may have freed the keys, and the wake-ups it named for this process's
-    /// waiters went with its answer. The next release that is answered wakes them.
-    release_lost: AtomicBool,
+    /// The releases whose answers were lost, for this process's waiters on the keys.
+    lost: LostAnswers,
 }
 
 /// The task that keeps extending the lease, and the way to stop it.
@@ -168,7 +167,7 @@ impl LockGuard {
                 listed: None,
                 layer: None,
                 answered: false,
-                release_lost: AtomicBool::new(false),
+                lost: LostAnswers::default(),
             }),
         }
     }
@@ -368,17 +367,14 @@ impl Held {
 
     /// One attempt, within `limit`; whether the store answered.
     async fn release_within(&self, limit: Duration) -> bool {
-        // Lost until answered: this attempt too, if it is dropped on the way.
-        let earlier_lost = self.release_lost.swap(true, Ordering::AcqRel);
+        let earlier_lost = self.lost.sent();
         let released = within(limit, self.store.release(&self.keys, self.holder)).await;
         match released {
             Ok(Ok(count)) => {
-                self.release_lost.store(false, Ordering::Release);
+                self.lost
+                    .answered(earlier_lost, self.store.wakeups(), &self.keys);
                 self.outage.answered();
                 self.released(count);
-                if earlier_lost {
-                    self.store.wakeups().wake_waiters_on(&self.keys);
-                }
                 true
             }
             Ok(Err(error)) => {

@@ -17,6 +17,7 @@ use crate::{
     store::{
         contract::{LockStore, Ticket},
         late,
+        wake::LostAnswers,
     },
 };
 
@@ -38,6 +39,8 @@ struct Reserved {
     /// Whether an attempt went out whose answer has not come (yet): it may reserve the
     /// batch later, after the withdrawal.
     unanswered: bool,
+    /// The withdrawals whose answers were lost, for the waiters behind this place.
+    lost: LostAnswers,
 }
 
 impl Place {
@@ -56,6 +59,7 @@ impl Place {
                 timeout,
                 until,
                 unanswered: false,
+                lost: LostAnswers::default(),
             }),
         }
     }
@@ -147,8 +151,13 @@ impl Reserved {
 
     /// One attempt, bounded by the store's timeout; whether the store answered.
     async fn withdraw_once(&self, ticket: Ticket) -> bool {
+        let earlier_lost = self.lost.sent();
         match tokio::time::timeout(self.timeout, self.store.withdraw(&self.keys, ticket)).await {
-            Ok(Ok(_)) => true,
+            Ok(Ok(_)) => {
+                self.lost
+                    .answered(earlier_lost, self.store.wakeups(), &self.keys);
+                true
+            }
             Ok(Err(error)) => {
                 tracing::debug!(%error, keys = self.keys.len(), "withdrawing reservations failed");
                 false

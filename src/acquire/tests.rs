@@ -237,8 +237,8 @@ async fn wait_in_line(store: Arc<Intercepted<CountAttempts>>, keys: &Arc<[String
 }
 
 /// A waiter in line is told when its turn comes: while the hold before it lasts, polls
-/// would only cost the store a call each (at 100-200 ms and 300-600 ms they did, two
-/// refused attempts here, and a hot key's waiters made one a grant).
+/// would only cost the store a call each (at 100-200 ms they did, a refused attempt
+/// here, and a hot key's waiters made one a grant); it looks only every 1-2 s.
 #[tokio::test]
 async fn a_waiter_in_line_does_not_poll_a_hold_that_is_released() {
     let store = Arc::new(Intercepted::new(CountAttempts::default()));
@@ -247,7 +247,7 @@ async fn a_waiter_in_line_does_not_poll_a_hold_that_is_released() {
     let releasing = store.clone();
     let releases = keys.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         assert_eq!(releasing.store.release(&releases, holder).await.unwrap(), 1);
     });
     wait_in_line(store.clone(), &keys).await;
@@ -274,5 +274,28 @@ async fn a_waiter_in_line_tries_again_when_the_hold_before_it_ends() {
     assert!(
         granted >= ttl && granted < ttl + Duration::from_millis(300),
         "granted {granted:?} after the hold began, which ended after {ttl:?}"
+    );
+}
+
+/// The same behind a hold that ends after the backoff reached its longest pauses: the
+/// waiter looks every 1-2 s, and then when the hold ends, where a pause of 1-2 s could
+/// have taken it up to 2 s past the end (0.4-0.8 s with the backoff as a floor).
+#[tokio::test]
+async fn a_waiter_in_line_behind_a_long_hold_is_granted_as_it_ends() {
+    let store = Arc::new(Intercepted::new(CountAttempts::default()));
+    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
+    let ttl = Duration::from_millis(2_500);
+    let held = Instant::now();
+    held_by_another(&store.store, &keys, ttl).await;
+    let granted = wait_in_line(store.clone(), &keys).await - held;
+    assert!(
+        granted >= ttl && granted < ttl + Duration::from_millis(150),
+        "granted {granted:?} after the hold began, which ended after {ttl:?}"
+    );
+    // Refused, then one or two looks before the end, then granted.
+    assert!(
+        (3..=4).contains(&store.hooks.seen()),
+        "{}",
+        store.hooks.seen()
     );
 }

@@ -174,8 +174,10 @@ impl<'a> Acquisition<'a> {
         // A waiter in line is woken when its turn comes: before the earliest hold that
         // kept it out ends, only a wake-up that was lost could let it in (a release wakes,
         // an expiry does not), and a poll then costs the store a probe a waiter for
-        // nothing (a hot key's waiters made one a grant). So its polls wait for that end,
-        // up to the longest pause, and the first one after it finds the key free.
+        // nothing (a hot key's waiters made one a grant). So it looks when that hold ends
+        // (a holder that died leaves the key free then), and before, only every 1-2 s, for
+        // a wake-up that was lost; past the end (the hold was renewed), as the backoff
+        // says.
         let hold_ends = match waiter.line {
             Line::At(_) if self.store.announces_releases() => contention.earliest_expiry,
             Line::At(_) | Line::Outside | Line::Holder(_) => None,
@@ -201,8 +203,8 @@ impl<'a> Acquisition<'a> {
                 Some(watches) if watches.covers(&contention.keys) => watches,
                 _ => self.watch(waiter.line, &contention.keys),
             };
-            let quiet = hold_ends.map_or(Duration::ZERO, |end| end.saturating_duration_since(now));
-            let wake_at = (now + waiter.backoff.pause_at_least(quiet)).min(waiter.deadline);
+            let due = hold_ends.map_or(Duration::ZERO, |end| end.saturating_duration_since(now));
+            let wake_at = (now + waiter.backoff.pause_until(due)).min(waiter.deadline);
             let woken = tokio::time::timeout_at(wake_at.into(), any_released(&mut released))
                 .await
                 .is_ok();

@@ -471,10 +471,10 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
         false
     }
 
-    /// Whether a release wakes the waiters it lets in, in every process that shares the
-    /// store (a message that may still be lost, at a reconnection): then a waiter in line
-    /// does not poll a hold that kept it out before that hold ends. Not so on PostgreSQL
-    /// without a listener, where other processes' releases wake nobody.
+    /// Whether this process hears every process's releases (a message that may still be
+    /// lost, at a reconnection): then a waiter in line does not poll a hold that kept it
+    /// out before that hold ends. Not so on one Redis without a subscription
+    /// (`Redis::pool` without `wakeups`) or PostgreSQL without a listener.
     fn announces_releases(&self) -> bool {
         false
     }
@@ -486,11 +486,12 @@ pub(crate) trait LockStore: fmt::Debug + Send + Sync + 'static {
         false
     }
 
-    /// Whether a waiter woken for the one key that kept its batch of `keys` keys out tries
-    /// the batch at once, without a probe first: where a refused retry costs about what a
-    /// probe does, and no refusal of its own wakes the waiter (a refused attempt granted in
-    /// part and rolled back must not name its waiter in the roll-back's wake-ups, or the
-    /// waiter would take that wake for its turn).
+    /// Whether a woken waiter of `keys` keys may try its batch at once, without a probe
+    /// first (when one key alone still kept it out, or its batch is small): where no
+    /// refusal of its own wakes the waiter (a refused attempt granted in part and rolled
+    /// back must not name its waiter in the roll-back's wake-ups, or the waiter would take
+    /// that wake for its turn), and a refused retry of a small batch costs about what a
+    /// probe does.
     fn whole_attempts(&self, keys: usize) -> bool {
         let _ = keys;
         false

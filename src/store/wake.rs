@@ -16,7 +16,7 @@
 use std::{
     collections::HashMap,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
 };
@@ -207,14 +207,20 @@ impl Wakeups {
         }
     }
 
-    /// Wakes this process's waiters on any of `keys` (sorted), in line or not: after a
-    /// release whose answer was lost, once another attempt of it is answered. The lost
-    /// one may have freed the keys, and the waiters it named for this process went with
-    /// its answer (the store's message wakes other processes; this one skips its own).
+    /// Wakes this process's waiters on `keys` that a release of them would have: the
+    /// watchers of their slots, and on each key the waiter in line with the earliest
+    /// ticket (tickets are arrivals), the only one of this process that may be first in
+    /// line there. For a call that freed `keys` and whose answer was lost, once another
+    /// attempt of it is answered ([`LostAnswers`]).
     pub(crate) fn wake_waiters_on(&self, keys: &[String]) {
         self.wake_keys(keys);
-        for turn in self.lines().values() {
-            if share_a_key(&turn.keys, keys) {
+        let lines = self.lines();
+        for key in keys {
+            let first = lines
+                .iter()
+                .filter(|(_, turn)| turn.keys.binary_search(key).is_ok())
+                .min_by_key(|(&ticket, _)| ticket);
+            if let Some((_, turn)) = first {
                 turn.notify.notify_one();
             }
         }
@@ -227,6 +233,31 @@ impl Wakeups {
         self.wake_slots(0..SLOTS);
         for turn in self.lines().values() {
             turn.notify.notify_one();
+        }
+    }
+}
+
+/// Whether a call that frees keys for one holder or one waiter (its releases, its
+/// withdrawals) was sent and not answered (lost, late, failed, or dropped on the way): it
+/// may have freed them, and the wake-ups it named for this process's waiters went with
+/// its answer (other processes hear the store's message; this one skips its own, which it
+/// takes for delivered). The next call answered wakes them. Atomic, as the holder's state
+/// is shared between the tasks that send its calls one after another.
+#[derive(Debug, Default)]
+pub(crate) struct LostAnswers(AtomicBool);
+
+impl LostAnswers {
+    /// Counts a call as lost until [`answered`](Self::answered): whether one before it was.
+    pub(crate) fn sent(&self) -> bool {
+        self.0.swap(true, Ordering::Relaxed)
+    }
+
+    /// The call is answered: if one before it was lost (`earlier`, from
+    /// [`sent`](Self::sent)), wakes this process's waiters on `keys`.
+    pub(crate) fn answered(&self, earlier: bool, wakeups: &Wakeups, keys: &[String]) {
+        self.0.store(false, Ordering::Relaxed);
+        if earlier {
+            wakeups.wake_waiters_on(keys);
         }
     }
 }
@@ -261,23 +292,6 @@ pub(crate) fn slot(key: &str) -> usize {
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
     (hash % SLOTS as u64) as usize
-}
-
-/// Whether two sorted lists of keys have one in common.
-fn share_a_key(a: &[String], b: &[String]) -> bool {
-    let (mut a, mut b) = (a.iter().peekable(), b.iter().peekable());
-    while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
-        match x.cmp(y) {
-            std::cmp::Ordering::Less => {
-                a.next();
-            }
-            std::cmp::Ordering::Greater => {
-                b.next();
-            }
-            std::cmp::Ordering::Equal => return true,
-        }
-    }
-    false
 }
 
 /// The distinct slots of `keys`, ascending.
@@ -386,18 +400,28 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_lost_release_wakes_the_waiters_in_line_on_its_keys_alone() {
+    async fn a_lost_release_wakes_the_first_waiters_in_line_on_its_keys_alone() {
         let wakeups = Wakeups::new();
         let batch =
             |keys: &[&str]| -> Arc<[String]> { keys.iter().map(|k| (*k).to_owned()).collect() };
-        let mut on_b = wakeups.watch_ticket(1, batch(&["lock:a", "lock:b"]));
-        let mut elsewhere = wakeups.watch_ticket(2, batch(&["lock:c", "lock:d"]));
-        wakeups.wake_waiters_on(&batch(&["lock:b", "lock:bb"]));
+        let mut first_on_b = wakeups.watch_ticket(1, batch(&["lock:a", "lock:b"]));
+        let mut behind_on_b = wakeups.watch_ticket(2, batch(&["lock:b"]));
+        let mut elsewhere = wakeups.watch_ticket(3, batch(&["lock:c", "lock:d"]));
+        let lost = LostAnswers::default();
+        assert!(!lost.sent());
+        assert!(lost.sent(), "the lost call was forgotten");
+        lost.answered(true, &wakeups, &batch(&["lock:b", "lock:bb"]));
+        assert!(!lost.sent(), "an answered call still counts as lost");
         let timeout = std::time::Duration::from_millis(50);
-        let woke = tokio::time::timeout(timeout, any_released(&mut on_b)).await;
-        assert!(woke.is_ok(), "the waiter on a released key was not woken");
-        let woke = tokio::time::timeout(timeout, any_released(&mut elsewhere)).await;
-        assert!(woke.is_err(), "a waiter on other keys was woken");
+        let woke = tokio::time::timeout(timeout, any_released(&mut first_on_b)).await;
+        assert!(
+            woke.is_ok(),
+            "the first waiter on a released key was not woken"
+        );
+        for (watch, who) in [(&mut behind_on_b, "behind"), (&mut elsewhere, "elsewhere")] {
+            let woke = tokio::time::timeout(timeout, any_released(watch)).await;
+            assert!(woke.is_err(), "a waiter {who} was woken");
+        }
     }
 
     #[tokio::test]

@@ -120,13 +120,16 @@ END $$;
 -- value, so that no token handed out before comes again: a grant on another server than
 -- the last one's does it ({T}_granted), and an operator after restoring a copy of the
 -- database's files (which starts no new timeline), before the first grant. The sequence's
--- last value is read by `pg_sequence_last_value` (NULL before its first value, which
--- `greatest` skips), not by a scan of the sequence: under its caller's
--- `enable_seqscan = off` a scan is priced at ten billion, and compiled by JIT.
+-- last value is read by `pg_sequence_last_value`, not by a scan of the sequence (under its
+-- caller's `enable_seqscan = off` a scan is priced at ten billion, and compiled by JIT);
+-- where that says nothing (before the sequence's first value, or to a role that may not
+-- read it), `nextval` (only then: `coalesce` stops at its first value) gives a value
+-- above every token handed out, or fails, and never lets `setval` lower the sequence.
 CREATE OR REPLACE FUNCTION {T}_raise_fence() RETURNS bigint
 LANGUAGE sql AS $$
   SELECT setval('{T}_fence',
-                greatest(pg_sequence_last_value('{T}_fence'), {T}_clock_floor()))
+                greatest(coalesce(pg_sequence_last_value('{T}_fence'), nextval('{T}_fence')),
+                         {T}_clock_floor()))
 $$;
 
 -- The server the last grant took its token on: the cluster's system identifier (one made

@@ -166,7 +166,9 @@ impl Redis {
     /// it (redis-rs pipelines concurrent commands over one connection, and a checkout from
     /// a deadpool-redis pool costs a `PING` round trip); after a connection error they take
     /// another. Without [`wakeups`](Self::wakeups), waiting requests wake at once for this
-    /// process's releases and poll (every 5 to 100 ms) for other processes'.
+    /// process's releases and poll for other processes': a waiter in line (fair waiting,
+    /// the default) after 100-200 ms, then less and less often, down to every 1-2 s; one
+    /// in no line every 5 to 100 ms.
     pub fn pool(pool: Pool) -> Self {
         Self {
             source: Source::Pool(pool),

@@ -462,8 +462,9 @@ pub(super) fn line_arg(line: Line) -> String {
 }
 
 impl LockStore for RedisStore {
+    /// When it subscribes to other processes' releases.
     fn announces_releases(&self) -> bool {
-        true
+        self.subscriber.is_some()
     }
 
     fn acquire<'a>(&'a self, request: &'a AcquireRequest) -> Reply<'a, Acquire> {

@@ -2,9 +2,10 @@
 //! majority's answer.
 
 use std::{
+    collections::HashMap,
     fmt,
     future::Future,
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -46,6 +47,11 @@ pub(crate) struct RedlockStore {
     fanout: Arc<Fanout>,
     /// Shared with the masters, whose releases wake the waiters first in line.
     wakeups: Arc<Wakeups>,
+    /// By waiter's ticket, the masters that gave no answer to one of its refused attempts:
+    /// the attempt may still run there later, be refused and put the waiter's place back,
+    /// after the grant or the withdrawal that ends its wait. That end sends them its
+    /// withdrawal again on [`late`](crate::store::late)'s schedule, and forgets them.
+    stragglers: Mutex<HashMap<u128, Vec<usize>>>,
 }
 
 impl RedlockStore {
@@ -56,7 +62,27 @@ impl RedlockStore {
             masters: masters.into(),
             fanout: Arc::new(Fanout::new("redlock", node_timeout)),
             wakeups,
+            stragglers: Mutex::default(),
         }
+    }
+
+    /// Notes the masters of a waiter's refused attempt that gave no answer.
+    fn note_stragglers(&self, ticket: Ticket, masters: &[usize]) {
+        if masters.is_empty() {
+            return;
+        }
+        let mut stragglers = self.stragglers.lock().unwrap_or_else(|e| e.into_inner());
+        let noted = stragglers.entry(ticket.key()).or_default();
+        noted.extend(masters);
+        noted.sort_unstable();
+        noted.dedup();
+    }
+
+    /// The masters of a waiter's refused attempts that gave no answer, forgotten: its wait
+    /// ends.
+    pub(super) fn take_stragglers(&self, ticket: Ticket) -> Vec<usize> {
+        let mut stragglers = self.stragglers.lock().unwrap_or_else(|e| e.into_inner());
+        stragglers.remove(&ticket.key()).unwrap_or_default()
     }
 }
 
@@ -294,6 +320,9 @@ impl LockStore for RedlockStore {
             // master that timed out, is released again by the fan-out (`late`).
             self.fanout.mark_released(holder);
             self.roll_back(request, &tally).await;
+            if let Line::At(ticket) = request.line {
+                self.note_stragglers(ticket, &tally.unanswered);
+            }
             let masters = self.masters.len();
             if tally.failed >= self.quorum {
                 return Err(StoreError::left_nothing(format!(
@@ -402,6 +431,7 @@ impl LockStore for RedlockStore {
         Box::pin(async move {
             let replies = self.start_withdrawals(0..self.masters.len(), keys, ticket);
             let (answered, withdrawn) = self.freed_everywhere("withdraw", replies, keys).await;
+            self.withdraw_again_later(self.take_stragglers(ticket), keys, ticket);
             if answered == 0 {
                 return Err(StoreError::unknown(
                     "no Redlock master answered the withdrawal",

@@ -39,6 +39,9 @@ impl RedlockStore {
     /// no answer (`unanswered`, and those in `rest` that fail so) may still run it later,
     /// be refused and put the place back: it is sent the withdrawal again on [`late`]'s
     /// schedule.
+    ///
+    /// So are the masters that gave no answer to one of the waiter's refused attempts
+    /// ([`take_stragglers`](RedlockStore::take_stragglers)).
     pub(super) fn withdraw_when_answered(
         &self,
         mut rest: Replies<Acquire>,
@@ -47,6 +50,7 @@ impl RedlockStore {
         ticket: Ticket,
         mut unanswered: Vec<usize>,
     ) {
+        unanswered.extend(self.take_stragglers(ticket));
         // The masters outside the majority's grants, by index, as `rest` names them.
         let mut refused: Vec<(usize, Arc<RedisStore>)> = (0..self.masters.len())
             .filter(|node| granted.iter().all(|&(g, _)| g != *node))
@@ -64,15 +68,45 @@ impl RedlockStore {
             let withdraw = |master: &Arc<RedisStore>| withdrawal(&fanout, master, &keys, ticket);
             join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
             refused.retain(|(node, _)| unanswered.contains(node));
-            if !refused.is_empty() {
-                let (refused, withdraw) = (&refused, &withdraw);
-                late::send_again(|| async move {
-                    join_all(refused.iter().map(|(_, master)| withdraw(master))).await;
-                })
-                .await;
-            }
+            send_again(&refused, &fanout, &keys, ticket).await;
         });
     }
+
+    /// Sends a waiter's withdrawal again to `masters` on [`late`]'s schedule, in the
+    /// background: their answer to one of its attempts never came, and the attempt may
+    /// still put its place back after the withdrawal that ended its wait.
+    pub(super) fn withdraw_again_later(&self, masters: Vec<usize>, keys: &Keys, ticket: Ticket) {
+        if masters.is_empty() {
+            return;
+        }
+        let masters: Vec<(usize, Arc<RedisStore>)> = masters
+            .into_iter()
+            .map(|node| (node, self.masters[node].node.clone()))
+            .collect();
+        let (keys, fanout) = (keys.clone(), self.fanout.clone());
+        tokio::spawn(async move { send_again(&masters, &fanout, &keys, ticket).await });
+    }
+}
+
+/// Sends `ticket`'s withdrawal to `masters` again on [`late`]'s schedule.
+async fn send_again(
+    masters: &[(usize, Arc<RedisStore>)],
+    fanout: &Fanout,
+    keys: &Keys,
+    ticket: Ticket,
+) {
+    if masters.is_empty() {
+        return;
+    }
+    late::send_again(|| async move {
+        join_all(
+            masters
+                .iter()
+                .map(|(_, m)| withdrawal(fanout, m, keys, ticket)),
+        )
+        .await;
+    })
+    .await;
 }
 
 /// A withdrawal of `ticket`'s places on `master`, bounded by a node timeout a step.
