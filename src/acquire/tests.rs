@@ -5,7 +5,7 @@ use crate::store::{
     contract::{Keys, Mode, Reply},
     handle::Store,
     memory::{
-        intercept::{Hooks, Intercepted},
+        intercept::{exclusive, Hooks, Intercepted},
         MemoryStore,
     },
 };
@@ -22,18 +22,10 @@ fn locks_over(store: Arc<dyn LockStore>) -> Locks {
 /// Takes `keys` in `store` for another owner, for `ttl`: whose hold it gives.
 async fn held_by_another(store: &MemoryStore, keys: &Arc<[String]>, ttl: Duration) -> Holder {
     let holder = Holder::new(OwnerToken::random());
-    let request = AcquireRequest {
-        namespace: "lock:".into(),
-        keys: keys.clone(),
-        modes: Modes::All(Mode::Exclusive),
-        holder,
-        ttl,
-        report: 0,
-        line: Line::Outside,
-        reserve: Duration::ZERO,
-        retry: false,
-    };
-    let held = store.acquire(&request).await.unwrap();
+    let held = store
+        .acquire(&exclusive(keys.clone(), holder, ttl))
+        .await
+        .unwrap();
     assert!(matches!(held, Acquire::Granted(_)));
     holder
 }
@@ -225,6 +217,15 @@ impl Hooks for CountAttempts {
     }
 }
 
+/// A store that counts attempts, and its key `lock:a` held by another owner for `ttl`:
+/// the store, the key, and the hold.
+async fn one_key_held_for(ttl: Duration) -> (Arc<Intercepted<CountAttempts>>, Keys, Holder) {
+    let store = Arc::new(Intercepted::new(CountAttempts::default()));
+    let keys: Keys = vec!["lock:a".to_owned()].into();
+    let holder = held_by_another(&store.store, &keys, ttl).await;
+    (store, keys, holder)
+}
+
 /// Runs a fair waiter of `keys` that waits up to 3 s on `store`, from now: when it was
 /// granted.
 async fn wait_in_line(store: Arc<Intercepted<CountAttempts>>, keys: &Arc<[String]>) -> Instant {
@@ -241,9 +242,7 @@ async fn wait_in_line(store: Arc<Intercepted<CountAttempts>>, keys: &Arc<[String
 /// here, and a hot key's waiters made one a grant); it looks only every 1-2 s.
 #[tokio::test]
 async fn a_waiter_in_line_does_not_poll_a_hold_that_is_released() {
-    let store = Arc::new(Intercepted::new(CountAttempts::default()));
-    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
-    let holder = held_by_another(&store.store, &keys, Duration::from_secs(30)).await;
+    let (store, keys, holder) = one_key_held_for(Duration::from_secs(30)).await;
     let releasing = store.clone();
     let releases = keys.clone();
     tokio::spawn(async move {
@@ -260,11 +259,9 @@ async fn a_waiter_in_line_does_not_poll_a_hold_that_is_released() {
 /// poll of a backoff (700-1,400 ms here, then 1,500-3,000 ms).
 #[tokio::test]
 async fn a_waiter_in_line_tries_again_when_the_hold_before_it_ends() {
-    let store = Arc::new(Intercepted::new(CountAttempts::default()));
-    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
     let ttl = Duration::from_millis(800);
     let held = Instant::now();
-    held_by_another(&store.store, &keys, ttl).await;
+    let (store, keys, _) = one_key_held_for(ttl).await;
     let granted = wait_in_line(store.clone(), &keys).await - held;
     assert_eq!(
         store.hooks.seen(),
@@ -282,11 +279,9 @@ async fn a_waiter_in_line_tries_again_when_the_hold_before_it_ends() {
 /// have taken it up to 2 s past the end (0.4-0.8 s with the backoff as a floor).
 #[tokio::test]
 async fn a_waiter_in_line_behind_a_long_hold_is_granted_as_it_ends() {
-    let store = Arc::new(Intercepted::new(CountAttempts::default()));
-    let keys: Arc<[String]> = vec!["lock:a".to_owned()].into();
     let ttl = Duration::from_millis(2_500);
     let held = Instant::now();
-    held_by_another(&store.store, &keys, ttl).await;
+    let (store, keys, _) = one_key_held_for(ttl).await;
     let granted = wait_in_line(store.clone(), &keys).await - held;
     assert!(
         granted >= ttl && granted < ttl + Duration::from_millis(150),

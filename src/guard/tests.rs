@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::*;
 use crate::store::{
-    contract::{Acquire, AcquireRequest, Keys, Line, Mode, Modes, OwnerToken, Reply},
+    contract::{Acquire, AcquireRequest, Keys, OwnerToken, Reply},
     memory::{
-        intercept::{Hooks, Intercepted},
+        intercept::{exclusive, Hooks, Intercepted},
         MemoryStore,
     },
 };
@@ -32,17 +32,7 @@ impl Hooks for StallNextRelease {
 
 /// One exclusive key, `lock:a`, for `holder`.
 fn request(holder: Holder, ttl: Duration) -> AcquireRequest {
-    AcquireRequest {
-        namespace: "lock:".into(),
-        keys: vec!["lock:a".to_owned()].into(),
-        modes: Modes::All(Mode::Exclusive),
-        holder,
-        ttl,
-        report: 0,
-        line: Line::Outside,
-        reserve: Duration::ZERO,
-        retry: false,
-    }
+    exclusive(vec!["lock:a".to_owned()].into(), holder, ttl)
 }
 
 /// `lock:a` granted to a new owner, and its guard, with `ttl` as its store timeout too.

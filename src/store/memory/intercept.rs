@@ -6,9 +6,27 @@ use std::time::Duration;
 
 use super::MemoryStore;
 use crate::store::{
-    contract::{Acquire, AcquireRequest, Holder, KeyView, Keys, LockStore, Reply, Ticket},
+    contract::{
+        Acquire, AcquireRequest, Holder, KeyView, Keys, Line, LockStore, Mode, Modes, Reply, Ticket,
+    },
     wake::Wakeups,
 };
+
+/// `holder`'s exclusive acquisition of `keys` for `ttl`, in no line: how these tests take
+/// keys for the holders they put in a waiter's or a guard's way.
+pub(crate) fn exclusive(keys: Keys, holder: Holder, ttl: Duration) -> AcquireRequest {
+    AcquireRequest {
+        namespace: "lock:".into(),
+        keys,
+        modes: Modes::All(Mode::Exclusive),
+        holder,
+        ttl,
+        report: 0,
+        line: Line::Outside,
+        reserve: Duration::ZERO,
+        retry: false,
+    }
+}
 
 /// What a test changes of the memory store's answers; by default, nothing.
 pub(crate) trait Hooks: std::fmt::Debug + Send + Sync + 'static {
