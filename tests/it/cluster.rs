@@ -14,8 +14,9 @@ use tower_batch_lock::{store::RedisCluster, Locks, Wait};
 
 use crate::support::{
     cluster::Cluster,
-    handlers::{counting_handler, gated_handler, ledger_handler, Gate, Ledger},
+    handlers::{counting_handler, gated_handler, hold, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, poll_every, send, within, Reply},
+    proxy::Proxy,
     Rng,
 };
 
@@ -242,7 +243,7 @@ async fn masters_announced_without_a_host_are_reached_at_the_host_of_the_urls() 
                 cluster
                     .slots_everywhere()
                     .iter()
-                    .all(|slots| agree(&master_endpoints(slots)))
+                    .all(|slots| agree(&master_fields(slots, 0)))
             },
         )
     };
@@ -299,20 +300,20 @@ async fn masters_announced_without_a_host_are_reached_at_the_host_of_the_urls() 
     assert_emptied(cluster).await;
 }
 
-/// The host each range's master is given at in a `CLUSTER SLOTS` answer (its replicas
-/// follow it there, and are left out).
-fn master_endpoints(slots: &redis::Value) -> Vec<redis::Value> {
+/// Field `field` of each range's master in a `CLUSTER SLOTS` answer: 0 its host, 1 its
+/// port (its replicas follow it there, and are left out).
+fn master_fields(slots: &redis::Value, field: usize) -> Vec<redis::Value> {
     let redis::Value::Array(ranges) = slots else {
         return Vec::new();
     };
-    let master_host = |range: &redis::Value| match range {
+    let of_master = |range: &redis::Value| match range {
         redis::Value::Array(fields) => match fields.get(2) {
-            Some(redis::Value::Array(master)) => master.first().cloned(),
+            Some(redis::Value::Array(master)) => master.get(field).cloned(),
             _ => None,
         },
         _ => None,
     };
-    ranges.iter().filter_map(master_host).collect()
+    ranges.iter().filter_map(of_master).collect()
 }
 
 /// Two "processes" send `requests` random, overlapping batches out of `space` keys, at
@@ -696,6 +697,147 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
 
     grants_resume(&app, &[&frozen_key, &free_key], "thaw").await;
     assert_emptied(&cluster).await;
+}
+
+/// A waiter's attempt that one master never answered, held up on the wire: the attempt
+/// fails (503), and the waiter withdraws its place. When the held attempt lands later
+/// and is refused there (another request holds its key by then), it puts the place back,
+/// which kept every later arrival out of the key until the waiter's deadline (8 s here).
+/// The withdrawal is sent again after such an attempt (`late`), and ends it within
+/// seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiters_place_put_back_by_an_attempt_a_master_never_answered_is_withdrawn_again() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let masters = cluster.masters();
+    // The master behind the proxy counts no grant and carries no announcement: only the
+    // waiter's batch goes through the wire that holds its bytes.
+    let slot_of = |key: &str| -> u16 {
+        cluster.cmd(masters[0], redis::cmd("CLUSTER").arg("KEYSLOT").arg(key))
+    };
+    let (counter, channel) = (slot_of("lock:"), slot_of("tower-batch-lock:released"));
+    let victim = *masters
+        .iter()
+        .find(|&&port| !owns(&cluster, port, counter) && !owns(&cluster, port, channel))
+        .unwrap();
+    let other = *masters.iter().find(|&&port| port != victim).unwrap();
+    let node_timeout = |store: RedisCluster| {
+        store
+            .node_timeout(Duration::from_millis(300))
+            .retry_for(Duration::from_millis(500))
+    };
+    // Another process, which reaches every master directly: it learned the map before the
+    // victim announced the proxy's port, and no move makes it read the map again.
+    let direct = locks_with(&cluster, node_timeout);
+    let warm = batch_router(&direct, counting_handler(&Arc::default()));
+    let (on_victim, on_other) = (
+        keys_on(&cluster, victim, "late", 3),
+        keys_on(&cluster, other, "late", 3),
+    );
+    let everywhere = [on_victim.clone(), on_other.clone()].concat();
+    assert_eq!(send(&warm, batch(&everywhere)).await.status, StatusCode::OK);
+
+    let proxy = Proxy::start(victim).await;
+    let announce = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("cluster-announce-port")
+        .arg(proxy.port())
+        .to_owned();
+    let _: () = cluster.cmd(victim, &mut announce.clone());
+    let announced = poll_every(Duration::from_millis(50), Duration::from_secs(10), || {
+        cluster
+            .slots_everywhere()
+            .iter()
+            .all(|slots| master_fields(slots, 1).contains(&redis::Value::Int(proxy.port().into())))
+    });
+    assert!(announced.await.is_some(), "every node names the proxy");
+    let waiting = locks_with(&cluster, node_timeout).wait(Wait::up_to(Duration::from_secs(8)));
+
+    for round in 0..3 {
+        let (wanted, blocked) = (&on_victim[round], &on_other[round]);
+        if put_back_and_withdrawn(&direct, &waiting, &proxy, wanted, blocked).await {
+            assert_emptied(&cluster).await;
+            return;
+        }
+        eprintln!("round {round}: the held attempt did not land in time; again");
+    }
+    panic!("the held attempt never landed in time in three rounds");
+}
+
+/// One round of the test above: a waiter for `wanted` (behind the proxy) and `blocked`
+/// (held by `direct`) in line; whether its held attempt landed in time, and then, that
+/// the place it put back ended within seconds.
+async fn put_back_and_withdrawn(
+    direct: &Locks,
+    waiting: &Locks,
+    proxy: &Proxy,
+    wanted: &str,
+    blocked: &str,
+) -> bool {
+    let (gate, held) = hold(direct, blocked).await;
+    let waiter = batch_router(waiting, counting_handler(&Arc::default()));
+    let batch_keys = [wanted.to_owned(), blocked.to_owned()];
+    let request = tokio::spawn(async move { send(&waiter, batch(&batch_keys)).await });
+    // The victim granted `wanted` and the other master refused `blocked`: the waiter keeps
+    // its place on both.
+    let in_line = |n| n > 0;
+    let five = Duration::from_secs(5);
+    assert!(
+        places_until(direct, wanted, in_line, five).await.is_some(),
+        "in line"
+    );
+    assert!(
+        places_until(direct, blocked, in_line, five).await.is_some(),
+        "in line"
+    );
+    // The release of `blocked` wakes the waiter; its attempt on the victim is held up on
+    // the wire, and fails.
+    proxy.hold_open();
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(five, "the waiter", request).await.unwrap();
+    let unavailable = StatusCode::SERVICE_UNAVAILABLE;
+    assert_eq!(reply.status, unavailable, "{}", reply.text());
+    let none = |n| n == 0;
+    let withdrawn = places_until(direct, wanted, none, Duration::from_secs(3)).await;
+    assert!(withdrawn.is_some(), "the waiter withdrew its place");
+    let withdrawn = Instant::now();
+    // Another request holds `wanted` now, and the held attempt lands: refused, it puts the
+    // place back, after the first withdrawal's first re-send (0.25 s after it; the next
+    // is due a second later, the last 3.25 s after it).
+    let (gate, held) = hold(direct, wanted).await;
+    tokio::time::sleep(Duration::from_millis(400).saturating_sub(withdrawn.elapsed())).await;
+    let in_time = withdrawn.elapsed() < Duration::from_millis(1_200);
+    proxy.release_held();
+    let landed = places_until(direct, wanted, in_line, Duration::from_secs(2)).await;
+    if in_time && landed.is_some() {
+        let ended = places_until(direct, wanted, none, Duration::from_secs(9)).await;
+        eprintln!("a place put back late ended {ended:?} after it landed");
+        assert!(
+            ended.is_some_and(|after| after < Duration::from_secs(4)),
+            "a place put back late kept its place {ended:?}"
+        );
+    }
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    in_time && landed.is_some()
+}
+
+/// How long until the waiters in line on `key`, as `locks` sees them, are as `until`
+/// wants, looked at every 10 ms up to `limit`.
+async fn places_until(
+    locks: &Locks,
+    key: &str,
+    until: fn(usize) -> bool,
+    limit: Duration,
+) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() <= limit {
+        if until(locks.inspect([key.to_owned()]).await.unwrap()[0].waiters()) {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

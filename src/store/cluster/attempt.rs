@@ -150,9 +150,15 @@ impl Nodes {
         };
         self.fanout.mark_released(holder);
         if let Some(why) = why_unsure {
-            return Attempt::Done(Err(StoreError::left_nothing(format!(
-                "a cluster master did not answer in time: {why}"
-            ))));
+            let why = format!("a cluster master did not answer in time: {why}");
+            // The group may still run its script there, after the wait ended: refused, it
+            // puts the waiter's place in line back, which the waiter alone withdraws (and
+            // again later, after an attempt whose effect it does not know). A grant there
+            // is released by the fan-out (`late`).
+            return Attempt::Done(Err(match line {
+                Line::At(_) => StoreError::unknown(why),
+                Line::Outside | Line::Holder(_) => StoreError::left_nothing(why),
+            }));
         }
         if !held.is_empty() {
             return Attempt::Done(Ok(Acquire::Held(Contention::merge(held, *report, false))));
