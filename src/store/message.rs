@@ -78,11 +78,29 @@ pub(crate) fn release_message(slots: &[usize], tag: u64) -> String {
     message
 }
 
+/// The entry of a release message that says its waiters first in line are unknown: a
+/// release whose answer was lost, whose retry found nothing left to free (a cluster's,
+/// announced by the client once answered). Its listeners wake, on each key of theirs in
+/// its slots, their waiter in line with the earliest ticket
+/// ([`Wakeups::wake_first_in_line`]). Listeners of earlier versions skip it, as a ticket
+/// they cannot read.
+const UNNAMED_HEADS: &str = "#?";
+
+/// The message of a release by the store tagged `tag` whose waiters first in line are
+/// unknown ([`UNNAMED_HEADS`]); for too many slots, one that wakes every waiter.
+#[cfg(feature = "cluster")]
+pub(crate) fn unnamed_heads_message(slots: &[usize], tag: u64) -> String {
+    let mut message = release_message(slots, tag);
+    message.push_str(if message == "*" { ",#*" } else { ",#?" });
+    message
+}
+
 /// Wakes the waiters that a release message names, unless this store sent it: those of
 /// its slots (`*`: of every slot), and the waiters in line whose tickets follow a `#`
 /// (the release script adds those: the first in line on each key it freed; see
 /// [`Wakeups`]); `#*` wakes every waiter in line, for a release whose list did not fit
-/// in one message (PostgreSQL's payload).
+/// in one message (PostgreSQL's payload), and [`UNNAMED_HEADS`] those first in line
+/// on its slots' keys.
 pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     let text = std::str::from_utf8(payload).unwrap_or_default();
     let own = |entry: &str| {
@@ -96,6 +114,12 @@ pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     }
     if text.split(',').any(|entry| entry == "#*") {
         wakeups.wake_all();
+        return;
+    }
+    if text.split(',').any(|entry| entry == UNNAMED_HEADS) {
+        let mut slots: Vec<usize> = text.split(',').filter_map(|s| s.parse().ok()).collect();
+        slots.sort_unstable();
+        wakeups.wake_first_in_line(&slots);
         return;
     }
     if text.split(',').any(|entry| entry == "*") {
@@ -217,6 +241,37 @@ mod tests {
         assert_eq!(watches[0].take_handover(), None, "taken once");
         assert_eq!(watches[1].take_handover(), None);
         assert_eq!(watches[2].take_handover(), None);
+    }
+
+    /// A cluster's release whose answer was lost, answered by a retry that found nothing
+    /// left to free, cannot name the waiters first in line: its message says so, and each
+    /// listener wakes its own first in line on each key of the message's slots.
+    #[cfg(feature = "cluster")]
+    #[tokio::test]
+    async fn a_release_that_cannot_name_its_waiters_wakes_the_first_in_line_on_its_slots() {
+        let wakeups = Wakeups::new();
+        let batch = |keys: &[&str]| -> std::sync::Arc<[String]> {
+            keys.iter().map(|k| (*k).to_owned()).collect()
+        };
+        let (freed, other) = ("lock:b", "lock:c");
+        assert_ne!(slots_of(&batch(&[freed])), slots_of(&batch(&[other])));
+        let mut first = wakeups.watch_ticket(1, batch(&["lock:a", freed]));
+        let mut behind = wakeups.watch_ticket(2, batch(&[freed]));
+        let mut elsewhere = wakeups.watch_ticket(3, batch(&[other]));
+        let message = unnamed_heads_message(&slots_of(&batch(&[freed])), Wakeups::new().tag());
+        wake_from_message(&wakeups, message.as_bytes());
+        let soon = Duration::from_millis(50);
+        let woke = |watch| async move {
+            tokio::time::timeout(soon, any_released(watch))
+                .await
+                .is_ok()
+        };
+        assert!(woke(&mut first).await, "{message}");
+        assert!(!woke(&mut behind).await, "{message}");
+        assert!(!woke(&mut elsewhere).await, "{message}");
+        // Too many slots to name: every waiter wakes.
+        let slots: Vec<usize> = (0..=MAX_NAMED_SLOTS).collect();
+        assert_eq!(unnamed_heads_message(&slots, 1), "*,#*");
     }
 
     /// PostgreSQL's release whose list of waiters would not fit in one notification

@@ -51,7 +51,7 @@ pub(crate) struct Turn {
     notify: Notify,
     handed: Mutex<Option<Handover>>,
     /// The waiter's batch (sorted), which its reservations cover: read only to wake it
-    /// after a release whose answer was lost ([`Wakeups::wake_waiters_on`]).
+    /// after a release whose answer was lost ([`Wakeups::wake_first_in_line`]).
     keys: Arc<[String]>,
 }
 
@@ -207,22 +207,28 @@ impl Wakeups {
         }
     }
 
-    /// Wakes this process's waiters on `keys` that a release of them would have: the
-    /// watchers of their slots, and on each key the waiter in line with the earliest
-    /// ticket (tickets are arrivals), the only one of this process that may be first in
-    /// line there. For a call that freed `keys` and whose answer was lost, once another
-    /// attempt of it is answered ([`LostAnswers`]).
-    pub(crate) fn wake_waiters_on(&self, keys: &[String]) {
-        self.wake_keys(keys);
+    /// Wakes this process's waiters that a release of keys in `slots` (ascending) would
+    /// have, for a release that could not name them: the watchers of those slots, and on
+    /// each key of theirs in those slots the waiter in line with the earliest ticket
+    /// (tickets are arrivals), the only one of this process that may be first in line
+    /// there. For a call that freed keys and whose answer was lost, once another attempt
+    /// of it is answered: this process's own ([`LostAnswers`]), or another's that says so
+    /// in its message (a cluster's, whose release is announced by the client).
+    pub(crate) fn wake_first_in_line(&self, slots: &[usize]) {
+        self.wake_slots(slots.iter().copied());
         let lines = self.lines();
-        for key in keys {
-            let first = lines
-                .iter()
-                .filter(|(_, turn)| turn.keys.binary_search(key).is_ok())
-                .min_by_key(|(&ticket, _)| ticket);
-            if let Some((_, turn)) = first {
-                turn.notify.notify_one();
+        let mut first: HashMap<&str, (u128, &Turn)> = HashMap::new();
+        for (&ticket, turn) in lines.iter() {
+            let in_slots = |key: &&String| slots.binary_search(&slot(key)).is_ok();
+            for key in turn.keys.iter().filter(in_slots) {
+                let earliest = first.entry(key).or_insert((ticket, turn));
+                if ticket < earliest.0 {
+                    *earliest = (ticket, turn);
+                }
             }
+        }
+        for (_, turn) in first.values() {
+            turn.notify.notify_one();
         }
     }
 
@@ -257,7 +263,7 @@ impl LostAnswers {
     pub(crate) fn answered(&self, earlier: bool, wakeups: &Wakeups, keys: &[String]) {
         self.0.store(false, Ordering::Relaxed);
         if earlier {
-            wakeups.wake_waiters_on(keys);
+            wakeups.wake_first_in_line(&slots_of(keys));
         }
     }
 }

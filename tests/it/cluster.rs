@@ -10,13 +10,13 @@ use std::{
 };
 
 use http::StatusCode;
-use tower_batch_lock::{store::RedisCluster, Locks, Wait};
+use tower_batch_lock::{store::RedisCluster, KeyState, Locks, Wait};
 
 use crate::support::{
     cluster::Cluster,
     handlers::{counting_handler, gated_handler, hold, ledger_handler, Gate, Ledger},
     http::{batch, batch_router, poll_every, send, within, Reply},
-    proxy::Proxy,
+    proxy::{Fault, Proxy},
     Rng,
 };
 
@@ -522,7 +522,14 @@ async fn grants_resume(app: &axum::Router, keys: &[&String], after: &str) {
 
 /// Whether the master at `port` serves `slot`, by its own `CLUSTER SLOTS`.
 fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
-    let ranges: Vec<(u16, u16, (String, u16))> = cluster
+    slot_ranges(cluster, port)
+        .iter()
+        .any(|&(first, last)| (first..=last).contains(&slot))
+}
+
+/// The ranges of slots that the master at `port` serves, by its own map.
+fn slot_ranges(cluster: &Cluster, port: u16) -> Vec<(u16, u16)> {
+    cluster
         .cmd::<Vec<redis::Value>>(port, redis::cmd("CLUSTER").arg("SLOTS"))
         .into_iter()
         .filter_map(|range| {
@@ -534,14 +541,10 @@ fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
             let redis::Value::Array(master) = &fields[2] else {
                 return None;
             };
-            let host: String = redis::from_redis_value(master[0].clone()).ok()?;
             let node: u16 = redis::from_redis_value(master[1].clone()).ok()?;
-            Some((first, last, (host, node)))
+            (node == port).then_some((first, last))
         })
-        .collect();
-    ranges
-        .iter()
-        .any(|(first, last, (_, node))| *node == port && (*first..=*last).contains(&slot))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -708,59 +711,153 @@ async fn a_frozen_master_costs_its_own_keys_a_bounded_503_and_nothing_else() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiters_place_put_back_by_an_attempt_a_master_never_answered_is_withdrawn_again() {
     let (_serial, cluster) = Cluster::start_in_turn().await;
-    let masters = cluster.masters();
-    // The master behind the proxy counts no grant and carries no announcement: only the
-    // waiter's batch goes through the wire that holds its bytes.
-    let slot_of = |key: &str| -> u16 {
-        cluster.cmd(masters[0], redis::cmd("CLUSTER").arg("KEYSLOT").arg(key))
-    };
-    let (counter, channel) = (slot_of("lock:"), slot_of("tower-batch-lock:released"));
-    let victim = *masters
-        .iter()
-        .find(|&&port| !owns(&cluster, port, counter) && !owns(&cluster, port, channel))
-        .unwrap();
-    let other = *masters.iter().find(|&&port| port != victim).unwrap();
-    let node_timeout = |store: RedisCluster| {
-        store
-            .node_timeout(Duration::from_millis(300))
-            .retry_for(Duration::from_millis(500))
-    };
-    // Another process, which reaches every master directly: it learned the map before the
-    // victim announced the proxy's port, and no move makes it read the map again.
-    let direct = locks_with(&cluster, node_timeout);
-    let warm = batch_router(&direct, counting_handler(&Arc::default()));
+    let direct = locks_with(&cluster, short_timeouts);
+    let proxied = Proxied::start(&cluster, &direct).await;
+    let waiting = locks_with(&cluster, short_timeouts).wait(Wait::up_to(Duration::from_secs(8)));
     let (on_victim, on_other) = (
-        keys_on(&cluster, victim, "late", 3),
-        keys_on(&cluster, other, "late", 3),
+        proxied.keys_on_victim(&cluster, "late", 3),
+        keys_on(&cluster, proxied.other, "late", 3),
     );
-    let everywhere = [on_victim.clone(), on_other.clone()].concat();
-    assert_eq!(send(&warm, batch(&everywhere)).await.status, StatusCode::OK);
-
-    let proxy = Proxy::start(victim).await;
-    let announce = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("cluster-announce-port")
-        .arg(proxy.port())
-        .to_owned();
-    let _: () = cluster.cmd(victim, &mut announce.clone());
-    let announced = poll_every(Duration::from_millis(50), Duration::from_secs(10), || {
-        cluster
-            .slots_everywhere()
-            .iter()
-            .all(|slots| master_fields(slots, 1).contains(&redis::Value::Int(proxy.port().into())))
-    });
-    assert!(announced.await.is_some(), "every node names the proxy");
-    let waiting = locks_with(&cluster, node_timeout).wait(Wait::up_to(Duration::from_secs(8)));
-
     for round in 0..3 {
         let (wanted, blocked) = (&on_victim[round], &on_other[round]);
-        if put_back_and_withdrawn(&direct, &waiting, &proxy, wanted, blocked).await {
+        if put_back_and_withdrawn(&direct, &waiting, &proxied.proxy, wanted, blocked).await {
             assert_emptied(&cluster).await;
             return;
         }
         eprintln!("round {round}: the held attempt did not land in time; again");
     }
     panic!("the held attempt never landed in time in three rounds");
+}
+
+/// A node timeout of 300 ms, and 500 ms to retry on a moving map.
+fn short_timeouts(store: RedisCluster) -> RedisCluster {
+    store
+        .node_timeout(Duration::from_millis(300))
+        .retry_for(Duration::from_millis(500))
+}
+
+/// A master of the cluster (the victim) behind a proxy whose port it announces, so that
+/// the groups of later stores' batches on it go through a wire that the proxy can hold
+/// up or cut; it counts no grant and carries no announcement, so that nothing else does.
+struct Proxied {
+    /// The slots the victim serves, read before it announced the proxy's port (the map
+    /// the test reads names the proxy's since).
+    victim_slots: Vec<(u16, u16)>,
+    /// Another master.
+    other: u16,
+    proxy: Proxy,
+}
+
+impl Proxied {
+    /// Puts the victim behind the proxy, once `direct` ("another process") learned the map
+    /// and reached every master: it goes on reaching them directly, as no move makes it
+    /// read the map again. Every node names the proxy then.
+    async fn start(cluster: &Cluster, direct: &Locks) -> Self {
+        let masters = cluster.masters();
+        let slot_of = |key: &str| -> u16 {
+            cluster.cmd(masters[0], redis::cmd("CLUSTER").arg("KEYSLOT").arg(key))
+        };
+        let (counter, channel) = (slot_of("lock:"), slot_of("tower-batch-lock:released"));
+        let victim = *masters
+            .iter()
+            .find(|&&port| !owns(cluster, port, counter) && !owns(cluster, port, channel))
+            .unwrap();
+        let other = *masters.iter().find(|&&port| port != victim).unwrap();
+        let warm = batch_router(direct, counting_handler(&Arc::default()));
+        let everywhere: Vec<String> = masters
+            .iter()
+            .flat_map(|&port| keys_on(cluster, port, "warm", 1))
+            .collect();
+        assert_eq!(send(&warm, batch(&everywhere)).await.status, StatusCode::OK);
+
+        let victim_slots = slot_ranges(cluster, victim);
+        let proxy = Proxy::start(victim).await;
+        let announce = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-announce-port")
+            .arg(proxy.port())
+            .to_owned();
+        let _: () = cluster.cmd(victim, &mut announce.clone());
+        let port = redis::Value::Int(proxy.port().into());
+        let announced = poll_every(Duration::from_millis(50), Duration::from_secs(10), || {
+            cluster
+                .slots_everywhere()
+                .iter()
+                .all(|slots| master_fields(slots, 1).contains(&port))
+        });
+        assert!(announced.await.is_some(), "every node names the proxy");
+        Self {
+            victim_slots,
+            other,
+            proxy,
+        }
+    }
+
+    /// The first `count` keys `{prefix}{i}` whose lock keys' slots the victim serves.
+    fn keys_on_victim(&self, cluster: &Cluster, prefix: &str, count: usize) -> Vec<String> {
+        let served = |key: &String| {
+            let lock_key = format!("lock:{key}");
+            let slot: u16 = cluster.cmd(
+                self.other,
+                redis::cmd("CLUSTER").arg("KEYSLOT").arg(lock_key),
+            );
+            self.victim_slots
+                .iter()
+                .any(|&(first, last)| (first..=last).contains(&slot))
+        };
+        (0..)
+            .map(|i| format!("{prefix}{i}"))
+            .filter(served)
+            .take(count)
+            .collect()
+    }
+}
+
+/// A release whose answer was lost: the master freed the key, and the retry that was
+/// answered found nothing left to free, nor a waiter to name. A cluster's release is
+/// announced by the client, which named nobody then, and every process's waiters in line
+/// waited for their next look, 1-2 s after the one before behind a hold of 30 s. The
+/// announcement says now that it could not name them, and each process wakes its own
+/// first in line on the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_whose_answer_was_lost_wakes_the_waiters_in_every_process() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let direct = locks_with(&cluster, short_timeouts).wait(Wait::up_to(Duration::from_secs(10)));
+    let proxied = Proxied::start(&cluster, &direct).await;
+    let holder = locks_with(&cluster, short_timeouts).ttl(Duration::from_secs(30));
+    let key = proxied.keys_on_victim(&cluster, "lost", 1).remove(0);
+    let (gate, held) = hold(&holder, &key).await;
+    let app = batch_router(&direct, counting_handler(&Arc::default()));
+    let request = batch(&[&key]);
+    let waiter = tokio::spawn(async move { send(&app, request).await });
+    let five = Duration::from_secs(5);
+    let in_line = key_until(&direct, &key, |state| state.waiters() == 1, five).await;
+    assert!(in_line.is_some(), "the waiter never stood in line");
+    // The waiter's next look (a script): its next one comes 1 s or more after it.
+    let calls = cluster.calls_of("fcall");
+    let looked = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
+        cluster.calls_of("fcall") > calls
+    });
+    assert!(looked.await.is_some(), "the waiter never looked");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    proxied.proxy.set(Fault::DropReplies);
+    let released = Instant::now();
+    gate.open();
+    let freed = key_until(&direct, &key, |state| state.holds() == 0, five).await;
+    assert!(freed.is_some(), "the release never ran");
+    // Its answer is lost; the retry after the node timeout is answered.
+    proxied.proxy.set(Fault::None);
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(five, "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    let granted = released.elapsed();
+    eprintln!("granted {granted:?} after the release whose answer was lost");
+    assert!(
+        granted < Duration::from_millis(800),
+        "the waiter waited {granted:?} for its own look"
+    );
+    assert_emptied(&cluster).await;
 }
 
 /// One round of the test above: a waiter for `wanted` (behind the proxy) and `blocked`
@@ -779,14 +876,14 @@ async fn put_back_and_withdrawn(
     let request = tokio::spawn(async move { send(&waiter, batch(&batch_keys)).await });
     // The victim granted `wanted` and the other master refused `blocked`: the waiter keeps
     // its place on both.
-    let in_line = |n| n > 0;
+    let in_line = |state: &KeyState| state.waiters() > 0;
     let five = Duration::from_secs(5);
     assert!(
-        places_until(direct, wanted, in_line, five).await.is_some(),
+        key_until(direct, wanted, in_line, five).await.is_some(),
         "in line"
     );
     assert!(
-        places_until(direct, blocked, in_line, five).await.is_some(),
+        key_until(direct, blocked, in_line, five).await.is_some(),
         "in line"
     );
     // The release of `blocked` wakes the waiter; its attempt on the victim is held up on
@@ -797,8 +894,8 @@ async fn put_back_and_withdrawn(
     let reply = within(five, "the waiter", request).await.unwrap();
     let unavailable = StatusCode::SERVICE_UNAVAILABLE;
     assert_eq!(reply.status, unavailable, "{}", reply.text());
-    let none = |n| n == 0;
-    let withdrawn = places_until(direct, wanted, none, Duration::from_secs(3)).await;
+    let none = |state: &KeyState| state.waiters() == 0;
+    let withdrawn = key_until(direct, wanted, none, Duration::from_secs(3)).await;
     assert!(withdrawn.is_some(), "the waiter withdrew its place");
     let withdrawn = Instant::now();
     // Another request holds `wanted` now, and the held attempt lands: refused, it puts the
@@ -808,9 +905,9 @@ async fn put_back_and_withdrawn(
     tokio::time::sleep(Duration::from_millis(400).saturating_sub(withdrawn.elapsed())).await;
     let in_time = withdrawn.elapsed() < Duration::from_millis(1_200);
     proxy.release_held();
-    let landed = places_until(direct, wanted, in_line, Duration::from_secs(2)).await;
+    let landed = key_until(direct, wanted, in_line, Duration::from_secs(2)).await;
     if in_time && landed.is_some() {
-        let ended = places_until(direct, wanted, none, Duration::from_secs(9)).await;
+        let ended = key_until(direct, wanted, none, Duration::from_secs(9)).await;
         eprintln!("a place put back late ended {ended:?} after it landed");
         assert!(
             ended.is_some_and(|after| after < Duration::from_secs(4)),
@@ -822,17 +919,17 @@ async fn put_back_and_withdrawn(
     in_time && landed.is_some()
 }
 
-/// How long until the waiters in line on `key`, as `locks` sees them, are as `until`
-/// wants, looked at every 10 ms up to `limit`.
-async fn places_until(
+/// How long until `key`, as `locks` sees it, is as `until` wants, looked at every 10 ms
+/// up to `limit`.
+async fn key_until(
     locks: &Locks,
     key: &str,
-    until: fn(usize) -> bool,
+    until: fn(&KeyState) -> bool,
     limit: Duration,
 ) -> Option<Duration> {
     let start = Instant::now();
     while start.elapsed() <= limit {
-        if until(locks.inspect([key.to_owned()]).await.unwrap()[0].waiters()) {
+        if until(&locks.inspect([key.to_owned()]).await.unwrap()[0]) {
             return Some(start.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

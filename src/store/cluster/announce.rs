@@ -17,25 +17,25 @@ use crate::store::{
     wake::{slots_of, Wakeups},
 };
 
-/// Announces that `keys` were freed by the store tagged `tag`, leaving the waiters with
-/// tickets `heads` first in line, in the background: a lost announcement costs other
-/// processes' waiters only their poll interval.
-pub(super) fn announce(
-    control: ClusterConnection,
-    keys: &[String],
-    heads: impl Iterator<Item = u128>,
-    tag: u64,
-) {
+/// The message of a release of `keys` by the store tagged `tag`, leaving the waiters with
+/// tickets `heads` first in line.
+pub(super) fn message(keys: &[String], heads: impl Iterator<Item = u128>, tag: u64) -> String {
     let mut payload = release_message(&slots_of(keys), tag);
     // As the scripts on one Redis add them (`wake_message` in value.lua).
     for head in heads {
         let _ = write!(payload, ",#{head:036}");
     }
+    payload
+}
+
+/// Announces a release's `message` in the background: a lost announcement costs other
+/// processes' waiters only their poll interval.
+pub(super) fn announce(control: ClusterConnection, message: String) {
     tokio::spawn(async move {
         let mut control = control;
         let sent: redis::RedisResult<i64> = redis::cmd("SPUBLISH")
             .arg(RELEASED_CHANNEL)
-            .arg(payload)
+            .arg(message)
             .query_async(&mut control)
             .await;
         if let Err(error) = sent {

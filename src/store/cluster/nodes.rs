@@ -26,14 +26,24 @@ use crate::{
     store::{
         error::StoreError,
         fanout::{bounded, node_pool, Fanout},
+        message::unnamed_heads_message,
         redis::{replicas::ReplicaAck, Freed, Freeing, RedisStore},
-        wake::Wakeups,
+        wake::{slots_of, Wakeups},
     },
 };
 
 /// The pauses before a call is tried again on a moving cluster.
 pub(super) fn moving_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(10), Duration::from_millis(200))
+}
+
+/// The answers of a call on the groups of a batch ([`Nodes::on_groups`]).
+pub(super) struct Answered<T> {
+    /// Each group's keys, by index, with its answer.
+    pub(super) answers: Vec<(Vec<usize>, T)>,
+    /// The keys, by index, of the calls that may have run and whose answer was lost: they
+    /// were sent again, and answered then.
+    pub(super) lost: Vec<usize>,
 }
 
 /// What the store's tasks share.
@@ -163,9 +173,9 @@ impl Nodes {
     /// Runs `call` on every group of `keys`, each on its master at once, bounded by the
     /// node timeout; the keys of a group that failed are regrouped on a fresh map and sent
     /// again after a pause, until `until`. Only for calls that may run twice (everything
-    /// but acquire). Returns each group's keys, by index, with its answer. `unsure` is
-    /// raised when a call failed in a way that may still let it run later (no answer in
-    /// time, a broken connection): it was sent again, and the first may land after that.
+    /// but acquire). `unsure` is raised when a call failed in a way that may still let it
+    /// run later (no answer in time, a broken connection): it was sent again, and the
+    /// first may land after that.
     pub(super) async fn on_groups<T, F, Fut>(
         &self,
         name: &'static str,
@@ -173,14 +183,17 @@ impl Nodes {
         until: Instant,
         unsure: Option<&AtomicBool>,
         call: F,
-    ) -> Result<Vec<(Vec<usize>, T)>, StoreError>
+    ) -> Result<Answered<T>, StoreError>
     where
         T: Send + 'static,
         F: Fn(Arc<RedisStore>, Arc<[String]>) -> Fut,
         Fut: Future<Output = Result<T, StoreError>> + Send + 'static,
     {
         let mut pending: Vec<usize> = (0..keys.len()).collect();
-        let mut answered = Vec::new();
+        let mut answered = Answered {
+            answers: Vec::new(),
+            lost: Vec::new(),
+        };
         let mut backoff = moving_backoff();
         let mut seen = self.current().generation;
         loop {
@@ -203,10 +216,13 @@ impl Nodes {
                     let (mut retry, mut failure) = (Vec::new(), None);
                     while let Some((group, reply)) = calls.next().await {
                         match reply {
-                            Ok(answer) => answered.push((group.indices, answer)),
+                            Ok(answer) => answered.answers.push((group.indices, answer)),
                             Err(error) => {
                                 if error.may_run_later() {
                                     unsure.inspect(|flag| flag.store(true, Ordering::SeqCst));
+                                }
+                                if error.may_have_applied() {
+                                    answered.lost.extend(&group.indices);
                                 }
                                 let address = &topology.masters[group.master].address;
                                 self.fanout.report(address, name, &error);
@@ -216,6 +232,8 @@ impl Nodes {
                         }
                     }
                     if retry.is_empty() {
+                        answered.lost.sort_unstable();
+                        answered.lost.dedup();
                         return Ok(answered);
                     }
                     // In the batch's order again, as on the first pass: a group's keys in
@@ -265,21 +283,38 @@ impl Nodes {
         })
     }
 
-    /// After the groups of `keys` freed them (`answers`), wakes this process's waiters in
+    /// After the groups of `keys` freed them (`freed`), wakes this process's waiters in
     /// no line for `keys` (the nodes woke those first in line), and announces the release
     /// to the other processes, naming those first in line. Returns how many keys the groups
-    /// changed: nothing changed wakes nobody, here or elsewhere.
-    pub(super) async fn freed(&self, keys: &[String], answers: &[(Vec<usize>, Freed)]) -> usize {
-        let count = answers.iter().map(|(_, freed)| freed.count).sum();
-        if count == 0 {
+    /// changed: nothing changed wakes nobody, here or elsewhere. But a call whose answer
+    /// was lost may have freed its keys, and the retry that was answered found nothing
+    /// left there, nor anyone to name: on those keys, the waiters first in line in every
+    /// process are woken, each process finding its own ([`Wakeups::wake_first_in_line`]).
+    pub(super) async fn freed(&self, keys: &[String], freed: &Answered<Freed>) -> usize {
+        let count = freed.answers.iter().map(|(_, freed)| freed.count).sum();
+        let lost: Vec<String> = freed.lost.iter().map(|&i| keys[i].clone()).collect();
+        if count == 0 && lost.is_empty() {
             return 0;
         }
-        self.wakeups.wake_keys(keys);
-        if let Ok(control) = self.control().await {
-            let heads = answers
-                .iter()
-                .flat_map(|(_, freed)| freed.heads.iter().copied());
-            announce::announce(control, keys, heads, self.wakeups.tag());
+        let control = self.control().await;
+        if count > 0 {
+            self.wakeups.wake_keys(keys);
+            if let Ok(control) = &control {
+                let heads = freed
+                    .answers
+                    .iter()
+                    .flat_map(|(_, freed)| freed.heads.iter().copied());
+                let message = announce::message(keys, heads, self.wakeups.tag());
+                announce::announce(control.clone(), message);
+            }
+        }
+        if !lost.is_empty() {
+            let slots = slots_of(&lost);
+            self.wakeups.wake_first_in_line(&slots);
+            if let Ok(control) = control {
+                let message = unnamed_heads_message(&slots, self.wakeups.tag());
+                announce::announce(control, message);
+            }
         }
         count
     }

@@ -191,7 +191,7 @@ impl LockStore for ClusterStore {
                     |node, keys| async move { node.extend(&keys, holder, ttl).await },
                 )
                 .await?;
-            Ok(answers.iter().all(|(_, kept)| *kept))
+            Ok(answers.answers.iter().all(|(_, kept)| *kept))
         })
     }
 
@@ -262,6 +262,7 @@ impl LockStore for ClusterStore {
                 )
                 .await?;
             Ok(answers
+                .answers
                 .iter()
                 .filter_map(|(indices, free)| indices.get(*free).copied())
                 .min()
@@ -282,7 +283,7 @@ impl LockStore for ClusterStore {
                 )
                 .await?;
             let mut views = vec![KeyView::FREE; keys.len()];
-            for (indices, group_views) in answers {
+            for (indices, group_views) in answers.answers {
                 for (index, view) in indices.into_iter().zip(group_views) {
                     views[index] = view;
                 }
