@@ -331,11 +331,10 @@ impl LockStore for RedlockStore {
                 )));
             }
             if tally.granted.len() < self.quorum && !tally.held.is_empty() {
-                return Ok(Acquire::Held(Contention::merge(
-                    tally.held,
-                    request.report,
-                    true,
-                )));
+                let free_in = tally.majority_free_in(self.quorum);
+                let mut contention = Contention::merge(tally.held, request.report, true);
+                contention.earliest_expiry = free_in;
+                return Ok(Acquire::Held(contention));
             }
             // The rollback is done or under way: nothing is left for the caller to undo.
             Err(StoreError::left_nothing(why))
