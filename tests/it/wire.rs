@@ -514,6 +514,90 @@ fn locks_on(server: &RedisServer) -> Locks {
     Locks::new(Redis::url(server.url()).build().unwrap())
 }
 
+/// A withdrawal whose answer is lost has taken the waiter's place out of Redis, and the
+/// wake-up it named for the waiter behind it in this process went with its answer (the
+/// store's message wakes other processes; this process skips its own): once a retry of
+/// the withdrawal is answered, this process's first waiter in line on its keys is woken,
+/// where it waited for its next look, 1-2 s after the one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_withdrawal_whose_answer_was_lost_wakes_the_waiter_behind_it_once_answered() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let proxy = Proxy::start(server.port()).await;
+    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .ttl(Duration::from_secs(30))
+        .store_timeout(Duration::from_millis(200))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    let in_line_on_a = |count: usize| {
+        observer
+            .lock("lock:a")
+            .is_some_and(|v| v.reservations.len() == count)
+    };
+    let waiting_on_a = |count: usize| {
+        poll_every(
+            Duration::from_millis(5),
+            Duration::from_secs(3),
+            move || in_line_on_a(count),
+        )
+    };
+    // `b` is held: the first waiter stands in line on `a` and `b`, and the second behind
+    // it on `a`, which is free.
+    let (gate, held) = hold(&locks, "b").await;
+    let app = batch_router(&locks, ledger_handler(&Arc::new(Ledger::default())));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, batch(&["a", "b"])).await })
+    };
+    assert!(
+        waiting_on_a(1).await.is_some(),
+        "the first never stood in line"
+    );
+    let second = tokio::spawn(async move { send(&app, batch(&["a"])).await });
+    assert!(
+        waiting_on_a(2).await.is_some(),
+        "the second never stood in line"
+    );
+    // After a few seconds the second waiter looks every 1-2 s (a probe of `a` alone; the
+    // first one's looks probe `b`): one of its looks, and the next is 1 s or more away.
+    observer.log_every_command();
+    let looks = || {
+        observer
+            .logged_commands(false)
+            .iter()
+            .filter(|command| {
+                command[0] == "fcall"
+                    && command[1].ends_with("_probe")
+                    && command.iter().any(|arg| arg == "lock:a")
+            })
+            .count()
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let seen = looks();
+    let looked = poll_every(Duration::from_millis(5), Duration::from_secs(3), || {
+        looks() > seen
+    });
+    assert!(looked.await.is_some(), "the second waiter never looked");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // The first waiter's request is dropped: it withdraws its place, and that answer is
+    // lost; the retry is answered.
+    proxy.set(Fault::DropReplies);
+    let dropped = Instant::now();
+    first.abort();
+    assert!(waiting_on_a(1).await.is_some(), "the withdrawal never ran");
+    proxy.set(Fault::None);
+    let reply = within(Duration::from_secs(5), "the second waiter", second).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    let granted = dropped.elapsed();
+    eprintln!("granted {granted:?} after the withdrawal whose answer was lost");
+    assert!(
+        granted < Duration::from_millis(800),
+        "the waiter waited {granted:?} for its own look"
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+}
+
 /// A release whose answer is lost has freed its keys in Redis, and the wake-ups it named
 /// for this process's waiters went with its answer (the store's message wakes other
 /// processes; this process skips its own): once a retry of the release is answered, this
