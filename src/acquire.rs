@@ -31,7 +31,9 @@
 //!    attempt of its own. A release or a withdrawal whose answer was lost took this
 //!    process's wake-ups with it (other processes hear the store's message; this one skips
 //!    its own): once a retry of it is answered, it wakes this process's waiters first in
-//!    line on its keys.
+//!    line on its keys. A cluster retries a group's call within the store, and its
+//!    client announces the release: the retry announces too that it cannot name the
+//!    waiters, and every process wakes its own first in line on those keys.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
 //!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is; or
@@ -443,9 +445,9 @@ impl<'a> Acquisition<'a> {
                 self.outage.failed(&error, self.keys.len());
                 if !error.may_have_applied() {
                     guard.disarm();
-                    if let Some(place) = &mut waiter.place {
-                        place.answered();
-                    }
+                }
+                if let (Some(place), false) = (&mut waiter.place, error.may_reserve_later()) {
+                    place.answered();
                 }
                 // Otherwise the guard's drop releases whatever the store may have granted,
                 // and the place's drop withdraws the reservations, again later if need be.

@@ -61,8 +61,11 @@ pub(super) struct Waiter<'a> {
 }
 
 impl Waiter<'_> {
-    /// Withdraws its reservations now, if it has a place in line.
+    /// Withdraws its reservations now, if it has a place in line. Its watch ends first: a
+    /// withdrawal that wakes this process's first waiter in line on its keys (one retried
+    /// after a lost answer) must wake the one behind it, not the waiter that leaves.
     pub(super) async fn withdraw(&mut self) {
+        self.watched = None;
         if let Some(place) = self.place.take() {
             place.withdraw().await;
         }

@@ -22,6 +22,9 @@ pub struct StoreError {
     /// Whether the store may have carried out the command before failing, so that the
     /// caller has to clean up after itself.
     may_have_applied: bool,
+    /// Whether a part of a waiter's attempt that got no answer may still put its place in
+    /// line back later, which the waiter alone can withdraw.
+    may_reserve_later: bool,
 }
 
 // The memory store never fails, so without the `redis` feature only timeouts build these.
@@ -36,6 +39,18 @@ impl StoreError {
     /// (or is undoing) what it wrote, as a refused or failed batch does on every node.
     pub(crate) fn left_nothing(source: impl Into<Source>) -> Self {
         Self::from_source(source, false)
+    }
+
+    /// A waiter's attempt failed and undid (or is undoing) what it took, but a part of it
+    /// that got no answer may still run later and put the waiter's place in line back:
+    /// the waiter withdraws its place again then ([`late`](crate::store::late)). A cluster
+    /// attempt whose group on one master got no answer.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn left_place(source: impl Into<Source>) -> Self {
+        Self {
+            may_reserve_later: true,
+            ..Self::from_source(source, false)
+        }
     }
 
     /// The command was sent, and its effect is unknown.
@@ -53,6 +68,7 @@ impl StoreError {
             .into(),
             source: None,
             may_have_applied: true,
+            may_reserve_later: true,
         }
     }
 
@@ -61,6 +77,7 @@ impl StoreError {
             context: Cow::Borrowed("lock store error"),
             source: Some(source.into()),
             may_have_applied,
+            may_reserve_later: may_have_applied,
         }
     }
 
@@ -74,6 +91,12 @@ impl StoreError {
     /// Whether the store may have carried out the command before failing.
     pub(crate) fn may_have_applied(&self) -> bool {
         self.may_have_applied
+    }
+
+    /// Whether a waiter's failed attempt may still put its place in line back later
+    /// (every attempt that may have applied may).
+    pub(crate) fn may_reserve_later(&self) -> bool {
+        self.may_reserve_later
     }
 
     /// The status a client gets for it: `503 Service Unavailable`.
@@ -106,13 +129,23 @@ mod tests {
     fn the_message_says_what_failed_and_why() {
         let error = StoreError::not_sent("connection refused").context("checking the store");
         assert_eq!(error.to_string(), "checking the store: connection refused");
-        assert!(!error.may_have_applied());
+        assert!(!error.may_have_applied() && !error.may_reserve_later());
         let error = StoreError::timed_out(Duration::from_millis(250));
         assert_eq!(
             error.to_string(),
             "the lock store did not answer within 250 ms"
         );
         assert!(error.may_have_applied());
+        assert!(
+            error.may_reserve_later(),
+            "a waiter's attempt that timed out"
+        );
         assert_eq!(error.status(), StatusCode::SERVICE_UNAVAILABLE);
+        // A cluster attempt that undid its grants, with a group that never answered.
+        #[cfg(feature = "cluster")]
+        {
+            let error = StoreError::left_place("no answer from one master");
+            assert!(!error.may_have_applied() && error.may_reserve_later());
+        }
     }
 }

@@ -87,11 +87,16 @@ pub(crate) fn release_message(slots: &[usize], tag: u64) -> String {
 const UNNAMED_HEADS: &str = "#?";
 
 /// The message of a release by the store tagged `tag` whose waiters first in line are
-/// unknown ([`UNNAMED_HEADS`]); for too many slots, one that wakes every waiter.
+/// unknown ([`UNNAMED_HEADS`]). It names every slot, however many (a cluster's
+/// `SPUBLISH`, which has no payload limit to keep under): `*` would wake every waiter of
+/// every process, for a lost answer.
 #[cfg(feature = "cluster")]
 pub(crate) fn unnamed_heads_message(slots: &[usize], tag: u64) -> String {
-    let mut message = release_message(slots, tag);
-    message.push_str(if message == "*" { ",#*" } else { ",#?" });
+    let mut message = String::with_capacity(slots.len() * 5 + 21);
+    for slot in slots {
+        let _ = write!(message, "{slot},");
+    }
+    let _ = write!(message, "@{tag:x},{UNNAMED_HEADS}");
     message
 }
 
@@ -258,20 +263,31 @@ mod tests {
         let mut first = wakeups.watch_ticket(1, batch(&["lock:a", freed]));
         let mut behind = wakeups.watch_ticket(2, batch(&[freed]));
         let mut elsewhere = wakeups.watch_ticket(3, batch(&[other]));
+        let mut in_no_line = wakeups.watch(&batch(&[freed]));
         let message = unnamed_heads_message(&slots_of(&batch(&[freed])), Wakeups::new().tag());
         wake_from_message(&wakeups, message.as_bytes());
-        let soon = Duration::from_millis(50);
-        let woke = |watch| async move {
-            tokio::time::timeout(soon, any_released(watch))
-                .await
-                .is_ok()
-        };
         assert!(woke(&mut first).await, "{message}");
         assert!(!woke(&mut behind).await, "{message}");
         assert!(!woke(&mut elsewhere).await, "{message}");
-        // Too many slots to name: every waiter wakes.
-        let slots: Vec<usize> = (0..=MAX_NAMED_SLOTS).collect();
-        assert_eq!(unnamed_heads_message(&slots, 1), "*,#*");
+        assert!(woke(&mut in_no_line).await, "{message}");
+        // The store that sent it skips it.
+        let own = unnamed_heads_message(&slots_of(&batch(&[freed])), wakeups.tag());
+        wake_from_message(&wakeups, own.as_bytes());
+        assert!(!woke(&mut first).await, "{own}");
+        assert!(!woke(&mut in_no_line).await, "{own}");
+        // However many slots: each named, none skipped, never `*`.
+        let slots: Vec<usize> = (0..SLOTS).collect();
+        let message = unnamed_heads_message(&slots, 1);
+        let named: Vec<usize> = message.split(',').filter_map(|s| s.parse().ok()).collect();
+        assert_eq!(named, slots);
+    }
+
+    /// Whether `watch` wakes within 50 ms.
+    #[cfg(feature = "cluster")]
+    async fn woke(watch: &mut crate::store::wake::Watches<'_>) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), any_released(watch))
+            .await
+            .is_ok()
     }
 
     /// PostgreSQL's release whose list of waiters would not fit in one notification

@@ -216,9 +216,15 @@ impl Wakeups {
     /// in its message (a cluster's, whose release is announced by the client).
     pub(crate) fn wake_first_in_line(&self, slots: &[usize]) {
         self.wake_slots(slots.iter().copied());
-        let lines = self.lines();
+        // Their keys are hashed outside the lock, which every watch's start and end takes.
+        let turns: Vec<(u128, Arc<Turn>)> = self
+            .lines()
+            .iter()
+            .map(|(&ticket, turn)| (ticket, turn.clone()))
+            .collect();
         let mut first: HashMap<&str, (u128, &Turn)> = HashMap::new();
-        for (&ticket, turn) in lines.iter() {
+        for (ticket, turn) in &turns {
+            let (ticket, turn) = (*ticket, &**turn);
             let in_slots = |key: &&String| slots.binary_search(&slot(key)).is_ok();
             for key in turn.keys.iter().filter(in_slots) {
                 let earliest = first.entry(key).or_insert((ticket, turn));
@@ -259,7 +265,8 @@ impl LostAnswers {
     }
 
     /// The call is answered: if one before it was lost (`earlier`, from
-    /// [`sent`](Self::sent)), wakes this process's waiters on `keys`.
+    /// [`sent`](Self::sent)), wakes this process's waiters on `keys` (the first in line on
+    /// each key of their slots, [`Wakeups::wake_first_in_line`]).
     pub(crate) fn answered(&self, earlier: bool, wakeups: &Wakeups, keys: &[String]) {
         self.0.store(false, Ordering::Relaxed);
         if earlier {
@@ -406,7 +413,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_lost_release_wakes_the_first_waiters_in_line_on_its_keys_alone() {
+    async fn a_lost_release_wakes_the_first_waiters_in_line_on_its_keys() {
         let wakeups = Wakeups::new();
         let batch =
             |keys: &[&str]| -> Arc<[String]> { keys.iter().map(|k| (*k).to_owned()).collect() };

@@ -303,17 +303,32 @@ async fn masters_announced_without_a_host_are_reached_at_the_host_of_the_urls() 
 /// Field `field` of each range's master in a `CLUSTER SLOTS` answer: 0 its host, 1 its
 /// port (its replicas follow it there, and are left out).
 fn master_fields(slots: &redis::Value, field: usize) -> Vec<redis::Value> {
+    slot_map(slots)
+        .into_iter()
+        .filter_map(|(_, _, master)| master.get(field).cloned())
+        .collect()
+}
+
+/// Each range of a `CLUSTER SLOTS` answer: its first and last slot, and its master's
+/// fields (host, port, id, ...).
+fn slot_map(slots: &redis::Value) -> Vec<(u16, u16, Vec<redis::Value>)> {
     let redis::Value::Array(ranges) = slots else {
         return Vec::new();
     };
-    let of_master = |range: &redis::Value| match range {
-        redis::Value::Array(fields) => match fields.get(2) {
-            Some(redis::Value::Array(master)) => master.get(field).cloned(),
-            _ => None,
-        },
-        _ => None,
-    };
-    ranges.iter().filter_map(of_master).collect()
+    ranges
+        .iter()
+        .filter_map(|range| {
+            let redis::Value::Array(fields) = range else {
+                return None;
+            };
+            let first: u16 = redis::from_redis_value(fields.first()?.clone()).ok()?;
+            let last: u16 = redis::from_redis_value(fields.get(1)?.clone()).ok()?;
+            let redis::Value::Array(master) = fields.get(2)? else {
+                return None;
+            };
+            Some((first, last, master.clone()))
+        })
+        .collect()
 }
 
 /// Two "processes" send `requests` random, overlapping batches out of `space` keys, at
@@ -529,21 +544,17 @@ fn owns(cluster: &Cluster, port: u16, slot: u16) -> bool {
 
 /// The ranges of slots that the master at `port` serves, by its own map.
 fn slot_ranges(cluster: &Cluster, port: u16) -> Vec<(u16, u16)> {
-    cluster
-        .cmd::<Vec<redis::Value>>(port, redis::cmd("CLUSTER").arg("SLOTS"))
+    let slots: redis::Value = cluster.cmd(port, redis::cmd("CLUSTER").arg("SLOTS"));
+    let served_by = |master: &[redis::Value]| {
+        master
+            .get(1)
+            .and_then(|p| redis::from_redis_value::<u16>(p.clone()).ok())
+            == Some(port)
+    };
+    slot_map(&slots)
         .into_iter()
-        .filter_map(|range| {
-            let redis::Value::Array(fields) = range else {
-                return None;
-            };
-            let first: u16 = redis::from_redis_value(fields[0].clone()).ok()?;
-            let last: u16 = redis::from_redis_value(fields[1].clone()).ok()?;
-            let redis::Value::Array(master) = &fields[2] else {
-                return None;
-            };
-            let node: u16 = redis::from_redis_value(master[1].clone()).ok()?;
-            (node == port).then_some((first, last))
-        })
+        .filter(|(_, _, master)| served_by(master))
+        .map(|(first, last, _)| (first, last))
         .collect()
 }
 
@@ -795,21 +806,7 @@ impl Proxied {
 
     /// The first `count` keys `{prefix}{i}` whose lock keys' slots the victim serves.
     fn keys_on_victim(&self, cluster: &Cluster, prefix: &str, count: usize) -> Vec<String> {
-        let served = |key: &String| {
-            let lock_key = format!("lock:{key}");
-            let slot: u16 = cluster.cmd(
-                self.other,
-                redis::cmd("CLUSTER").arg("KEYSLOT").arg(lock_key),
-            );
-            self.victim_slots
-                .iter()
-                .any(|&(first, last)| (first..=last).contains(&slot))
-        };
-        (0..)
-            .map(|i| format!("{prefix}{i}"))
-            .filter(served)
-            .take(count)
-            .collect()
+        keys_in(cluster, &self.victim_slots, prefix, count)
     }
 }
 
@@ -1018,9 +1015,22 @@ impl Line {
 
 /// The first `count` keys `{prefix}{i}` whose slots the master at `port` serves.
 fn keys_on(cluster: &Cluster, port: u16, prefix: &str, count: usize) -> Vec<String> {
+    keys_in(cluster, &slot_ranges(cluster, port), prefix, count)
+}
+
+/// The first `count` keys `{prefix}{i}` whose lock keys' slots are in `ranges`.
+fn keys_in(cluster: &Cluster, ranges: &[(u16, u16)], prefix: &str, count: usize) -> Vec<String> {
+    let port = cluster.masters()[0];
+    let in_ranges = |key: &String| {
+        let lock_key = format!("lock:{key}");
+        let slot: u16 = cluster.cmd(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(lock_key));
+        ranges
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&slot))
+    };
     (0..)
         .map(|i| format!("{prefix}{i}"))
-        .filter(|key| serves(cluster, port, key))
+        .filter(in_ranges)
         .take(count)
         .collect()
 }

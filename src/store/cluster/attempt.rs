@@ -153,10 +153,10 @@ impl Nodes {
             let why = format!("a cluster master did not answer in time: {why}");
             // The group may still run its script there, after the wait ended: refused, it
             // puts the waiter's place in line back, which the waiter alone withdraws (and
-            // again later, after an attempt whose effect it does not know). A grant there
-            // is released by the fan-out (`late`).
+            // again later, for such an attempt). A grant there is released by the fan-out
+            // (`late`).
             return Attempt::Done(Err(match line {
-                Line::At(_) => StoreError::unknown(why),
+                Line::At(_) => StoreError::left_place(why),
                 Line::Outside | Line::Holder(_) => StoreError::left_nothing(why),
             }));
         }

@@ -41,8 +41,9 @@ pub(super) fn moving_backoff() -> Backoff {
 pub(super) struct Answered<T> {
     /// Each group's keys, by index, with its answer.
     pub(super) answers: Vec<(Vec<usize>, T)>,
-    /// The keys, by index, of the calls that may have run and whose answer was lost: they
-    /// were sent again, and answered then.
+    /// The keys, by index, of the calls whose answer was lost (none came in time, or the
+    /// connection broke after the send): they may have run, were sent again, and were
+    /// answered then.
     pub(super) lost: Vec<usize>,
 }
 
@@ -220,8 +221,6 @@ impl Nodes {
                             Err(error) => {
                                 if error.may_run_later() {
                                     unsure.inspect(|flag| flag.store(true, Ordering::SeqCst));
-                                }
-                                if error.may_have_applied() {
                                     answered.lost.extend(&group.indices);
                                 }
                                 let address = &topology.masters[group.master].address;

@@ -1,7 +1,7 @@
 //! Driving a router the way users do: requests whose keys travel in an `x-keys` header or
 //! a JSON body, answers read to the end, and waits that are always bounded.
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 use std::time::Instant;
 use std::{future::Future, time::Duration};
 
@@ -126,12 +126,12 @@ impl Reply {
 }
 
 /// The fencing token a [`fence_router`] answered with; the test fails on any other answer.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) trait Fence {
     fn fence(&self) -> u64;
 }
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 impl Fence for Reply {
     fn fence(&self) -> u64 {
         assert_eq!(self.status, StatusCode::OK, "{}", self.text());
@@ -164,7 +164,7 @@ pub(crate) async fn within<F: Future>(limit: Duration, what: &str, future: F) ->
 ///
 /// Each suite picks its own interval: fine enough for the latencies it measures, coarse
 /// enough that checks which open connections do not load the servers they look at.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) async fn poll_every(
     every: Duration,
     limit: Duration,

@@ -24,6 +24,7 @@ use tokio::{
 
 /// What the proxy does to the bytes it carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) enum Fault {
     /// Carries them as they come.
     None,
@@ -39,6 +40,7 @@ pub(crate) struct Proxy {
     port: u16,
     fault: watch::Sender<Fault>,
     /// Counts resets: every connection open when it moves is reset.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     resets: watch::Sender<u64>,
     /// The connections numbered below it hold their bytes (0: none does).
     held_below: watch::Sender<u64>,
@@ -109,6 +111,7 @@ impl Proxy {
     }
 
     /// Resets (RST) every connection open now; later ones are carried as before.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn reset(&self) {
         self.resets.send_modify(|count| *count += 1);
     }
