@@ -514,6 +514,19 @@ fn locks_on(server: &RedisServer) -> Locks {
     Locks::new(Redis::url(server.url()).build().unwrap())
 }
 
+/// A Redis, a proxy to it, and locks through the proxy whose requests wait up to 10 s,
+/// behind holds of 30 s, with a store timeout of 200 ms: a call whose reply the proxy
+/// drops fails fast, and a waiter kept out looks again only every 1-2 s.
+async fn waiting_behind_a_proxy() -> (RedisServer, Proxy, Locks) {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
+    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
+        .ttl(Duration::from_secs(30))
+        .store_timeout(Duration::from_millis(200))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    (server, proxy, locks)
+}
+
 /// A withdrawal whose answer is lost has taken the waiter's place out of Redis, and the
 /// wake-up it named for the waiter behind it in this process went with its answer (the
 /// store's message wakes other processes; this process skips its own): once a retry of
@@ -521,13 +534,8 @@ fn locks_on(server: &RedisServer) -> Locks {
 /// where it waited for its next look, 1-2 s after the one before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_withdrawal_whose_answer_was_lost_wakes_the_waiter_behind_it_once_answered() {
-    let server = RedisServer::start();
+    let (server, proxy, locks) = waiting_behind_a_proxy().await;
     let observer = Observer::of(&server);
-    let proxy = Proxy::start(server.port()).await;
-    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
-        .ttl(Duration::from_secs(30))
-        .store_timeout(Duration::from_millis(200))
-        .wait(Wait::up_to(Duration::from_secs(10)));
     let in_line_on_a = |count: usize| {
         observer
             .lock("lock:a")
@@ -605,13 +613,8 @@ async fn a_withdrawal_whose_answer_was_lost_wakes_the_waiter_behind_it_once_answ
 /// after the last one behind a hold of 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_whose_answer_was_lost_wakes_this_process_waiters_once_answered() {
-    let server = RedisServer::start();
+    let (server, proxy, locks) = waiting_behind_a_proxy().await;
     let observer = Observer::of(&server);
-    let proxy = Proxy::start(server.port()).await;
-    let locks = Locks::new(Redis::url(proxy.url()).build().unwrap())
-        .ttl(Duration::from_secs(30))
-        .store_timeout(Duration::from_millis(200))
-        .wait(Wait::up_to(Duration::from_secs(10)));
     let (gate, held) = hold(&locks, "lost").await;
     let app = batch_router(&locks, ledger_handler(&Arc::new(Ledger::default())));
     let waiter = tokio::spawn(async move { send(&app, batch(&["lost"])).await });
