@@ -70,7 +70,12 @@ pub(crate) fn release_message(slots: &[usize], tag: u64) -> String {
     if slots.len() > MAX_NAMED_SLOTS {
         return "*".to_owned();
     }
-    let mut message = String::with_capacity(slots.len() * 5 + 18);
+    slots_and_tag(slots, tag)
+}
+
+/// `3,17,512,@5f0c…`: every one of `slots`, and the tag.
+fn slots_and_tag(slots: &[usize], tag: u64) -> String {
+    let mut message = String::with_capacity(slots.len() * 5 + 21);
     for slot in slots {
         let _ = write!(message, "{slot},");
     }
@@ -92,11 +97,8 @@ const UNNAMED_HEADS: &str = "#?";
 /// every process, for a lost answer.
 #[cfg(feature = "cluster")]
 pub(crate) fn unnamed_heads_message(slots: &[usize], tag: u64) -> String {
-    let mut message = String::with_capacity(slots.len() * 5 + 21);
-    for slot in slots {
-        let _ = write!(message, "{slot},");
-    }
-    let _ = write!(message, "@{tag:x},{UNNAMED_HEADS}");
+    let mut message = slots_and_tag(slots, tag);
+    let _ = write!(message, ",{UNNAMED_HEADS}");
     message
 }
 

@@ -35,9 +35,7 @@ impl Tally {
             }
         }
     }
-}
 
-impl Tally {
     /// When a majority of the masters may let a refused batch in, as far as the holds that
     /// kept it out say: the masters that granted it do already, and each that refused
     /// does when the earliest of those holds ends there; the batch needs `quorum` of them.
