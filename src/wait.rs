@@ -44,18 +44,20 @@ use crate::duration::capped;
 /// out, reading them without writing, and stopping at the first still held; it sends its
 /// whole batch again only once none is: a purchase order of 2,000 keys held up by small
 /// orders pays for a few reads a release, not for 2,000 writes. (A batch of fewer than 64
-/// keys on one Redis or PostgreSQL is tried at once: an attempt costs about a probe.) On a shared store, a
-/// waiter with a batch of 64 keys or more keeps its place in line as one record (a
-/// *claim*: the set of its keys) rather than with a reservation written into each key, so
-/// that its keys are not rewritten to wait, again to be granted and again to be released:
+/// keys on one Redis or PostgreSQL is tried at once: an attempt costs about a probe.) On
+/// a shared store, a waiter with a batch of 64 keys or more keeps its place in line as
+/// one record (a *claim*: the set of its keys) rather than with a reservation written
+/// into each key, so that its keys are not rewritten to wait, again to be granted and
+/// again to be released:
 /// on a Redis Cluster, a claim on each master that serves 64 of its keys or more (and
 /// reservations on the others); on PostgreSQL, for an exclusive batch (each store's page
 /// gives its data model). A waiter in line also polls, seldom (after 100-200 ms, then
 /// less often, down to every 1-2 s), for what no release announces: a hold or a place
-/// before it that expired with its process. Kept out by a hold, its polls wait for that
-/// hold's end, up to 2 s (not on one Redis without a subscription or PostgreSQL without a
-/// listener, whose waiters poll for other processes' releases). Waiters in no line (unfair waiting) watch
-/// the keys that kept them out and poll every 5-100 ms.
+/// before it that expired with its process. Kept out by a hold, it looks when that hold
+/// ends, and before then only every 1-2 s (not on one Redis without a subscription or
+/// PostgreSQL without a listener, whose waiters poll for other processes' releases).
+/// Waiters in no line
+/// (unfair waiting) watch the keys that kept them out and poll every 5-100 ms.
 ///
 /// ```
 /// use std::time::Duration;
