@@ -436,7 +436,7 @@ impl<'a> Acquisition<'a> {
                 // The store locked nothing: there is nothing to release.
                 guard.disarm();
                 if let Some(place) = &mut waiter.place {
-                    place.answered();
+                    place.answered(contention.may_reserve_later);
                 }
                 waiter.refused_holds.push(holder.hold);
                 Ok(Attempt::Held(contention))
@@ -446,8 +446,8 @@ impl<'a> Acquisition<'a> {
                 if !error.may_have_applied() {
                     guard.disarm();
                 }
-                if let (Some(place), false) = (&mut waiter.place, error.may_reserve_later()) {
-                    place.answered();
+                if let Some(place) = &mut waiter.place {
+                    place.answered(error.may_reserve_later());
                 }
                 // Otherwise the guard's drop releases whatever the store may have granted,
                 // and the place's drop withdraws the reservations, again later if need be.
@@ -471,7 +471,7 @@ impl<'a> Acquisition<'a> {
     ) -> (LockGuard, FencingToken) {
         guard.answered();
         if let Some(place) = place {
-            place.disarm();
+            place.granted();
         }
         (guard, fence)
     }

@@ -2,10 +2,12 @@
 //! without its grant.
 //!
 //! An attempt whose answer never came (a timeout, a request dropped while its call was in
-//! flight) may still reserve the batch after the withdrawal, its command queued on a
-//! connection given up: that reservation would keep later arrivals out of its keys until
-//! the waiter's deadline, for a waiter long gone. So, as for a grant that lands after its
-//! release ([`late`]), the withdrawal is sent again a few times once it was answered.
+//! flight), or whose answer says that a part of it got none (a Redlock master, a cluster
+//! group's reservation), may still reserve the batch after the wait ended, its command
+//! queued on a connection given up: that reservation would keep later arrivals out of its
+//! keys until the waiter's deadline, for a waiter long gone. So, as for a grant that lands
+//! after its release ([`late`]), the withdrawal is sent again a few times once it was
+//! answered, or after the grant that ended the wait.
 
 use std::{
     sync::Arc,
@@ -39,6 +41,9 @@ struct Reserved {
     /// Whether an attempt went out whose answer has not come (yet): it may reserve the
     /// batch later, after the withdrawal.
     unanswered: bool,
+    /// Whether an answered attempt said that a part of it may still reserve the batch
+    /// later: that stays so for the rest of the wait.
+    strays: bool,
     /// The withdrawals whose answers were lost, for the waiters behind this place.
     lost: LostAnswers,
 }
@@ -59,6 +64,7 @@ impl Place {
                 timeout,
                 until,
                 unanswered: false,
+                strays: false,
                 lost: LostAnswers::default(),
             }),
         }
@@ -72,17 +78,23 @@ impl Place {
         }
     }
 
-    /// The store answered the attempt (a refusal, or a failure that changed nothing): it
-    /// reserves nothing later.
-    pub(super) fn answered(&mut self) {
+    /// The store answered the attempt (a refusal, or a failure): it reserves nothing later,
+    /// unless the answer says that a part of it `may_reserve_later`.
+    pub(super) fn answered(&mut self, may_reserve_later: bool) {
         if let Some(reserved) = &mut self.armed {
             reserved.unanswered = false;
+            reserved.strays |= may_reserve_later;
         }
     }
 
-    /// Forgets the reservations: the grant ended them.
-    pub(super) fn disarm(mut self) {
-        self.armed = None;
+    /// The grant ended the reservations; an earlier attempt that may still put the place
+    /// back is withdrawn again later, in the background.
+    pub(super) fn granted(mut self) {
+        if let Some(reserved) = self.armed.take() {
+            if reserved.strays {
+                spawn_rest(reserved, self.ticket, true);
+            }
+        }
     }
 
     /// Withdraws the reservations: one attempt now, bounded by the store's timeout, so
@@ -95,7 +107,7 @@ impl Place {
         };
         let answered = reserved.withdraw_once(self.ticket).await;
         if let Some(reserved) = self.armed.take() {
-            if !answered || reserved.unanswered {
+            if !answered || reserved.may_reserve_later() {
                 spawn_rest(reserved, self.ticket, answered);
             }
         }
@@ -111,15 +123,15 @@ impl Drop for Place {
 }
 
 /// Withdraws `ticket`'s reservations in the background: until the store answers (unless
-/// it `answered` already), then again on [`late`]'s schedule if an attempt's answer never
-/// came.
+/// it `answered` already, or a grant ended them), then again on [`late`]'s schedule if an
+/// attempt may still reserve the batch.
 fn spawn_rest(reserved: Reserved, ticket: Ticket, answered: bool) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         runtime.spawn(async move {
             if !answered && !reserved.withdraw_until_answered(ticket).await {
                 return;
             }
-            if reserved.unanswered {
+            if reserved.may_reserve_later() {
                 let reserved = &reserved;
                 late::send_again(|| async move {
                     reserved.withdraw_once(ticket).await;
@@ -131,6 +143,11 @@ fn spawn_rest(reserved: Reserved, ticket: Ticket, answered: bool) {
 }
 
 impl Reserved {
+    /// Whether an attempt of the wait may still reserve the batch.
+    fn may_reserve_later(&self) -> bool {
+        self.unanswered || self.strays
+    }
+
     /// Attempts until the store answers (`true`), or until the reservations would have
     /// ended anyway. A place left behind keeps every later arrival out of its keys to its
     /// end; on PostgreSQL, a key that a release handed to this waiter stays held for its

@@ -4,6 +4,7 @@ use super::*;
 use crate::store::{
     contract::{Keys, Mode, Reply},
     handle::Store,
+    late,
     memory::{
         intercept::{exclusive, Hooks, Intercepted},
         MemoryStore,
@@ -293,4 +294,68 @@ async fn a_waiter_in_line_behind_a_long_hold_is_granted_as_it_ends() {
         "{}",
         store.hooks.seen()
     );
+}
+
+/// Refuses as the store does, its refusals saying (or not) that a part of the attempt may
+/// still reserve the batch later; counts the withdrawals.
+#[derive(Debug)]
+struct RefusalsWithStrays {
+    strays: bool,
+    withdrawals: std::sync::atomic::AtomicUsize,
+}
+
+impl Hooks for RefusalsWithStrays {
+    fn acquire<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        request: &'a AcquireRequest,
+    ) -> Reply<'a, Acquire> {
+        Box::pin(async move {
+            match store.acquire(request).await? {
+                Acquire::Held(mut contention) => {
+                    contention.may_reserve_later = self.strays;
+                    Ok(Acquire::Held(contention))
+                }
+                granted => Ok(granted),
+            }
+        })
+    }
+
+    fn withdraw<'a>(
+        &'a self,
+        store: &'a MemoryStore,
+        keys: &'a Keys,
+        ticket: Ticket,
+    ) -> Reply<'a, usize> {
+        self.withdrawals
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        store.withdraw(keys, ticket)
+    }
+}
+
+/// A refusal that says a part of it may still reserve the batch later (a Redlock master,
+/// or a cluster group's reservation, that gave no answer) has the grant that ends the wait
+/// send the waiter's withdrawal again on `late`'s schedule, where that part, landing, would
+/// keep its place to the waiter's deadline; a refusal answered whole, none.
+#[tokio::test(start_paused = true)]
+async fn a_grant_after_a_refusal_that_may_reserve_later_withdraws_again() {
+    for (strays, withdrawals) in [(true, late::AFTER.len()), (false, 0)] {
+        let store = Arc::new(Intercepted::new(RefusalsWithStrays {
+            strays,
+            withdrawals: 0.into(),
+        }));
+        let keys: Keys = vec!["lock:a".to_owned()].into();
+        held_by_another(&store.store, &keys, Duration::from_millis(500)).await;
+        let locks = locks_over(store.clone()).wait(Wait::up_to(Duration::from_secs(3)));
+        let modes = Modes::All(Mode::Exclusive);
+        let acquisition = Acquisition::new(&locks, &keys, &modes, None, None);
+        let granted = acquisition.run(OwnerToken::random(), Instant::now()).await;
+        assert!(granted.is_ok(), "the waiter was not granted");
+        tokio::time::sleep(late::AFTER.iter().sum::<Duration>() + Duration::from_secs(1)).await;
+        let sent = store
+            .hooks
+            .withdrawals
+            .load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(sent, withdrawals, "strays: {strays}");
+    }
 }

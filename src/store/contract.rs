@@ -390,6 +390,12 @@ pub(crate) struct Contention {
     /// asked for exclusively: an upgrade, which waiting cannot help while another holder
     /// may be waiting to upgrade too.
     pub(crate) upgrade: bool,
+    /// Whether a part of the refused attempt got no answer and may still run later (on a
+    /// Redlock master, or a cluster group's reservation): refused there, it puts the
+    /// waiter's place in line back, after whatever ends the wait. The waiter's place then
+    /// withdraws itself again later (`acquire::place`), as it does after an attempt whose
+    /// answer never came.
+    pub(crate) may_reserve_later: bool,
 }
 
 impl Contention {
@@ -416,6 +422,9 @@ impl Contention {
             total,
             earliest_expiry,
             upgrade,
+            // The nodes' refusals each came with their answer: what got none, the caller
+            // knows.
+            may_reserve_later: false,
         }
     }
 }
@@ -597,6 +606,7 @@ mod tests {
             total,
             earliest_expiry: earliest.map(Duration::from_millis),
             upgrade: false,
+            may_reserve_later: false,
         }
     }
 

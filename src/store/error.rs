@@ -44,8 +44,9 @@ impl StoreError {
     /// A waiter's attempt failed and undid (or is undoing) what it took, but a part of it
     /// that got no answer may still run later and put the waiter's place in line back:
     /// the waiter withdraws its place again then ([`late`](crate::store::late)). A cluster
-    /// attempt whose group on one master got no answer.
-    #[cfg(feature = "cluster")]
+    /// attempt whose group on one master got no answer; a failed Redlock attempt that a
+    /// master did not answer.
+    #[cfg(feature = "redis")]
     pub(crate) fn left_place(source: impl Into<Source>) -> Self {
         Self {
             may_reserve_later: true,
@@ -141,8 +142,9 @@ mod tests {
             "a waiter's attempt that timed out"
         );
         assert_eq!(error.status(), StatusCode::SERVICE_UNAVAILABLE);
-        // A cluster attempt that undid its grants, with a group that never answered.
-        #[cfg(feature = "cluster")]
+        // A cluster or Redlock attempt that undid its grants, with a part that never
+        // answered.
+        #[cfg(feature = "redis")]
         {
             let error = StoreError::left_place("no answer from one master");
             assert!(!error.may_have_applied() && error.may_reserve_later());

@@ -740,6 +740,95 @@ async fn a_waiters_place_put_back_by_an_attempt_a_master_never_answered_is_withd
     panic!("the held attempt never landed in time in three rounds");
 }
 
+/// A waiter refused by one master and granted by another keeps its place on the keys it
+/// was granted: it reserves them before it rolls them back. That reservation's answer is
+/// lost on the wire (held up there), it is sent again and answered, and the waiter goes on
+/// waiting and is granted; then the held reservation lands, and puts the place back. The
+/// refusal said that a part of it may land later, and the place is withdrawn again after
+/// the grant, within seconds, where it kept later arrivals out of the key to the waiter's
+/// deadline (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiters_reservation_that_lands_after_its_grant_is_withdrawn_again() {
+    let (_serial, cluster) = Cluster::start_in_turn().await;
+    let direct = locks(&cluster);
+    let proxied = Proxied::start(&cluster, &direct).await;
+    let waiting = locks(&cluster).wait(Wait::up_to(Duration::from_secs(10)));
+    let (on_victim, on_other) = (
+        proxied.keys_on_victim(&cluster, "stray", 4),
+        keys_on(&cluster, proxied.other, "stray", 4),
+    );
+    // The waiting store learns the map and reaches both masters before one stops.
+    let warm = batch_router(&waiting, counting_handler(&Arc::default()));
+    let reply = send(&warm, batch(&[&on_victim[3], &on_other[3]])).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    for round in 0..3 {
+        let (wanted, blocked) = (&on_victim[round], &on_other[round]);
+        if reservation_lands_after_the_grant(&cluster, &direct, &waiting, &proxied, wanted, blocked)
+            .await
+        {
+            assert_emptied(&cluster).await;
+            return;
+        }
+        eprintln!("round {round}: the wire held no reservation; again");
+    }
+    panic!("no reservation was held up in three rounds");
+}
+
+/// One round of the test above: whether the waiter's reservation on `wanted` was held up
+/// and landed after its grant (and then, that the place it put back ended within seconds).
+async fn reservation_lands_after_the_grant(
+    cluster: &Cluster,
+    direct: &Locks,
+    waiting: &Locks,
+    proxied: &Proxied,
+    wanted: &str,
+    blocked: &str,
+) -> bool {
+    let (gate, held) = hold(direct, blocked).await;
+    // The other master, stopped, answers the waiter's attempt late: the victim has granted
+    // `wanted` by then, and the wire holds what goes to it next (the reservation).
+    cluster.signal(proxied.other, "STOP");
+    let waiter = batch_router(waiting, counting_handler(&Arc::default()));
+    let batch_keys = [wanted.to_owned(), blocked.to_owned()];
+    let request = tokio::spawn(async move { send(&waiter, batch(&batch_keys)).await });
+    let granted_there = key_until(direct, wanted, KeyState::is_held, Duration::from_secs(2)).await;
+    proxied.proxy.hold_open();
+    cluster.signal(proxied.other, "CONT");
+    assert!(
+        granted_there.is_some(),
+        "the victim never granted its group"
+    );
+    // The reservation sent again, and the roll-back, are answered: the waiter waits in line
+    // behind `blocked`, and is granted when it is released.
+    let in_line = |state: &KeyState| state.waiters() > 0;
+    let five = Duration::from_secs(5);
+    assert!(
+        key_until(direct, blocked, in_line, five).await.is_some(),
+        "in line"
+    );
+    gate.open();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    let reply = within(five, "the waiter", request).await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let granted = Instant::now();
+    let none = |state: &KeyState| state.waiters() == 0;
+    assert!(key_until(direct, wanted, none, five).await.is_some());
+    // The held reservation lands, before the grant's last re-send of the withdrawal
+    // (3.25 s after it).
+    proxied.proxy.release_held();
+    let landed = key_until(direct, wanted, in_line, Duration::from_secs(1)).await;
+    let in_time = granted.elapsed() < Duration::from_secs(2);
+    if landed.is_some() && in_time {
+        let ended = key_until(direct, wanted, none, Duration::from_secs(9)).await;
+        eprintln!("a place put back after the grant ended {ended:?} after it landed");
+        assert!(
+            ended.is_some_and(|after| after < Duration::from_secs(4)),
+            "a place put back after the grant kept its place {ended:?}"
+        );
+    }
+    landed.is_some() && in_time
+}
+
 /// A node timeout of 300 ms, and 500 ms to retry on a moving map.
 fn short_timeouts(store: RedisCluster) -> RedisCluster {
     store

@@ -120,7 +120,10 @@ impl Nodes {
         // place in line on those keys too, as on one Redis (the refused groups' scripts
         // reserved theirs). The reservation goes on before the rollback, so that the keys
         // are never free of both between the two: a release keeps a key's reservations.
+        // A reservation whose answer was lost, sent again, may land after the wait ended:
+        // the refusal says so, and the waiter's place withdraws itself again later.
         let mut how = Freeing::Release(holder);
+        let reserved_unsure = AtomicBool::new(false);
         if let (Line::At(ticket), false, false) = (*line, held.is_empty(), granted.is_empty()) {
             how = Freeing::RollBack(holder, ticket);
             let subset = keys_of_groups(&groups, &granted, keys);
@@ -130,7 +133,7 @@ impl Nodes {
                     "reserve",
                     &subset,
                     deadline,
-                    None,
+                    Some(&reserved_unsure),
                     // A claim where the group's acquisition claimed (`claims.lua`).
                     |node, keys| async move {
                         let claim = node.claims(keys.len());
@@ -161,7 +164,9 @@ impl Nodes {
             }));
         }
         if !held.is_empty() {
-            return Attempt::Done(Ok(Acquire::Held(Contention::merge(held, *report, false))));
+            let mut contention = Contention::merge(held, *report, false);
+            contention.may_reserve_later = reserved_unsure.load(Ordering::SeqCst);
+            return Attempt::Done(Ok(Acquire::Held(contention)));
         }
         match moved {
             Some(why) if rolled_back => Attempt::Moved(why),

@@ -153,6 +153,7 @@ impl MemoryStore {
             total: 0,
             earliest_expiry: None,
             upgrade: false,
+            may_reserve_later: false,
         };
         for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             let Some(entry) = shards.get(hash).get(key, hash) else {

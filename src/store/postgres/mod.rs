@@ -346,6 +346,7 @@ impl PostgresStore {
                     total: 1,
                     earliest_expiry: None,
                     upgrade: false,
+                    may_reserve_later: false,
                 }));
             }
             Err(error) => return Err(failed(error, true)),
@@ -362,6 +363,7 @@ impl PostgresStore {
             total: usize::try_from(conflicts).unwrap_or(1),
             earliest_expiry: from_millis(row.get(2)),
             upgrade: row.get(4),
+            may_reserve_later: false,
         }))
     }
 }

@@ -445,6 +445,7 @@ impl RedisStore {
                     // -1: no conflicting key had a ttl the script could read.
                     earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
                     upgrade: upgrade == 1,
+                    may_reserve_later: false,
                 }))
             }
         }

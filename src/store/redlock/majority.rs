@@ -137,6 +137,7 @@ mod tests {
                 total: 1,
                 earliest_expiry: ends_in,
                 upgrade: false,
+                may_reserve_later: false,
             }))
         };
         let granted = || -> NodeReply<Acquire> { Ok(Acquire::Granted(FencingToken::new(1))) };

@@ -2,10 +2,9 @@
 //! majority's answer.
 
 use std::{
-    collections::HashMap,
     fmt,
     future::Future,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -47,11 +46,6 @@ pub(crate) struct RedlockStore {
     fanout: Arc<Fanout>,
     /// Shared with the masters, whose releases wake the waiters first in line.
     wakeups: Arc<Wakeups>,
-    /// By waiter's ticket, the masters that gave no answer to one of its refused attempts:
-    /// the attempt may still run there later, be refused and put the waiter's place back,
-    /// after the grant or the withdrawal that ends its wait. That end sends them its
-    /// withdrawal again on [`late`](crate::store::late)'s schedule, and forgets them.
-    stragglers: Mutex<HashMap<u128, Vec<usize>>>,
 }
 
 impl RedlockStore {
@@ -62,27 +56,7 @@ impl RedlockStore {
             masters: masters.into(),
             fanout: Arc::new(Fanout::new("redlock", node_timeout)),
             wakeups,
-            stragglers: Mutex::default(),
         }
-    }
-
-    /// Notes the masters of a waiter's refused attempt that gave no answer.
-    fn note_stragglers(&self, ticket: Ticket, masters: &[usize]) {
-        if masters.is_empty() {
-            return;
-        }
-        let mut stragglers = self.stragglers.lock().unwrap_or_else(|e| e.into_inner());
-        let noted = stragglers.entry(ticket.key()).or_default();
-        noted.extend(masters);
-        noted.sort_unstable();
-        noted.dedup();
-    }
-
-    /// The masters of a waiter's refused attempts that gave no answer, forgotten: its wait
-    /// ends.
-    pub(super) fn take_stragglers(&self, ticket: Ticket) -> Vec<usize> {
-        let mut stragglers = self.stragglers.lock().unwrap_or_else(|e| e.into_inner());
-        stragglers.remove(&ticket.key()).unwrap_or_default()
     }
 }
 
@@ -222,10 +196,15 @@ impl RedlockStore {
     /// puts its reservations on the masters that granted (the others reserved when they
     /// refused), as on one Redis: a release keeps a key's reservations, so the keys are
     /// never free of both in between, and the waiter keeps its place everywhere.
-    async fn roll_back(&self, request: &AcquireRequest, tally: &Tally) {
+    ///
+    /// Returns whether a reservation of the waiter's may still land later: the acquisition
+    /// on a master that gave no answer (refused there, it reserves), or a reservation here
+    /// whose answer was lost.
+    async fn roll_back(&self, request: &AcquireRequest, tally: &Tally) -> bool {
         let (keys, holder) = (&request.keys, request.holder);
+        let mut strays = matches!(request.line, Line::At(_)) && !tally.unanswered.is_empty();
         if tally.granted.is_empty() && tally.failed == 0 {
-            return;
+            return strays;
         }
         let mut how = Freeing::Release(holder);
         if let (Line::At(ticket), false) = (request.line, tally.granted.is_empty()) {
@@ -242,12 +221,15 @@ impl RedlockStore {
                         bounded(timeout, node.reserve(&keys, ticket, reserve, claim)).await
                     }
                 });
-            while reserved.next().await.is_some() {}
+            while let Some((_, reply)) = reserved.next().await {
+                strays |= reply.is_err_and(|failure| failure.may_run_later());
+            }
         }
         finish_in_background(self.start_releases(tally.unanswered.iter().copied(), keys, how));
         let answered = (0..self.masters.len()).filter(|node| !tally.unanswered.contains(node));
         let mut releases = self.start_releases(answered, keys, how);
         while releases.next().await.is_some() {}
+        strays
     }
 }
 
@@ -319,13 +301,16 @@ impl LockStore for RedlockStore {
             // Released before the rollback goes out: a grant that lands later still, on a
             // master that timed out, is released again by the fan-out (`late`).
             self.fanout.mark_released(holder);
-            self.roll_back(request, &tally).await;
-            if let Line::At(ticket) = request.line {
-                self.note_stragglers(ticket, &tally.unanswered);
-            }
+            let strays = self.roll_back(request, &tally).await;
+            // The rollback is done or under way: nothing is left for the caller to undo,
+            // but a place in line that a master may still put back.
+            let failed = |why: String| match strays {
+                true => StoreError::left_place(why),
+                false => StoreError::left_nothing(why),
+            };
             let masters = self.masters.len();
             if tally.failed >= self.quorum {
-                return Err(StoreError::left_nothing(format!(
+                return Err(failed(format!(
                     "{} of {masters} Redlock masters did not answer in time",
                     tally.failed
                 )));
@@ -334,10 +319,10 @@ impl LockStore for RedlockStore {
                 let free_in = tally.majority_free_in(self.quorum);
                 let mut contention = Contention::merge(tally.held, request.report, true);
                 contention.earliest_expiry = free_in;
+                contention.may_reserve_later = strays;
                 return Ok(Acquire::Held(contention));
             }
-            // The rollback is done or under way: nothing is left for the caller to undo.
-            Err(StoreError::left_nothing(why))
+            Err(failed(why.to_owned()))
         })
     }
 
@@ -430,7 +415,6 @@ impl LockStore for RedlockStore {
         Box::pin(async move {
             let replies = self.start_withdrawals(0..self.masters.len(), keys, ticket);
             let (answered, withdrawn) = self.freed_everywhere("withdraw", replies, keys).await;
-            self.withdraw_again_later(self.take_stragglers(ticket), keys, ticket);
             if answered == 0 {
                 return Err(StoreError::unknown(
                     "no Redlock master answered the withdrawal",

@@ -38,10 +38,8 @@ impl RedlockStore {
     /// grant was 10.5-11.7 ms with it, 9.0-9.9 without). A master whose acquisition got
     /// no answer (`unanswered`, and those in `rest` that fail so) may still run it later,
     /// be refused and put the place back: it is sent the withdrawal again on [`late`]'s
-    /// schedule.
-    ///
-    /// So are the masters that gave no answer to one of the waiter's refused attempts
-    /// ([`take_stragglers`](RedlockStore::take_stragglers)).
+    /// schedule. (The waiter's earlier attempts that may do so are its place's to
+    /// withdraw again: `acquire::place`.)
     pub(super) fn withdraw_when_answered(
         &self,
         mut rest: Replies<Acquire>,
@@ -50,7 +48,6 @@ impl RedlockStore {
         ticket: Ticket,
         mut unanswered: Vec<usize>,
     ) {
-        unanswered.extend(self.take_stragglers(ticket));
         // The masters outside the majority's grants, by index, as `rest` names them.
         let mut refused: Vec<(usize, Arc<RedisStore>)> = (0..self.masters.len())
             .filter(|node| granted.iter().all(|&(g, _)| g != *node))
@@ -70,21 +67,6 @@ impl RedlockStore {
             refused.retain(|(node, _)| unanswered.contains(node));
             send_again(&refused, &fanout, &keys, ticket).await;
         });
-    }
-
-    /// Sends a waiter's withdrawal again to `masters` on [`late`]'s schedule, in the
-    /// background: their answer to one of its attempts never came, and the attempt may
-    /// still put its place back after the withdrawal that ended its wait.
-    pub(super) fn withdraw_again_later(&self, masters: Vec<usize>, keys: &Keys, ticket: Ticket) {
-        if masters.is_empty() {
-            return;
-        }
-        let masters: Vec<(usize, Arc<RedisStore>)> = masters
-            .into_iter()
-            .map(|node| (node, self.masters[node].node.clone()))
-            .collect();
-        let (keys, fanout) = (keys.clone(), self.fanout.clone());
-        tokio::spawn(async move { send_again(&masters, &fanout, &keys, ticket).await });
     }
 }
 
