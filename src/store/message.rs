@@ -126,7 +126,7 @@ pub(crate) fn wake_from_message(wakeups: &Wakeups, payload: &[u8]) {
     if text.split(',').any(|entry| entry == UNNAMED_HEADS) {
         let mut slots: Vec<usize> = text.split(',').filter_map(|s| s.parse().ok()).collect();
         slots.sort_unstable();
-        wakeups.wake_first_in_line(&slots);
+        wakeups.wake_first_in_line(&slots, None);
         return;
     }
     if text.split(',').any(|entry| entry == "*") {

@@ -213,8 +213,11 @@ impl Wakeups {
     /// (tickets are arrivals), the only one of this process that may be first in line
     /// there. For a call that freed keys and whose answer was lost, once another attempt
     /// of it is answered: this process's own ([`LostAnswers`]), or another's that says so
-    /// in its message (a cluster's, whose release is announced by the client).
-    pub(crate) fn wake_first_in_line(&self, slots: &[usize]) {
+    /// in its message (a cluster's, whose release is announced by the client). Not the
+    /// waiter with the ticket `except`, first in line or not: the roll-back of its own
+    /// refused attempt, after which it waits for the keys that refused it (woken, it would
+    /// try again at once, and be refused again), as the roll-back's script names it not.
+    pub(crate) fn wake_first_in_line(&self, slots: &[usize], except: Option<u128>) {
         self.wake_slots(slots.iter().copied());
         // Their keys are hashed outside the lock, which every watch's start and end takes.
         let turns: Vec<(u128, Arc<Turn>)> = self
@@ -233,8 +236,10 @@ impl Wakeups {
                 }
             }
         }
-        for (_, turn) in first.values() {
-            turn.notify.notify_one();
+        for (ticket, turn) in first.values() {
+            if Some(*ticket) != except {
+                turn.notify.notify_one();
+            }
         }
     }
 
@@ -270,7 +275,7 @@ impl LostAnswers {
     pub(crate) fn answered(&self, earlier: bool, wakeups: &Wakeups, keys: &[String]) {
         self.0.store(false, Ordering::Relaxed);
         if earlier {
-            wakeups.wake_first_in_line(&slots_of(keys));
+            wakeups.wake_first_in_line(&slots_of(keys), None);
         }
     }
 }
@@ -434,6 +439,34 @@ mod tests {
         for (watch, who) in [(&mut behind_on_b, "behind"), (&mut elsewhere, "elsewhere")] {
             let woke = tokio::time::timeout(timeout, any_released(watch)).await;
             assert!(woke.is_err(), "a waiter {who} was woken");
+        }
+    }
+
+    /// The roll-back of a waiter's own refused attempt, whose answer was lost, wakes no
+    /// one on the keys where that waiter is first in line: it waits for the keys that
+    /// refused it, and woken it would be refused again; a waiter first on another key is
+    /// woken.
+    #[tokio::test]
+    async fn a_lost_roll_back_does_not_wake_its_own_waiter() {
+        let wakeups = Wakeups::new();
+        let batch =
+            |keys: &[&str]| -> Arc<[String]> { keys.iter().map(|k| (*k).to_owned()).collect() };
+        let mut rolling_back = wakeups.watch_ticket(1, batch(&["lock:a", "lock:b"]));
+        let mut behind_on_a = wakeups.watch_ticket(2, batch(&["lock:a"]));
+        let mut first_on_c = wakeups.watch_ticket(3, batch(&["lock:c"]));
+        wakeups.wake_first_in_line(&slots_of(&batch(&["lock:a", "lock:c"])), Some(1));
+        let timeout = std::time::Duration::from_millis(50);
+        let woke = tokio::time::timeout(timeout, any_released(&mut first_on_c)).await;
+        assert!(
+            woke.is_ok(),
+            "the first waiter on another key was not woken"
+        );
+        for (watch, who) in [
+            (&mut rolling_back, "rolling back"),
+            (&mut behind_on_a, "behind"),
+        ] {
+            let woke = tokio::time::timeout(timeout, any_released(watch)).await;
+            assert!(woke.is_err(), "the waiter {who} was woken");
         }
     }
 

@@ -278,7 +278,7 @@ impl Nodes {
                     |node, keys| async move { node.free(how, &keys).await },
                 )
                 .await?;
-            Ok(inner.freed(&keys, &released).await)
+            Ok(inner.freed(&keys, how, &released).await)
         })
     }
 
@@ -288,8 +288,14 @@ impl Nodes {
     /// changed: nothing changed wakes nobody, here or elsewhere. But a call whose answer
     /// was lost may have freed its keys, and the retry that was answered found nothing
     /// left there, nor anyone to name: on those keys, the waiters first in line in every
-    /// process are woken, each process finding its own ([`Wakeups::wake_first_in_line`]).
-    pub(super) async fn freed(&self, keys: &[String], freed: &Answered<Freed>) -> usize {
+    /// process are woken, each process finding its own ([`Wakeups::wake_first_in_line`]),
+    /// but for the waiter whose refused attempt `how` rolls back.
+    pub(super) async fn freed(
+        &self,
+        keys: &[String],
+        how: Freeing,
+        freed: &Answered<Freed>,
+    ) -> usize {
         let count = freed.answers.iter().map(|(_, freed)| freed.count).sum();
         let lost: Vec<String> = freed.lost.iter().map(|&i| keys[i].clone()).collect();
         if count == 0 && lost.is_empty() {
@@ -309,7 +315,11 @@ impl Nodes {
         }
         if !lost.is_empty() {
             let slots = slots_of(&lost);
-            self.wakeups.wake_first_in_line(&slots);
+            let rolling_back = match how {
+                Freeing::RollBack(_, ticket) => Some(ticket.key()),
+                _ => None,
+            };
+            self.wakeups.wake_first_in_line(&slots, rolling_back);
             if let Ok(control) = control {
                 let message = unnamed_heads_message(&slots, self.wakeups.tag());
                 announce::announce(control, message);

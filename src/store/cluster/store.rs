@@ -218,7 +218,10 @@ impl LockStore for ClusterStore {
                     |node, keys| async move { node.free(Freeing::Withdraw(ticket), &keys).await },
                 )
                 .await?;
-            Ok(self.inner.freed(keys, &answers).await)
+            Ok(self
+                .inner
+                .freed(keys, Freeing::Withdraw(ticket), &answers)
+                .await)
         })
     }
 
@@ -304,7 +307,7 @@ impl LockStore for ClusterStore {
                     |node, keys| async move { node.free(Freeing::Force, &keys).await },
                 )
                 .await?;
-            Ok(self.inner.freed(keys, &answers).await)
+            Ok(self.inner.freed(keys, Freeing::Force, &answers).await)
         })
     }
 
