@@ -509,6 +509,99 @@ async fn waiter_put_back(
     landed
 }
 
+/// A Redlock waiter refused by two masters and granted by the third keeps its place on
+/// that one: it reserves there before its roll-back. That reservation is held up on the
+/// wire past the node timeout, and the waiter, its refusal answered by the other two,
+/// waits in line and is granted by them; then the held reservation lands, and puts the
+/// place back on the third master. The refusal said that a part of it may land later, and
+/// the place is withdrawn again after the grant, within seconds, where it kept later
+/// arrivals out of that master's key to the waiter's deadline (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redlock_waiters_reservation_that_lands_after_its_grant_is_withdrawn_again() {
+    let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+    let proxy = Proxy::start(servers[0].port()).await;
+    let store = Redlock::new([proxy.url(), servers[1].url(), servers[2].url()])
+        .node_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let waiting = Locks::new(store)
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::up_to(Duration::from_secs(10)));
+    let app = batch_router(&waiting, ledger_handler(&Arc::new(Ledger::default())));
+    assert_eq!(
+        send(&app, batch(&["stray:warm"])).await.status,
+        StatusCode::OK
+    );
+    // A round counts when the wire held the reservation (on a loaded machine it may not).
+    for round in 0..3 {
+        let key = format!("stray:k{round}");
+        if reservation_put_back(&app, &servers, &proxy, &key).await {
+            return;
+        }
+        eprintln!("round {round}: the held reservation never landed; again");
+    }
+    panic!("no reservation was held up in three rounds");
+}
+
+/// One round of the test above on `key`: whether the waiter's reservation on the first
+/// master landed after its grant (and then, that the place it put back ended within
+/// seconds).
+async fn reservation_put_back(
+    app: &Router,
+    servers: &[RedisServer],
+    proxy: &Proxy,
+    key: &str,
+) -> bool {
+    let lock_key = format!("lock:{key}");
+    let observer = Observer::of(&servers[0]);
+    let place = || observer.lock(&lock_key).map_or(0, |v| v.reservations.len());
+    // Other processes hold the key on the second and third masters alone.
+    let (gate_second, held_second) = hold(&locks_on(&servers[1]), key).await;
+    let (gate_third, held_third) = hold(&locks_on(&servers[2]), key).await;
+
+    // Those two, stopped, answer the waiter's attempt late: the first master has granted
+    // it by then, and the wire holds what goes to it next (the reservation).
+    servers[1].pause();
+    servers[2].pause();
+    let (app, keys) = (app.clone(), [key.to_owned()]);
+    let waiter = tokio::spawn(async move { send(&app, batch(&keys)).await });
+    let granted_there = poll_every(Duration::from_millis(2), Duration::from_secs(2), || {
+        observer.lock(&lock_key).is_some()
+    })
+    .await;
+    proxy.hold_open();
+    servers[1].resume();
+    servers[2].resume();
+    assert!(granted_there.is_some(), "the first master never granted");
+    // The roll-back goes out on a new connection; the waiter stands in line on the other
+    // two, and is granted by them once their holders release.
+    let second = Observer::of(&servers[1]);
+    let in_line = poll_every(Duration::from_millis(5), Duration::from_secs(5), || {
+        second
+            .lock(&lock_key)
+            .is_some_and(|v| v.reservations.len() == 1)
+    });
+    assert!(in_line.await.is_some(), "the waiter never stood in line");
+    gate_second.open();
+    gate_third.open();
+    assert_eq!(held_second.await.unwrap().status, StatusCode::OK);
+    assert_eq!(held_third.await.unwrap().status, StatusCode::OK);
+    let reply = within(Duration::from_secs(5), "the waiter", waiter).await;
+    assert_eq!(reply.unwrap().status, StatusCode::OK);
+    if place() != 0 {
+        // The reservation was not the call the wire held: it is there already.
+        proxy.release_held();
+        return false;
+    }
+    lands_and_ends_within_seconds(
+        proxy,
+        "a place put back after the grant",
+        || place() == 1,
+        || place() == 0,
+    )
+    .await
+}
+
 /// Locks on one Redis of a Redlock's masters, with the same prefix.
 fn locks_on(server: &RedisServer) -> Locks {
     Locks::new(Redis::url(server.url()).build().unwrap())
