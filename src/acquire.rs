@@ -109,15 +109,20 @@ pub(crate) struct Granted {
 fn contention_rejection(locks: &Locks, of: usize, contention: Contention) -> Rejection {
     let policy = locks.policy();
     let prefix = policy.keys.prefix.len();
+    // Uncounted, the keys after the first may be free.
+    let named_at_most = match contention.counted {
+        true => policy.max_named_conflicts,
+        false => policy.max_named_conflicts.min(1),
+    };
     let named = contention
         .keys
         .into_iter()
-        .take(policy.max_named_conflicts)
+        .take(named_at_most)
         .map(|mut key| key.split_off(prefix))
         .collect();
     Rejection::contention(
         policy.contention_status,
-        contention.total,
+        (contention.total, contention.counted),
         of,
         named,
         policy

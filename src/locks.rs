@@ -315,7 +315,9 @@ impl Locks {
 
     /// How many of the conflicting keys a contention response names, in its
     /// `conflicting_keys` member. Default 20; 0 names none, for keys that clients must not
-    /// learn of.
+    /// learn of. A big batch that waited in line on a shared Redis store may be answered
+    /// with one key and "at least 1 of the N resources ... is held": under contention, a
+    /// waiter joins the line on the first key it finds held, without counting the rest.
     pub fn max_named_conflicts(self, at_most: usize) -> Self {
         self.tune(|p| p.max_named_conflicts = at_most)
     }

@@ -63,18 +63,21 @@ impl Rejection {
     /// Some of the request's keys are held by another owner.
     pub(crate) fn contention(
         status: StatusCode,
-        held: usize,
+        (held, counted): (usize, bool),
         of: usize,
         named: Vec<String>,
         retry_after: Duration,
     ) -> Self {
+        // Not counted: the store stopped at the first key it found held.
+        let at_least = if counted { "" } else { "at least " };
         let detail = match (held, of) {
             (1, 1) => "the resource this request locks is held by another request".to_owned(),
-            (1, _) => {
-                format!("1 of the {of} resources this request locks is held by another request")
-            }
+            (1, _) => format!(
+                "{at_least}1 of the {of} resources this request locks is held by another request"
+            ),
             _ => format!(
-                "{held} of the {of} resources this request locks are held by another request"
+                "{at_least}{held} of the {of} resources this request locks are held by another \
+                 request"
             ),
         };
         let mut rejection = Self::new(status, detail).retry_after(retry_after);
@@ -213,7 +216,7 @@ mod tests {
     fn problem_has_the_rfc_9457_members_and_the_extension() {
         let rejection = Rejection::contention(
             StatusCode::CONFLICT,
-            2,
+            (2, true),
             5,
             vec!["sku:1".into()],
             Duration::from_secs(3),
@@ -239,8 +242,13 @@ mod tests {
     #[test]
     fn contention_detail_agrees_in_number() {
         let detail = |held, of| {
-            let rejection =
-                Rejection::contention(StatusCode::CONFLICT, held, of, vec![], Duration::ZERO);
+            let rejection = Rejection::contention(
+                StatusCode::CONFLICT,
+                (held, true),
+                of,
+                vec![],
+                Duration::ZERO,
+            );
             rejection.detail().to_owned()
         };
         assert_eq!(
@@ -254,6 +262,18 @@ mod tests {
         assert_eq!(
             detail(2, 3),
             "2 of the 3 resources this request locks are held by another request"
+        );
+        // A store that stopped at the first key it found held.
+        let rejection = Rejection::contention(
+            StatusCode::CONFLICT,
+            (1, false),
+            2_000,
+            vec![],
+            Duration::ZERO,
+        );
+        assert_eq!(
+            rejection.detail(),
+            "at least 1 of the 2000 resources this request locks is held by another request"
         );
     }
 }

@@ -396,6 +396,12 @@ pub(crate) struct Contention {
     /// withdraws itself again later (`acquire::place`), as it does after an attempt whose
     /// answer never came.
     pub(crate) may_reserve_later: bool,
+    /// Whether every key of the batch that keeps the caller out was counted in `total`
+    /// and, room allowing, named in `keys`. Not when a waiter joined the line on a probe
+    /// that stopped at the first held key (`store::redis::steps`): `total` counts that
+    /// one, and `keys` names the keys from it on, which the waiter probes before it tries
+    /// again (some of them may be free).
+    pub(crate) counted: bool,
 }
 
 impl Contention {
@@ -413,6 +419,7 @@ impl Contention {
         };
         let earliest_expiry = held.iter().filter_map(|c| c.earliest_expiry).min();
         let upgrade = held.iter().any(|c| c.upgrade);
+        let counted = held.iter().all(|c| c.counted);
         let mut keys: Vec<String> = held.into_iter().flat_map(|c| c.keys).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -425,6 +432,9 @@ impl Contention {
             // The nodes' refusals each came with their answer: what got none, the caller
             // knows.
             may_reserve_later: false,
+            // Uncounted, each node's keys start with one found held, and so do the merged
+            // ones.
+            counted,
         }
     }
 }
@@ -607,6 +617,7 @@ mod tests {
             earliest_expiry: earliest.map(Duration::from_millis),
             upgrade: false,
             may_reserve_later: false,
+            counted: true,
         }
     }
 

@@ -1588,3 +1588,70 @@ async fn a_small_batch_woken_by_its_holders_release_is_tried_whole_without_a_pro
         "a refused attempt, a release, a grant, a release"
     );
 }
+
+/// A big batch that arrives while the store refuses batches (a purchase order amid
+/// purchase orders) is kept out by its first keys: a probe of a few of them finds one
+/// held, and it joins the line with its claim alone, where its refused attempt read every
+/// key of its batch to count the held ones. It keeps its place, and is granted once the
+/// holder and the waiter before it are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_batch_that_arrives_amid_refusals_joins_the_line_on_a_probe_of_its_first_keys() {
+    let server = RedisServer::start();
+    let observer = Observer::of(&server);
+    let locks = Locks::new(Redis::url(server.url()).build().unwrap())
+        .ttl(Duration::from_secs(30))
+        .wait(Wait::up_to(Duration::from_secs(5)));
+    let names: Vec<String> = (0..100).map(|i| format!("b{i:03}")).collect();
+    let keys: &'static [&'static str] = names
+        .into_iter()
+        .map(|k| &*k.leak())
+        .collect::<Vec<_>>()
+        .leak();
+    let gate = Gate::new();
+    let holder = gated_router(&locks, &gate);
+    let held = tokio::spawn(async move { send(&holder, work(keys)).await });
+    gate.wait_entered().await;
+    let claims = || observer.cmd::<usize>(redis::cmd("ZCARD").arg("tower-batch-lock:claims"));
+    // A first waiter, refused (the store notes it), stands in line with its claim.
+    let app = probe_router(&locks);
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, work(keys)).await })
+    };
+    let in_line = eventually(Duration::from_secs(3), || claims() == 1);
+    assert!(
+        in_line.await.is_some(),
+        "the first waiter never stood in line"
+    );
+    observer.log_every_command();
+    observer.cmd::<()>(redis::cmd("SLOWLOG").arg("RESET"));
+    let second = tokio::spawn(async move { send(&app, work(keys)).await });
+    let in_line = eventually(Duration::from_secs(3), || claims() == 2);
+    assert!(
+        in_line.await.is_some(),
+        "the second waiter never stood in line"
+    );
+    // (`SLOWLOG` keeps 32 arguments of a command, the last saying how many more it had.)
+    let read: usize = observer
+        .logged_commands(true)
+        .iter()
+        .filter(|command| command[0] == "mget" || command[0] == "get")
+        .map(|command| {
+            let more = command.last().and_then(|last| {
+                let count = last
+                    .strip_prefix("... (")?
+                    .strip_suffix(" more arguments)")?;
+                count.parse::<usize>().ok()
+            });
+            command.len() - 1 + more.map_or(0, |more| more - 1)
+        })
+        .sum();
+    assert!(read < 50, "the arrival read {read} keys of its 100");
+
+    gate.open();
+    for request in [held, first, second] {
+        let reply = within(Duration::from_secs(5), "a request", request).await;
+        assert_eq!(reply.unwrap().status, StatusCode::OK);
+    }
+    assert_eq!(claims(), 0);
+}

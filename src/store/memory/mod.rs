@@ -154,6 +154,7 @@ impl MemoryStore {
             earliest_expiry: None,
             upgrade: false,
             may_reserve_later: false,
+            counted: true,
         };
         for (index, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             let Some(entry) = shards.get(hash).get(key, hash) else {

@@ -347,6 +347,7 @@ impl PostgresStore {
                     earliest_expiry: None,
                     upgrade: false,
                     may_reserve_later: false,
+                    counted: true,
                 }));
             }
             Err(error) => return Err(failed(error, true)),
@@ -364,6 +365,7 @@ impl PostgresStore {
             earliest_expiry: from_millis(row.get(2)),
             upgrade: row.get(4),
             may_reserve_later: false,
+            counted: true,
         }))
     }
 }

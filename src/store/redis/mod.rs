@@ -446,6 +446,7 @@ impl RedisStore {
                     earliest_expiry: u64::try_from(earliest).ok().map(Duration::from_millis),
                     upgrade: upgrade == 1,
                     may_reserve_later: false,
+                    counted: true,
                 }))
             }
         }

@@ -48,6 +48,9 @@ pub(crate) struct Scripts {
     /// Puts a waiter's reservation on keys (the keys of a refused batch that a cluster
     /// group or an earlier step took).
     pub(super) reserve: Function,
+    /// Puts a waiter's big batch in its claim without reading its keys, once a probe found
+    /// one held (`steps.rs`).
+    pub(super) join_line: Function,
     /// Raises a namespace's fencing counter to a floor (for Redlock).
     pub(super) raise_fence: Function,
     /// Whether the keys go as arguments (a group of a batch on a cluster node) rather than
@@ -86,6 +89,7 @@ impl Scripts {
                 "allow-oom",
             ),
             ("reserve", include_str!("scripts/reserve.lua"), ""),
+            ("join_line", include_str!("scripts/join_line.lua"), ""),
             ("raise_fence", include_str!("scripts/raise_fence.lua"), ""),
         ];
         let mut code = [
@@ -135,6 +139,7 @@ impl Scripts {
             inspect: function("inspect"),
             force_release: function("force_release"),
             reserve: function("reserve"),
+            join_line: function("join_line"),
             raise_fence: function("raise_fence"),
             keys_as_args,
         }

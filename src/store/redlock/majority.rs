@@ -138,6 +138,7 @@ mod tests {
                 earliest_expiry: ends_in,
                 upgrade: false,
                 may_reserve_later: false,
+                counted: true,
             }))
         };
         let granted = || -> NodeReply<Acquire> { Ok(Acquire::Granted(FencingToken::new(1))) };
