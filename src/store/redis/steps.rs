@@ -111,8 +111,11 @@ impl RedisStore {
             && self.replicas.is_none()
             && (claims_retry || !self.last_refusal.recent());
         if !plain {
-            if let (Line::At(ticket), true, false) = (request.line, claim, request.retry) {
-                if request.modes.shared(request.keys.len()) == 0 {
+            // (Not for a store with replicas whose batches go uncontended: its first
+            // attempts skip the pass for another reason.)
+            let arrival = claim && !request.retry && request.modes.shared(request.keys.len()) == 0;
+            if let (Line::At(ticket), true) = (request.line, arrival) {
+                if self.last_refusal.recent() {
                     if let Some(held) = self.join_line(request, ticket).await? {
                         return Ok(Acquire::Held(held));
                     }
@@ -202,6 +205,7 @@ impl RedisStore {
                 .arg(at);
             ends_in = self.invoke(&script).await?;
         }
+        // The key found held was freed since the probe: the batch is tried now.
         if ends_in == -2 {
             return Ok(None);
         }
