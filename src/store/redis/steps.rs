@@ -167,8 +167,8 @@ impl RedisStore {
     /// the batch is tried now). Amid 16 retail and 4 purchase clients on one Redis, that
     /// took a purchase order's arrival from two scripts over 2,000 keys (2.9 ms of Redis's
     /// time) to a probe of its first keys and a claim: Redis's time a grant fell by a
-    /// sixth, and the grants over the memory store's rose by 5% on average (four A/B pairs
-    /// of runs, 0.47 to 0.50).
+    /// seventh on average (six A/B pairs of runs; by 14-16% on Redlock and a cluster, two
+    /// pairs), the grants stayed within the noise of the runs.
     ///
     /// The refusal names the keys from the one found held on (those the waiter probes
     /// before it tries again), and counts that one alone ([`Contention::counted`]).
