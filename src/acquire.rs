@@ -35,7 +35,9 @@
 //!    client announces the release: the retry announces too that it cannot name the
 //!    waiters, and every process wakes its own first in line on those keys.
 //! 3. **Retry only what blocked.** A refusal names every key that kept the batch out (on a
-//!    store that [probes](LockStore::probe)); a woken waiter reads those keys, stopping at
+//!    store that [probes](LockStore::probe); or, for a big batch that arrives while its
+//!    Redis store refuses batches, the first key found held and those after it); a woken
+//!    waiter reads those keys, stopping at
 //!    the first still in the way, and sends its whole batch again only once none is; or
 //!    at once, when a release woke it and one key alone kept it out, or its batch has
 //!    fewer than 64 keys (its blockers were most often freed together, by one holder),
@@ -45,8 +47,9 @@
 //!    master, a group) and rolled back does not wake its own waiter. A big batch so makes
 //!    about two passes to be granted (the refused one that reserves, and the grant) and
 //!    one to be released, however long it waits. On every shared store the refused pass
-//!    of a big batch only reads its keys (and claims them); on Redis its grant takes its
-//!    free keys with plain commands, as an uncontended batch does.
+//!    of a big batch only reads its keys (and claims them); on Redis, amid refusals, it
+//!    reads its first keys and claims the batch unread; its grant takes its free keys
+//!    with plain commands, as an uncontended batch does.
 //! 4. **Polls for what nobody announces.** A release wakes; an expiry does not. A waiter
 //!    in line polls after 100-200 ms, then less and less often, down to every 1-2 s: for a
 //!    hold or a place before it that expired with its process, or a wake-up that was lost.

@@ -380,9 +380,11 @@ pub(crate) enum Acquire {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Contention {
     /// Up to the requested number of conflicting keys, as stored (with the prefix): held by
-    /// another owner, or reserved by an earlier waiter.
+    /// another owner, or reserved by an earlier waiter (when not [`counted`](Self::counted),
+    /// the first of them, and the keys after it, which may be).
     pub(crate) keys: Vec<String>,
-    /// How many keys of the batch are held by others in all.
+    /// How many keys of the batch are held by others in all (when not
+    /// [`counted`](Self::counted), at least).
     pub(crate) total: usize,
     /// Time until the earliest of the conflicting keys expires, when the store knows it.
     pub(crate) earliest_expiry: Option<Duration>,
@@ -420,6 +422,7 @@ impl Contention {
         let earliest_expiry = held.iter().filter_map(|c| c.earliest_expiry).min();
         let upgrade = held.iter().any(|c| c.upgrade);
         let counted = held.iter().all(|c| c.counted);
+        let may_reserve_later = held.iter().any(|c| c.may_reserve_later);
         let mut keys: Vec<String> = held.into_iter().flat_map(|c| c.keys).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -429,9 +432,7 @@ impl Contention {
             total,
             earliest_expiry,
             upgrade,
-            // The nodes' refusals each came with their answer: what got none, the caller
-            // knows.
-            may_reserve_later: false,
+            may_reserve_later,
             // Uncounted, each node's keys start with one found held, and so do the merged
             // ones.
             counted,

@@ -315,11 +315,7 @@ impl Nodes {
         }
         if !lost.is_empty() {
             let slots = slots_of(&lost);
-            let rolling_back = match how {
-                Freeing::RollBack(_, ticket) => Some(ticket.key()),
-                _ => None,
-            };
-            self.wakeups.wake_first_in_line(&slots, rolling_back);
+            self.wakeups.wake_first_in_line(&slots, how.rolling_back());
             if let Ok(control) = control {
                 let message = unnamed_heads_message(&slots, self.wakeups.tag());
                 announce::announce(control, message);

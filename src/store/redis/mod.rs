@@ -194,10 +194,7 @@ impl RedisStore {
             count: 0,
             heads: Vec::new(),
         };
-        let rolled_back = match how {
-            Freeing::RollBack(_, ticket) => Some(ticket.key()),
-            _ => None,
-        };
+        let rolled_back = how.rolling_back();
         let steps: Vec<(_, Invocation)> = keys
             .chunks(self.step)
             .map(|step| {
@@ -319,6 +316,17 @@ pub(crate) enum Freeing {
     Withdraw(Ticket),
     /// Ends every hold on the keys, whoever has it.
     Force,
+}
+
+impl Freeing {
+    /// The ticket of the waiter whose refused attempt this rolls back, as a number: a
+    /// wake-up leaves it asleep.
+    pub(crate) fn rolling_back(self) -> Option<u128> {
+        match self {
+            Self::RollBack(_, ticket) => Some(ticket.key()),
+            Self::Release(_) | Self::Withdraw(_) | Self::Force => None,
+        }
+    }
 }
 
 /// What a call that freed keys did: how many keys it changed, and the tickets of the

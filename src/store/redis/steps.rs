@@ -65,7 +65,7 @@ use super::{
         error::StoreError,
     },
     connection::Command,
-    line_arg, millis, Freeing, RedisStore,
+    line_arg, millis, Freeing, RedisStore, FIRST_PROBE,
 };
 
 /// The smallest batch whose free keys are taken with plain commands. That costs a round
@@ -178,12 +178,14 @@ impl RedisStore {
         ticket: Ticket,
     ) -> Result<Option<Contention>, StoreError> {
         let keys = &request.keys;
-        let free = self.probe(request).await?;
-        let Some(found) = keys.get(free) else {
+        // Its first keys alone: a batch that they do not keep out is tried whole at once.
+        let first: Vec<usize> = (0..FIRST_PROBE.min(self.step).min(keys.len())).collect();
+        let free = self.probe(&request.of(&first)).await?;
+        let Some(found) = first.get(free).map(|&i| &keys[i]) else {
             return Ok(None);
         };
         let steps: Vec<&[String]> = keys.chunks(self.step).collect();
-        let mut ends_in = -1;
+        let mut ends_in: i64 = -1;
         for (n, step) in steps.iter().enumerate() {
             let last = n + 1 == steps.len();
             // The last call looks at the key found held, one more key of its call when it

@@ -410,7 +410,8 @@ impl LockStore for RedlockStore {
 
     /// Withdraws on every master at once, and waits for each (each bounded by its node
     /// timeouts, one a step): a reservation left on a master that does not answer expires
-    /// on its own.
+    /// on its own, unless the waiter's place sends the withdrawal again (`acquire::place`,
+    /// after an attempt that may still reserve later).
     fn withdraw<'a>(&'a self, keys: &'a Keys, ticket: Ticket) -> Reply<'a, usize> {
         Box::pin(async move {
             let replies = self.start_withdrawals(0..self.masters.len(), keys, ticket);

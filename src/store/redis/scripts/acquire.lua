@@ -90,18 +90,11 @@ local function look(i, old)
     if blocked then
       conflict(i)
       if holds ~= '' then
-        -- A shared key's ttl may outlast its holds (a long reader released): its latest
-        -- live hold's end is when it frees.
-        local left
-        if holds ~= nil and is_shared(holds) then
-          left = select(2, live_readers(holds)) - now()
-        elseif hold_end then
-          left = hold_end - now()
-        else
-          left = redis.call('PTTL', KEYS[i])
-          -- Exclusive holds end with the key: where the reservation is written below,
-          -- that end needs no second read.
-          if holds ~= nil and left >= 0 then hold_end = now() + left end
+        local left = hold_left(KEYS[i], holds, hold_end)
+        -- Exclusive holds end with the key: where the reservation is written below, that
+        -- end needs no second read.
+        if not hold_end and holds ~= nil and not is_shared(holds) and left >= 0 then
+          hold_end = now() + left
         end
         if left >= 0 and (earliest < 0 or left < earliest) then earliest = left end
       end

@@ -353,6 +353,16 @@ local function keeps_out(holds, queue, owner, ticket, shared)
   return #ids == 0 and reserved_before(queue, ticket), ids, false
 end
 
+-- How long until the holds on `key`, whose value split into `holds` (nil: foreign) and
+-- `hold_end`, end (ms; negative: no end known): a shared key's latest live reader's end
+-- (its ttl may outlast its holds: a long reader released), an exclusive hold's end where
+-- the value marks it, or else the key's ttl.
+local function hold_left(key, holds, hold_end)
+  if holds ~= nil and is_shared(holds) then return select(2, live_readers(holds)) - now() end
+  if hold_end then return hold_end - now() end
+  return redis.call('PTTL', key)
+end
+
 -- Whether `owner` holds the key whose value split into `holds` (nil: foreign), live: it
 -- is never kept out of its own keys, by reservations or claims.
 local function owner_holds(holds, owner)
