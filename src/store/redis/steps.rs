@@ -161,10 +161,11 @@ impl RedisStore {
     /// A waiter's first attempt at a big exclusive batch while the store refuses batches:
     /// most are refused, and a refused attempt reads every key (to count and name what
     /// keeps it out) before it claims the batch, where a probe of the first keys finds one
-    /// held, and the claim needs no read at all. So it probes first; kept out, it joins
-    /// the line with its claim alone (`join_line.lua`, which looks at the key the probe
-    /// found once the claim is there: freed in between, by a release that woke no one,
-    /// the batch is tried now). Amid 16 retail and 4 purchase clients on one Redis, that
+    /// held, and the claim needs no read at all. So it probes its first 64 keys; kept
+    /// out, it joins the line with its claim alone (`join_line.lua`, whose call that
+    /// completes the claim looks again at the key the probe found: freed since, by a
+    /// release that woke no one, the batch is tried now). Amid 16 retail and 4 purchase
+    /// clients on one Redis, that
     /// took a purchase order's arrival from two scripts over 2,000 keys (2.9 ms of Redis's
     /// time) to a probe of its first keys and a claim: Redis's time a grant fell by a
     /// seventh on average (six A/B pairs of runs; by 14-16% on Redlock and a cluster, two
