@@ -104,21 +104,21 @@ impl RedisStore {
         // A claim's retry takes only keys its claim keeps everyone else out of already:
         // its pass starves no one, and saves most of what its grant costs Redis.
         let claims_retry = claim && request.retry;
+        let exclusive = request.modes.shared(request.keys.len()) == 0;
+        let refused_lately = self.last_refusal.recent();
         let plain = request.keys.len() >= PLAIN_FROM
             && (!request.retry || claims_retry)
-            && request.modes.shared(request.keys.len()) == 0
+            && exclusive
             // With replicas to wait for, every write of the grant goes through its `WAIT`.
             && self.replicas.is_none()
-            && (claims_retry || !self.last_refusal.recent());
+            && (claims_retry || !refused_lately);
         if !plain {
-            // (Not for a store with replicas whose batches go uncontended: its first
-            // attempts skip the pass for another reason.)
-            let arrival = claim && !request.retry && request.modes.shared(request.keys.len()) == 0;
+            // A waiter's first attempt amid refusals (not every first attempt on a store
+            // with replicas, which skips the pass for another reason).
+            let arrival = claim && !request.retry && exclusive && refused_lately;
             if let (Line::At(ticket), true) = (request.line, arrival) {
-                if self.last_refusal.recent() {
-                    if let Some(held) = self.join_line(request, ticket).await? {
-                        return Ok(Acquire::Held(held));
-                    }
+                if let Some(held) = self.join_line(request, ticket).await? {
+                    return Ok(Acquire::Held(held));
                 }
             }
             return self.acquire_in_steps(request, Taken::NONE, claim).await;
